@@ -1,0 +1,78 @@
+"""Small pieces every HYDRA command-line app shares (kept here, at the bottom of the stack).
+
+They live in the lowest package so the other three can use them without pointing an import
+upward. Nothing here imports torch, so ``--help`` stays fast.
+"""
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+console = Console()
+err_console = Console(stderr=True)
+
+#: Typer's exit code for bad usage; ours for everything else that fails.
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+def new_app(help_text: str) -> typer.Typer:
+    """A Typer group with HYDRA's defaults: help on no arguments, rich markup, no shell completion noise."""
+    return typer.Typer(
+        help=help_text,
+        no_args_is_help=True,
+        rich_markup_mode="rich",
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+
+def add_version_option(app: typer.Typer, dist_name: str, version: str) -> None:
+    """Give ``app`` a ``--version`` flag that prints ``<dist_name> <version>`` and exits."""
+
+    def _show(value: bool) -> None:
+        if value:
+            console.print(f"{dist_name} {version}")
+            raise typer.Exit()
+
+    @app.callback()
+    def _root(
+        _version: Annotated[
+            bool,
+            typer.Option(
+                "--version", "-V", help="Print the version and exit.", callback=_show, is_eager=True
+            ),
+        ] = False,
+    ) -> None:
+        pass
+
+
+def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
+    """Print one clear line to stderr and exit with ``code`` (1 for failures, 2 for bad usage)."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def require_cuda(tool: str) -> None:
+    """Exit non-zero with one line when ``tool`` needs CUDA and this machine has none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        fail(
+            f"{tool} needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False)."
+        )
+
+
+def emit_json(obj: Any) -> None:
+    """Write ``obj`` as JSON to stdout for scripts (no rich markup, no wrapping)."""
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def run_app(app: Callable[..., Any], prog_name: str) -> None:
+    """Entry point for ``python -m <package>`` so it behaves exactly like the console script."""
+    app(prog_name=prog_name)

@@ -1,0 +1,235 @@
+"""Which implementation runs: Triton kernel or PyTorch reference, per op, with counted fallbacks.
+
+Every public op asks :func:`triton_path` once per call. The answer is "Triton" when Triton
+imported, kernels are switched on globally and for that op, and the tensors live where a Triton
+kernel can run: on a CUDA device, or on the CPU while ``TRITON_INTERPRET=1`` (set before
+``import triton``) makes Triton interpret kernels there. Anything else takes the reference.
+
+A Triton kernel that raises at run time is not fatal: the op reruns on its reference, the failure
+is counted per op (:func:`fallback_counts`, :func:`get_kernel_status`) and warned about once, so a
+broken kernel is visible instead of silently slow.
+
+Environment (read at import and by :func:`reload_env`), each op's switch defaults to on:
+
+====================================  =====================================================
+``HYDRA_DISABLE_TRITON=1``            every op uses its reference
+``HYDRA_ENABLE_FUSED_<OP>=0`` or      that op's Triton forward (and backward) off; ``<OP>`` is
+``HYDRA_DISABLE_FUSED_<OP>=1``        ``RMS_NORM``, ``SWIGLU``, ``QK_NORM``, ``ROPE``, ``LINEAR_CE``
+``HYDRA_ENABLE_FUSED_<OP>_BWD=0`` or  only the fused backward off (``RMS_NORM``, ``SWIGLU``,
+``HYDRA_DISABLE_FUSED_<OP>_BWD=1``    ``QK_NORM``): the forward stays fused, the backward is
+                                      computed by PyTorch from the saved inputs
+``HYDRA_ENABLE_LIGER_CE=1``           ``linear_cross_entropy`` uses Liger-Kernel's fused linear
+                                      cross-entropy when it is importable (default off)
+====================================  =====================================================
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: The five ops, in the order status tables list them.
+OPS: tuple[str, ...] = ("rms_norm", "swiglu", "qk_norm", "rope", "linear_cross_entropy")
+
+# op -> (environment stem of the forward switch, stem of the backward switch or None)
+_ENV_STEMS: dict[str, tuple[str, str | None]] = {
+    "rms_norm": ("FUSED_RMS_NORM", "FUSED_RMS_NORM_BWD"),
+    "swiglu": ("FUSED_SWIGLU", "FUSED_SWIGLU_BWD"),
+    "qk_norm": ("FUSED_QK_NORM", "FUSED_QK_NORM_BWD"),
+    "rope": ("FUSED_ROPE", None),
+    "linear_cross_entropy": ("FUSED_LINEAR_CE", None),
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _env_flag(name: str) -> bool | None:
+    """True/False for a set boolean variable, None when unset or empty. Unknown values raise."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return None
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={os.environ[name]!r} is not a boolean; use 1 or 0")
+
+
+def _switch(stem: str) -> bool:
+    """``HYDRA_DISABLE_<stem>=1`` wins, then ``HYDRA_ENABLE_<stem>``, default on."""
+    if _env_flag(f"HYDRA_DISABLE_{stem}"):
+        return False
+    enable = _env_flag(f"HYDRA_ENABLE_{stem}")
+    return True if enable is None else enable
+
+
+# --- Triton availability (decided once: importing triton is what makes it usable) ------------
+
+try:  # pragma: no cover - depends on the machine
+    import triton as _triton
+
+    TRITON_AVAILABLE = True
+    TRITON_VERSION: str | None = getattr(_triton, "__version__", None)
+    TRITON_IMPORT_ERROR: str | None = None
+except Exception as exc:  # ImportError, or a broken install that raises anything else
+    TRITON_AVAILABLE = False
+    TRITON_VERSION = None
+    TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+#: True when Triton interprets kernels on CPU tensors (``TRITON_INTERPRET=1`` before import).
+INTERPRETER_ACTIVE: bool = TRITON_AVAILABLE and bool(_env_flag("TRITON_INTERPRET"))
+
+
+@dataclass
+class _OpState:
+    forward: bool = True
+    backward: bool = True
+    fallbacks: int = 0
+    warned: bool = False
+    last_error: str | None = None
+
+
+_lock = threading.Lock()
+_global_enabled = True
+_liger_ce = False
+_states: dict[str, _OpState] = {op: _OpState() for op in OPS}
+
+
+def reload_env() -> None:
+    """Re-read the ``HYDRA_*`` switches (fallback counts are kept)."""
+    global _global_enabled, _liger_ce
+    with _lock:
+        _global_enabled = not _env_flag("HYDRA_DISABLE_TRITON")
+        _liger_ce = bool(_env_flag("HYDRA_ENABLE_LIGER_CE"))
+        for op, (fwd_stem, bwd_stem) in _ENV_STEMS.items():
+            st = _states[op]
+            st.forward = _switch(fwd_stem)
+            st.backward = st.forward and (_switch(bwd_stem) if bwd_stem else True)
+
+
+reload_env()
+
+
+def _check_op(op: str) -> _OpState:
+    try:
+        return _states[op]
+    except KeyError:
+        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}") from None
+
+
+def set_use_triton_kernels(enabled: bool) -> None:
+    """Switch every Triton kernel on or off at once (per-op switches are kept underneath)."""
+    global _global_enabled
+    _global_enabled = bool(enabled)
+
+
+def use_triton_kernels() -> bool:
+    """Whether Triton kernels are switched on globally (and Triton imported)."""
+    return _global_enabled and TRITON_AVAILABLE
+
+
+def set_op_enabled(op: str, enabled: bool, *, backward: bool | None = None) -> None:
+    """Switch one op's Triton forward (and by default its backward) on or off."""
+    st = _check_op(op)
+    st.forward = bool(enabled)
+    st.backward = bool(enabled) if backward is None else bool(backward) and bool(enabled)
+
+
+def use_liger_ce() -> bool:
+    """Whether ``linear_cross_entropy`` should hand off to Liger-Kernel when it is importable."""
+    return _liger_ce
+
+
+def set_use_liger_ce(enabled: bool) -> None:
+    global _liger_ce
+    _liger_ce = bool(enabled)
+
+
+def device_supports_triton(device: torch.device) -> bool:
+    """Triton runs on CUDA devices, and on the CPU only under the interpreter."""
+    if not TRITON_AVAILABLE:
+        return False
+    if device.type == "cuda":
+        return not INTERPRETER_ACTIVE  # the interpreter wants host memory
+    return device.type == "cpu" and INTERPRETER_ACTIVE
+
+
+def triton_path(op: str, *tensors: torch.Tensor, backward: bool = False) -> bool:
+    """Whether ``op`` (its backward when ``backward``) should run its Triton kernel on ``tensors``."""
+    st = _check_op(op)
+    if not (_global_enabled and (st.backward if backward else st.forward)):
+        return False
+    return all(device_supports_triton(t.device) for t in tensors)
+
+
+def record_fallback(op: str, exc: BaseException) -> None:
+    """Count a run-time Triton failure of ``op`` and warn the first time it happens."""
+    st = _check_op(op)
+    with _lock:
+        st.fallbacks += 1
+        st.last_error = f"{type(exc).__name__}: {exc}"[:500]
+        first = not st.warned
+        st.warned = True
+    if first:
+        warnings.warn(
+            f"hydra_kernels: the Triton {op} kernel failed ({st.last_error}); this call and any "
+            f"later failing ones run the PyTorch reference instead. get_kernel_status() counts them.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def fallback_counts() -> dict[str, int]:
+    """Run-time Triton failures per op since import (or the last reset)."""
+    return {op: st.fallbacks for op, st in _states.items()}
+
+
+def reset_fallback_counts() -> None:
+    with _lock:
+        for st in _states.values():
+            st.fallbacks, st.warned, st.last_error = 0, False, None
+
+
+def _current_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def get_kernel_status() -> dict[str, Any]:
+    """What runs where: Triton availability, switches, and per op the backend for this machine's
+    default device (CUDA when present, else CPU) with its fallback count."""
+    dev = _current_device()
+    status: dict[str, Any] = {
+        "triton_available": TRITON_AVAILABLE,
+        "triton_version": TRITON_VERSION,
+        "triton_import_error": TRITON_IMPORT_ERROR,
+        "use_triton_kernels": use_triton_kernels(),
+        "interpreter": INTERPRETER_ACTIVE,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(dev)))
+        if dev.type == "cuda"
+        else None,
+        "liger_ce": _liger_ce,
+        "ops": {},
+    }
+    runs_here = _global_enabled and device_supports_triton(dev)
+    for op, st in _states.items():
+        status["ops"][op] = {
+            "enabled": st.forward,
+            "backward_enabled": st.backward,
+            "backend": "triton" if (runs_here and st.forward) else "reference",
+            "backward_backend": "triton" if (runs_here and st.backward) else "reference",
+            "fallbacks": st.fallbacks,
+            "last_error": st.last_error,
+        }
+    return status
