@@ -1,3 +1,47 @@
-"""hydra_kernels: fused Triton kernels (forward and backward) with PyTorch references."""
+"""hydra_kernels: fused Triton kernels (forward and backward) with PyTorch references.
+
+Each op picks its Triton kernel on CUDA tensors (or on CPU tensors under ``TRITON_INTERPRET=1``)
+and its PyTorch reference otherwise; see :mod:`hydra_kernels.controls`.
+"""
 
 __version__ = "0.1.0"
+
+from hydra_kernels.controls import (
+    OPS,
+    fallback_counts,
+    get_kernel_status,
+    reload_env,
+    reset_fallback_counts,
+    set_op_enabled,
+    set_use_triton_kernels,
+    use_triton_kernels,
+)
+from hydra_kernels.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
+from hydra_kernels.ops.qk_norm import qk_norm, qk_norm_ref
+from hydra_kernels.ops.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from hydra_kernels.ops.rope import rope, rope_ref
+from hydra_kernels.ops.swiglu import swiglu, swiglu_ref
+
+__all__ = [
+    "OPS",
+    "__version__",
+    "fallback_counts",
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_ref",
+    "get_kernel_status",
+    "linear_cross_entropy",
+    "linear_cross_entropy_ref",
+    "qk_norm",
+    "qk_norm_ref",
+    "reload_env",
+    "reset_fallback_counts",
+    "rms_norm",
+    "rms_norm_ref",
+    "rope",
+    "rope_ref",
+    "set_op_enabled",
+    "set_use_triton_kernels",
+    "swiglu",
+    "swiglu_ref",
+    "use_triton_kernels",
+]
