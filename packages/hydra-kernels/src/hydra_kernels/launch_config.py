@@ -1,0 +1,119 @@
+"""Launch configurations per GPU generation, with user overrides.
+
+Each op keeps its own table of defaults keyed by generation (``"blackwell"``, ``"hopper"``,
+``"ampere"``, ``"default"``) and asks :func:`resolve_launch_config` which entry applies to the
+tensors' device. Overrides, from :func:`set_launch_overrides` or the environment, replace single
+fields on top of the table, so a user can try ``num_warps=8`` without knowing the rest.
+
+Environment overrides (all ops): ``HYDRA_TRITON_NUM_WARPS``, ``HYDRA_TRITON_NUM_STAGES``,
+``HYDRA_TRITON_BLOCK_ROWS``, ``HYDRA_TRITON_BLOCK_Q``, ``HYDRA_TRITON_BLOCK_KV``.
+
+The Blackwell entry follows the tuning table of the seed documents (BLOCK_Q 128, BLOCK_KV 64,
+8 warps, 3 stages); :func:`set_blackwell_tuning` switches it off (then Blackwell uses the op's
+``"default"`` entry), which is what SafeOptimizations' ``blackwell_tuning`` toggles.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How a kernel is launched. Row-wise ops use ``block_rows`` (rows per program); tiled ops
+    (e.g. vocabulary tiles of linear+CE) use ``block_q``/``block_kv`` as their two tile sizes."""
+
+    num_warps: int = 4
+    num_stages: int = 2
+    block_rows: int = 1
+    block_q: int = 64
+    block_kv: int = 64
+
+
+#: The seed documents' "Blackwell tuning" table, as one launch configuration.
+BLACKWELL_TUNING = LaunchConfig(num_warps=8, num_stages=3, block_rows=1, block_q=128, block_kv=64)
+
+GENERATIONS = ("blackwell", "hopper", "ampere", "default")
+
+_ENV_FIELDS = {
+    "num_warps": "HYDRA_TRITON_NUM_WARPS",
+    "num_stages": "HYDRA_TRITON_NUM_STAGES",
+    "block_rows": "HYDRA_TRITON_BLOCK_ROWS",
+    "block_q": "HYDRA_TRITON_BLOCK_Q",
+    "block_kv": "HYDRA_TRITON_BLOCK_KV",
+}
+
+_overrides: dict[str | None, dict[str, int]] = {}
+_blackwell_tuning = True
+
+
+def gpu_generation(device: torch.device | None = None) -> str:
+    """``"blackwell"`` (sm_100/sm_120), ``"hopper"`` (sm_90), ``"ampere"`` (sm_80/86/89),
+    ``"default"`` for anything else, including the CPU under the Triton interpreter."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type != "cuda":
+        return "default"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major >= 10:
+        return "blackwell"
+    if major == 9:
+        return "hopper"
+    if major == 8:
+        return "ampere"
+    return "default"
+
+
+def set_blackwell_tuning(enabled: bool) -> None:
+    """Use (True, default) or ignore (False) the ``"blackwell"`` entries of the op tables."""
+    global _blackwell_tuning
+    _blackwell_tuning = bool(enabled)
+
+
+def blackwell_tuning_enabled() -> bool:
+    return _blackwell_tuning
+
+
+def set_launch_overrides(op: str | None = None, **values: int) -> None:
+    """Override launch fields for one op (or all ops when ``op`` is None), e.g. ``num_warps=8``."""
+    known = {f.name for f in fields(LaunchConfig)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown launch field(s) {sorted(unknown)}; expected some of {sorted(known)}")
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"launch field {name} must be a positive int, got {value!r}")
+    _overrides.setdefault(op, {}).update(values)
+
+
+def clear_launch_overrides() -> None:
+    _overrides.clear()
+
+
+def _env_overrides() -> dict[str, int]:
+    out = {}
+    for name, var in _ENV_FIELDS.items():
+        raw = os.environ.get(var, "").strip()
+        if raw:
+            try:
+                out[name] = int(raw)
+            except ValueError:
+                raise ValueError(f"{var}={raw!r} must be a positive integer") from None
+    return out
+
+
+def resolve_launch_config(
+    op: str, device: torch.device, defaults: Mapping[str, LaunchConfig]
+) -> LaunchConfig:
+    """The op's table entry for ``device``'s generation (falling back to ``"default"``), with the
+    environment's and then :func:`set_launch_overrides`' fields applied on top."""
+    gen = gpu_generation(device)
+    if gen == "blackwell" and not _blackwell_tuning:
+        gen = "default"
+    cfg = defaults.get(gen) or defaults["default"]
+    patch = {**_env_overrides(), **_overrides.get(None, {}), **_overrides.get(op, {})}
+    return replace(cfg, **patch) if patch else cfg
