@@ -1,7 +1,322 @@
-"""The `hydra-kernels` command line."""
+"""The `hydra-kernels` command line: status, check, bench.
+
+torch and the kernels are imported inside the commands, so ``--help`` stays fast.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
 
 from hydra_kernels import __version__
-from hydra_kernels.cli_support import add_version_option, new_app
+from hydra_kernels.cli_support import (
+    EXIT_USAGE,
+    add_version_option,
+    console,
+    emit_json,
+    err_console,
+    fail,
+    new_app,
+    require_cuda,
+)
 
 app = new_app("Fused Triton kernels for HYDRA: status, numerical checks, benchmarks.")
 add_version_option(app, "hydra-kernels", __version__)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
+
+_OP_MODULES = {
+    "rms_norm": "hydra_kernels.ops.rms_norm",
+    "swiglu": "hydra_kernels.ops.swiglu",
+    "qk_norm": "hydra_kernels.ops.qk_norm",
+    "rope": "hydra_kernels.ops.rope",
+    "linear_cross_entropy": "hydra_kernels.ops.linear_cross_entropy",
+}
+
+
+def resolved_launch_configs(device: Any) -> dict[str, dict[str, Any]]:
+    """Each op's launch tables, resolved for ``device``: ``{op: {table: config}}``.
+
+    A table is a module-level ``{generation: LaunchConfig}`` mapping, or a tuple of
+    ``(max_width, {generation: LaunchConfig})`` rows for ops whose launch depends on the row
+    width (then the config is given per width bucket). Tables are looked up in the op's module
+    and in the private ``hydra_kernels.ops`` modules it takes functions from. Overrides set for
+    the op's name (and the environment's) are applied.
+    """
+    import dataclasses
+    import importlib
+    import types
+    from collections.abc import Mapping
+
+    from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
+
+    def is_gen_table(v: Any) -> bool:
+        return (
+            isinstance(v, Mapping) and "default" in v and all(isinstance(c, LaunchConfig) for c in v.values())
+        )
+
+    def is_width_table(v: Any) -> bool:
+        return (
+            isinstance(v, tuple)
+            and bool(v)
+            and all(isinstance(r, tuple) and len(r) == 2 and is_gen_table(r[1]) for r in v)
+        )
+
+    out: dict[str, dict[str, Any]] = {}
+    for op, mod_name in _OP_MODULES.items():
+        main = importlib.import_module(mod_name)
+        helpers = {
+            getattr(v, "__module__", None) if not isinstance(v, types.ModuleType) else v.__name__
+            for v in vars(main).values()
+        }
+        modules = [main] + [
+            importlib.import_module(m)
+            for m in sorted(h for h in helpers if isinstance(h, str) and h.startswith("hydra_kernels.ops._"))
+        ]
+        tables: dict[str, Any] = {}
+        for mod in modules:
+            prefix = "" if mod is main else mod.__name__.rsplit(".", 1)[1] + "."
+            for name, value in vars(mod).items():
+                if name.startswith("__"):
+                    continue
+                if is_gen_table(value):
+                    tables[prefix + name] = dataclasses.asdict(resolve_launch_config(op, device, value))
+                elif is_width_table(value):
+                    tables[prefix + name] = {
+                        f"<= {width}": dataclasses.asdict(resolve_launch_config(op, device, table))
+                        for width, table in value
+                    }
+        out[op] = tables
+    return out
+
+
+@app.command()
+def status(json_output: JsonFlag = False) -> None:
+    """Show Triton availability, the switches, and per op what runs on this machine's device
+    (backend, fused backward, fallbacks) with its launch configuration."""
+    import torch
+    from rich.table import Table
+
+    from hydra_kernels.controls import get_kernel_status
+
+    st = get_kernel_status()
+    st["launch"] = resolved_launch_configs(torch.device(st["device"]))
+    if json_output:
+        emit_json(st)
+        return
+    triton = st["triton_version"] if st["triton_available"] else f"missing ({st['triton_import_error']})"
+    arch = f", sm_{st['compute_capability'].replace('.', '')}" if st["compute_capability"] else ""
+    console.print(
+        f"triton {triton}; kernels switched {'on' if st['use_triton_kernels'] else 'off'}; "
+        f"interpreter {'on' if st['interpreter'] else 'off'}; device {st['device']} "
+        f"({st['device_name']}{arch})"
+    )
+    ops = Table(title="ops")
+    for col in ("op", "enabled", "fused backward", "backend", "backward backend", "fallbacks", "last error"):
+        ops.add_column(col)
+    for op, s in st["ops"].items():
+        ops.add_row(
+            op,
+            "yes" if s["enabled"] else "no",
+            "yes" if s["backward_enabled"] else "no",
+            s["backend"],
+            s["backward_backend"],
+            str(s["fallbacks"]),
+            s["last_error"] or "",
+        )
+    console.print(ops)
+    launch = Table(title=f"launch configurations on {st['device']}")
+    fields = ("num_warps", "num_stages", "block_rows", "block_q", "block_kv")
+    for col in ("op", "table", "width", *fields):
+        launch.add_column(col)
+    for op, tables in st["launch"].items():
+        if not tables:
+            launch.add_row(op, "-", "", "", "", "", "", "")
+        for name, cfg in tables.items():
+            rows = cfg.items() if "num_warps" not in cfg else [("", cfg)]
+            for width, c in rows:
+                launch.add_row(op, name, width, *(str(c[k]) for k in fields))
+    console.print(launch)
+
+
+@app.command()
+def check(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Small shapes only (fast, also on the CPU).")
+    ] = False,
+    op: Annotated[list[str] | None, typer.Option("--op", help="Check only this op (repeatable).")] = None,
+    dtype: Annotated[
+        list[str] | None,
+        typer.Option("--dtype", help="fp32, bf16 or fp16 (repeatable); default fp32 and bf16."),
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Fix the inputs (default: fresh random).")
+    ] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Check every op, forward and backward, on this device (CUDA if present, else the CPU)
+    against a float64 reference; exit 1 if any output or gradient fails the criterion."""
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from hydra_kernels import checks
+
+    device = checks.default_device()
+    mode = checks.check_mode(device)
+    try:
+        with Progress(console=err_console, transient=True, disable=json_output) as bar:
+            task = bar.add_task("checking", total=None)
+            results = checks.run_checks(
+                quick=quick,
+                ops=op,
+                dtypes=dtype or ("fp32", "bf16"),
+                device=device,
+                seed=seed,
+                progress=lambda msg: bar.update(task, description=f"checking {msg}"),
+            )
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
+    failed = [r for r in results if not r.passed]
+    if json_output:
+        emit_json(
+            {
+                "device": str(device),
+                "mode": mode,
+                "passed": not failed,
+                "results": [r.as_dict() for r in results],
+            }
+        )
+    else:
+        console.print(f"checking {mode}")
+        table = Table(title="|kernel − ref64| ≤ 2·|torch − ref64| + atol (worst ratio ≤ 1 passes)")
+        for col in ("op", "dtype", "shape", "backend", "worst ratio", "at", "result"):
+            table.add_column(col)
+        for r in results:
+            ratio = f"{r.worst_ratio:.3f}" if r.worst_ratio is not None else "-"
+            verdict = "[green]pass[/]" if r.passed else f"[red]FAIL[/] {r.error or ''}"
+            table.add_row(r.op, r.dtype, r.shape, r.backend, ratio, r.worst_item or "", verdict)
+        console.print(table)
+    if failed:
+        err_console.print(f"{len(failed)} of {len(results)} checks failed")
+        raise typer.Exit(1)
+
+
+def _ms(v: float | None) -> str:
+    return f"{v:.3f}" if v else "-"
+
+
+def render_bench_report(report: dict[str, Any], console: Any) -> None:
+    """The compact tables ``hydra-kernels bench`` prints: one line per op × shape, then the
+    sweep's best launch configuration per shape (when it ran)."""
+    from rich.table import Table
+
+    title = (
+        f"{report['device']} (sm_{report['compute_capability'].replace('.', '')}), torch "
+        f"{report['torch']}, triton {report['triton']}, liger {report['liger']}, {report['dtype']}; "
+        f"copy {report['copy_tbps']:.2f} TB/s; fwd+bwd median ms"
+    )
+    table = Table(title=title, title_justify="left")
+    for col in ("op", "shape", "hydra", "eager", "compile", "liger", "peer/hydra", "rate", "% copy"):
+        table.add_column(col, justify="left" if col in ("op", "shape") else "right")
+    table.add_column("target")
+    for s in report["summary"]:
+        if "tflops" in s:
+            rate = f"{s['tflops']:.0f} TFLOP/s, +{s.get('peak_extra_mib', 0):.0f} MiB"
+        else:
+            rate = f"{s['gbps']:.0f} GB/s" if "gbps" in s else "-"
+        ratio = f"{s['vs_best_peer']:.2f}x ({s['best_peer']})" if "vs_best_peer" in s else "-"
+        pct = f"{s['pct_copy']:.0f}%" if "pct_copy" in s else "-"
+        style = "green" if s["target"] == "met" else "red"
+        table.add_row(
+            s["op"], s["shape"], _ms(s.get("hydra")), _ms(s.get("eager")), _ms(s.get("compile")),
+            _ms(s.get("liger")), ratio, rate, pct, f"[{style}]{s['target']}[/]",
+        )  # fmt: skip
+    if report["summary"]:
+        console.print(table)
+    mem = [r for r in report["rows"] if "peak_extra_mib" in r and r["impl"] != "hydra"]
+    if mem:
+        console.print(
+            "peak extra memory of peers: "
+            + ", ".join(f"{r['shape']} {r['impl']} +{r['peak_extra_mib']:.0f} MiB" for r in mem)
+        )
+    notes = {(r["impl"], r["note"]) for r in report["rows"] if r.get("note")}
+    errors = [r for r in report["rows"] if r.get("error")]
+    for impl, note in sorted(notes):
+        console.print(f"[dim]{impl} skipped: {note}[/]")
+    for r in errors:
+        console.print(f"[yellow]{r['op']} {r['shape']} {r['impl']}: {r['error']}[/]")
+    if report["sweep"]:
+        sweep = Table(title="launch-config sweep (hydra fwd+bwd ms)", title_justify="left")
+        for col in ("op", "shape", "default", "default ms", "best", "best ms", "gain", "best % copy"):
+            sweep.add_column(col)
+        for s in report["sweep"]:
+            best = s["best"] or {}
+            cfg = ", ".join(f"{k}={v}" for k, v in best.items() if k != "ms")
+            gain = f"{100 * (1 - best['ms'] / s['default_ms']):.1f}%" if best else "-"
+            default = ", ".join(f"{k}={v}" for k, v in s["default"].items())
+            pct = f"{s['best_pct_copy']:.0f}%" if "best_pct_copy" in s else "-"
+            sweep.add_row(
+                s["op"], s["shape"], default, _ms(s["default_ms"]), cfg, _ms(best.get("ms")), gain, pct
+            )
+        console.print(sweep)
+
+
+@app.command()
+def bench(
+    op: Annotated[
+        list[str] | None,
+        typer.Option("--op", help="rms_norm, swiglu, qk_norm, rope or linear_ce (repeatable); default all."),
+    ] = None,
+    sweep: Annotated[
+        bool,
+        typer.Option(
+            "--sweep", help="Instead: time only hydra's swiglu/rope under a grid of launch configs."
+        ),
+    ] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the full JSON report here.")] = None,
+    rep: Annotated[int, typer.Option("--rep", min=10, help="do_bench repetition time per figure, ms.")] = 100,
+    json_output: JsonFlag = False,
+) -> None:
+    """Time each op × shape, forward+backward, against torch eager, torch.compile and Liger-Kernel
+    (when importable): ms, GB/s over the byte floor, % of the measured copy bandwidth. CUDA only.
+    Also writes the JSON report to $OUT/hydra_kernels_bench.json (…_sweep.json with --sweep)
+    when $OUT is set."""
+    from hydra_kernels.bench import BENCH_OPS, SWEEP_CONFIGS
+
+    unknown = [o for o in op or () if o not in BENCH_OPS]
+    if unknown:
+        fail(f"unknown --op {', '.join(unknown)}; choose from {', '.join(BENCH_OPS)}", EXIT_USAGE)
+    if sweep and op and not set(op) & set(SWEEP_CONFIGS):
+        fail(f"--sweep covers {' and '.join(SWEEP_CONFIGS)}; none of them is among --op", EXIT_USAGE)
+    require_cuda("hydra-kernels bench")
+    from hydra_kernels.bench import run_bench
+
+    started = time.perf_counter()
+
+    def log(msg: str) -> None:  # one line per step where no terminal shows a spinner (logs)
+        err_console.print(f"[{time.perf_counter() - started:6.1f}s] {msg}", highlight=False)
+
+    if err_console.is_terminal:
+        with err_console.status("benchmarking") as spinner:
+            report = run_bench(ops=op, sweep=sweep, rep=rep, progress=lambda m: spinner.update(m))
+    else:
+        report = run_bench(ops=op, sweep=sweep, rep=rep, progress=log)
+    report["command"] = "hydra-kernels bench " + " ".join(
+        [*(f"--op {o}" for o in op or ()), *(["--sweep"] if sweep else []), f"--rep {rep}"]
+    )
+    targets = [Path(out)] if out else []
+    if os.environ.get("OUT"):
+        name = "hydra_kernels_sweep.json" if sweep else "hydra_kernels_bench.json"
+        targets.append(Path(os.environ["OUT"]) / name)
+    for path in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1, default=str))
+    if json_output:
+        emit_json(report)
+    else:
+        render_bench_report(report, console)
+        for path in targets:
+            console.print(f"JSON report: {path}")

@@ -1,17 +1,415 @@
-"""SwiGLU activation: silu(gate) · up.
+"""SwiGLU activation: silu(gate) · up, as a fused Triton forward and backward.
 
-Triton kernels: to be added (issue 3). Until then the public function runs the reference.
+Two faces share the kernels:
+
+* :func:`swiglu` takes ``gate`` and ``up`` of one shape (any leading dims). They may be row-strided
+  views, such as the two halves of one ``[N, 2H]`` projection; those are read in place (a row
+  stride is passed to the kernel), only a layout with no unit-stride last dim is copied.
+* :func:`swiglu_packed` takes that ``[..., 2H]`` projection itself and returns ``[..., H]``. Its
+  backward writes both halves of one ``[..., 2H]`` gradient directly, which is what a fused
+  gate/up ``Linear`` wants: going through two slices instead makes autograd allocate, zero and add
+  two full-size gradients.
+
+The forward keeps nothing but its inputs; the backward recomputes ``sigmoid(gate)`` from them in
+fp32. Kernels see every tensor as ``[rows, width]`` with a row stride. When all tensors of a call
+are contiguous the whole tensor is one long row, so the grid is a flat 1-D walk over large blocks.
 """
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from hydra_kernels.controls import triton_path
+from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
+from hydra_kernels.ops._custom_op import (
+    compiling,
+    eager_autograd_function,
+    run_with_fallback,
+    to_output_dtype,
+)
+
+#: Per-generation launch table. ``block_q`` is the most elements one program handles (rows
+#: narrower or ragged get a smaller block, see :func:`row_block`);
+#: ``num_warps``/``num_stages`` as usual (stages do not matter: there is no loop to pipeline).
+#: Blackwell takes the seed tuning's warps and stages; the seed's BLOCK_Q is an attention tile
+#: and does not apply to an elementwise op, so the element block stays the Hopper one.
+LAUNCH_DEFAULTS: dict[str, LaunchConfig] = {
+    "blackwell": LaunchConfig(num_warps=8, num_stages=3, block_q=4096),
+    "hopper": LaunchConfig(num_warps=8, num_stages=1, block_q=4096),
+    "ampere": LaunchConfig(num_warps=8, num_stages=1, block_q=2048),
+    "default": LaunchConfig(num_warps=4, num_stages=1, block_q=1024),
+}
+
+#: Dtypes the kernels handle (fp32 math inside). fp64 takes the reference, which stays in fp64.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    n_cols,
+    col_blocks,
+    gate_row_stride,
+    up_row_stride,
+    out_row_stride,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // col_blocks
+    # 64-bit offsets: a flattened tensor can be longer than 2**31 elements.
+    col0 = (pid - row * col_blocks).to(tl.int64) * BLOCK
+    row = row.to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols - col0
+    g = tl.load(gate_ptr + row * gate_row_stride + col0 + offs, mask=mask, other=0.0)
+    u = tl.load(up_ptr + row * up_row_stride + col0 + offs, mask=mask, other=0.0)
+    g = g.to(tl.float32)
+    # silu(g) = g / (1 + e^-g): finite for every finite g (e^-g -> inf gives -0, not nan).
+    y = g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
+    tl.store(
+        out_ptr + row * out_row_stride + col0 + offs,
+        to_output_dtype(y, out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    gate_ptr,
+    up_ptr,
+    dout_ptr,
+    dgate_ptr,
+    dup_ptr,
+    n_cols,
+    col_blocks,
+    gate_row_stride,
+    up_row_stride,
+    dout_row_stride,
+    dgate_row_stride,
+    dup_row_stride,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // col_blocks
+    col0 = (pid - row * col_blocks).to(tl.int64) * BLOCK
+    row = row.to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols - col0
+    g = tl.load(gate_ptr + row * gate_row_stride + col0 + offs, mask=mask, other=0.0)
+    u = tl.load(up_ptr + row * up_row_stride + col0 + offs, mask=mask, other=0.0)
+    dy = tl.load(dout_ptr + row * dout_row_stride + col0 + offs, mask=mask, other=0.0)
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
+    dy = dy.to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    silu = g * sig
+    # d silu / dg = sig + g·sig·(1 - sig) = sig·(1 + g·(1 - sig))
+    dg = dy * u * sig * (1.0 + g * (1.0 - sig))
+    du = dy * silu
+    tl.store(
+        dgate_ptr + row * dgate_row_stride + col0 + offs,
+        to_output_dtype(dg, dgate_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        dup_ptr + row * dup_row_stride + col0 + offs,
+        to_output_dtype(du, dup_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+# --- references ------------------------------------------------------------------------------
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    # fp32 for half types and fp32, fp64 for fp64 (so an fp64 call is a true fp64 reference)
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Reference: silu computed in fp32, result in the inputs' dtype."""
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    """Reference: silu computed in fp32 (fp64 for fp64 inputs), result in the inputs' dtype."""
+    cd = _compute_dtype(gate)
+    return (F.silu(gate.to(cd)) * up.to(cd)).to(gate.dtype)
+
+
+def swiglu_bwd_ref(
+    gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Closed-form backward from the saved inputs (what runs when the fused backward is off)."""
+    cd = _compute_dtype(gate)
+    g, u, dy = gate.to(cd), up.to(cd), grad_out.to(cd)
+    sig = torch.sigmoid(g)
+    dgate = dy * u * sig * (1.0 + g * (1.0 - sig))
+    dup = dy * g * sig
+    return dgate.to(gate.dtype).contiguous(), dup.to(up.dtype).contiguous()
+
+
+# --- host launchers --------------------------------------------------------------------------
+
+
+def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    # Triton launches on the current CUDA device; switch only when the tensors live elsewhere.
+    if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` as ``[rows, width]`` with unit column stride: a view when one exists, else a copy."""
+    t2 = t.reshape(-1, width)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def row_block(width: int, max_block: int) -> int:
+    """Elements per program for rows of ``width``: the largest power of two ≤ ``max_block`` whose
+    multiples pad the row by at most 15% (masked lanes still hold a program's slots), but not
+    below 512 unless the row itself is shorter."""
+    block = min(max_block, max(16, triton.next_power_of_2(width)))
+    while block > 512 and triton.cdiv(width, block) * block > 1.15 * width:
+        block //= 2
+    return block
+
+
+def _launch(kernel, ins: list[torch.Tensor], outs: list[torch.Tensor], width: int) -> None:
+    """Run an elementwise SwiGLU kernel over ``ins`` (read) and ``outs`` (written), all of the
+    same shape ``[..., width]``. ``outs`` must be views the caller keeps (written in place)."""
+    tensors = ins + outs
+    numel = ins[0].numel()
+    if numel == 0:
+        return
+    if all(t.is_contiguous() for t in tensors):
+        views = [t.view(1, numel) for t in tensors]  # one long row: no per-row tail
+    else:
+        # outs are allocated by the callers with a unit last stride: viewing them never copies
+        views = [_rows(t, width) for t in ins] + [o.view(-1, width) for o in outs]
+    n_rows, n_cols = views[0].shape
+    cfg = resolve_launch_config("swiglu", ins[0].device, LAUNCH_DEFAULTS)
+    if cfg.block_q & (cfg.block_q - 1):
+        raise ValueError(f"swiglu block_q must be a power of two, got {cfg.block_q}")
+    block = row_block(n_cols, cfg.block_q)
+    num_warps = max(1, min(cfg.num_warps, block // 128))
+    col_blocks = triton.cdiv(n_cols, block)
+    with _device_guard(ins[0]):
+        kernel[(n_rows * col_blocks,)](
+            *views,
+            n_cols,
+            col_blocks,
+            *(v.stride(0) for v in views),
+            BLOCK=block,
+            num_warps=num_warps,
+            num_stages=cfg.num_stages,
+        )
+
+
+def _launch_swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _launch(_swiglu_fwd_kernel, [gate, up], [out], gate.shape[-1])
+    return out
+
+
+def _launch_swiglu_bwd(
+    gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    _launch(_swiglu_bwd_kernel, [gate, up, grad_out], [dgate, dup], gate.shape[-1])
+    return dgate, dup
+
+
+def _launch_swiglu_packed_fwd(gate_up: torch.Tensor) -> torch.Tensor:
+    h = gate_up.shape[-1] // 2
+    out = torch.empty((*gate_up.shape[:-1], h), dtype=gate_up.dtype, device=gate_up.device)
+    _launch(_swiglu_fwd_kernel, [gate_up[..., :h], gate_up[..., h:]], [out], h)
+    return out
+
+
+def _launch_swiglu_packed_bwd(gate_up: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    h = gate_up.shape[-1] // 2
+    grad = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+    ins = [gate_up[..., :h], gate_up[..., h:], grad_out]
+    _launch(_swiglu_bwd_kernel, ins, [grad[..., :h], grad[..., h:]], h)
+    return grad
+
+
+# --- torch.library ops: opaque to torch.compile, autograd attached ---------------------------
+# The *_impl functions run the kernel; one that raises is counted and answered by the reference
+# (run_with_fallback), so a broken kernel never silently changes results. Compiled code calls
+# them through the custom ops; eager code through a plain autograd.Function (cheaper dispatch).
+
+
+def _swiglu_fwd_impl(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return run_with_fallback(
+        "swiglu",
+        lambda: _launch_swiglu_fwd(gate, up),
+        lambda: swiglu_ref(gate, up).contiguous(),
+    )
+
+
+def _swiglu_bwd_impl(
+    gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return run_with_fallback(
+        "swiglu",
+        lambda: _launch_swiglu_bwd(gate, up, grad_out),
+        lambda: swiglu_bwd_ref(gate, up, grad_out),
+    )
+
+
+def _swiglu_packed_fwd_impl(gate_up: torch.Tensor) -> torch.Tensor:
+    return run_with_fallback(
+        "swiglu",
+        lambda: _launch_swiglu_packed_fwd(gate_up),
+        lambda: _swiglu_packed_ref(gate_up).contiguous(),
+    )
+
+
+def _swiglu_packed_bwd_impl(gate_up: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    return run_with_fallback(
+        "swiglu",
+        lambda: _launch_swiglu_packed_bwd(gate_up, grad_out),
+        lambda: _swiglu_packed_bwd_ref(gate_up, grad_out),
+    )
+
+
+@torch.library.custom_op("hydra_kernels::swiglu_fwd", mutates_args=())
+def _swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _swiglu_fwd_impl(gate, up)
+
+
+@_swiglu_fwd_op.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@torch.library.custom_op("hydra_kernels::swiglu_bwd", mutates_args=())
+def _swiglu_bwd_op(
+    gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _swiglu_bwd_impl(gate, up, grad_out)
+
+
+@_swiglu_bwd_op.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor):
+    return (
+        torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
+        torch.empty(up.shape, dtype=up.dtype, device=up.device),
+    )
+
+
+def _swiglu_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)  # gate, up: nothing else is kept
+
+
+def _swiglu_backward(ctx, grad_out: torch.Tensor):
+    gate, up = ctx.saved_tensors
+    if triton_path("swiglu", gate, up, grad_out, backward=True):
+        if getattr(ctx, "eager", False):
+            return _swiglu_bwd_impl(gate, up, grad_out)
+        return _swiglu_bwd_op(gate, up, grad_out)
+    return swiglu_bwd_ref(gate, up, grad_out)
+
+
+_swiglu_fwd_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
+_SwiGLUEager = eager_autograd_function(
+    "SwiGLUEager", _swiglu_fwd_impl, _swiglu_setup_context, _swiglu_backward
+)
+
+
+@torch.library.custom_op("hydra_kernels::swiglu_packed_fwd", mutates_args=())
+def _swiglu_packed_fwd_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return _swiglu_packed_fwd_impl(gate_up)
+
+
+@_swiglu_packed_fwd_op.register_fake
+def _(gate_up: torch.Tensor) -> torch.Tensor:
+    shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    return torch.empty(shape, dtype=gate_up.dtype, device=gate_up.device)
+
+
+@torch.library.custom_op("hydra_kernels::swiglu_packed_bwd", mutates_args=())
+def _swiglu_packed_bwd_op(gate_up: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    return _swiglu_packed_bwd_impl(gate_up, grad_out)
+
+
+@_swiglu_packed_bwd_op.register_fake
+def _(gate_up: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    return torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+
+
+def _swiglu_packed_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_packed_backward(ctx, grad_out: torch.Tensor):
+    (gate_up,) = ctx.saved_tensors
+    if triton_path("swiglu", gate_up, grad_out, backward=True):
+        if getattr(ctx, "eager", False):
+            return _swiglu_packed_bwd_impl(gate_up, grad_out)
+        return _swiglu_packed_bwd_op(gate_up, grad_out)
+    return _swiglu_packed_bwd_ref(gate_up, grad_out)
+
+
+_swiglu_packed_fwd_op.register_autograd(_swiglu_packed_backward, setup_context=_swiglu_packed_setup_context)
+_SwiGLUPackedEager = eager_autograd_function(
+    "SwiGLUPackedEager",
+    _swiglu_packed_fwd_impl,
+    _swiglu_packed_setup_context,
+    _swiglu_packed_backward,
+)
+
+
+def _swiglu_packed_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    h = gate_up.shape[-1] // 2
+    return swiglu_ref(gate_up[..., :h], gate_up[..., h:])
+
+
+def _swiglu_packed_bwd_ref(gate_up: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    h = gate_up.shape[-1] // 2
+    dgate, dup = swiglu_bwd_ref(gate_up[..., :h], gate_up[..., h:], grad_out)
+    return torch.cat([dgate, dup], dim=-1)
+
+
+# --- public functions ------------------------------------------------------------------------
+
+
+def _kernel_ok(*tensors: torch.Tensor) -> bool:
+    t = tensors[0]
+    return t.dim() > 0 and t.dtype in KERNEL_DTYPES and triton_path("swiglu", *tensors)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` elementwise; gate and up have the same shape."""
+    """``silu(gate) * up`` elementwise; gate and up have the same shape, dtype and device.
+
+    Any leading dims; row-strided views (e.g. the halves of one ``[N, 2H]`` projection) are read
+    without a copy. Math in fp32, result in the inputs' dtype. Differentiable in both inputs.
+    """
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    if gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate is {gate.dtype} and up is {up.dtype}; cast them to one dtype first")
+    if _kernel_ok(gate, up):
+        return _swiglu_fwd_op(gate, up) if compiling() else _SwiGLUEager.apply(gate, up)
     return swiglu_ref(gate, up)
+
+
+def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[..., :H]) * gate_up[..., H:]`` for ``gate_up`` ``[..., 2H]`` → ``[..., H]``.
+
+    For the output of one fused gate/up projection: the gradient comes back as a single
+    ``[..., 2H]`` tensor, written in one pass, with no slice-gradient copies.
+    """
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(
+            f"swiglu_packed: the last dim of gate_up {tuple(gate_up.shape)} must be even "
+            "(gate and up halves side by side)"
+        )
+    if _kernel_ok(gate_up):
+        if compiling():
+            return _swiglu_packed_fwd_op(gate_up)
+        return _SwiGLUPackedEager.apply(gate_up)
+    return _swiglu_packed_ref(gate_up)
