@@ -1,24 +1,344 @@
 """Per-head L2 normalisation of queries/keys (CCGQA): x · scale / ‖x‖₂ · exp(temperature[h]).
 
-Triton kernels: to be added (issue 3). Until then the public function runs the reference.
+Faces: the PyTorch reference ``qk_norm_ref``, Triton kernels with host launchers, custom ops
+``hydra_kernels::qk_norm_fwd`` / ``hydra_kernels::qk_norm_bwd`` (what torch.compile traces), and
+the public :func:`qk_norm` choosing between them (:func:`hydra_kernels.controls.triton_path`).
+
+``x`` is ``[..., H, D]`` and may be a strided view (e.g. q sliced out of a packed q|k
+projection): the kernels read it through a token stride and a head stride, so no copy is made
+unless the last dim itself is strided or the leading dims cannot be flattened into one stride.
+Norms and products are fp32; the output has x's dtype; ``temperature`` ([H], learnable) gets its
+gradient in its own dtype, summed from fp32 per-program partials. An all-zero head is guarded as
+in the reference: ‖x‖ is clamped to :data:`NORM_EPS` (gradient then passes only through the
+numerator, as ``clamp_min``'s does).
+
+Kernels: ``_qk_norm_fwd_kernel`` normalises ``BLOCK_ROWS`` (token, head) rows per program.
+``_qk_norm_bwd_kernel`` is persistent style: it recomputes the norm from x, writes dx into fresh
+memory and accumulates each row's Σ dy·y into a per-program [H] fp32 partial for dtemperature.
 """
 
+from __future__ import annotations
+
+from dataclasses import replace
+
 import torch
+import triton
+import triton.language as tl
+
+from hydra_kernels import controls
+from hydra_kernels.launch_config import LaunchConfig
+from hydra_kernels.ops._custom_op import (
+    WidthTables,
+    compiling,
+    device_guard,
+    eager_autograd_function,
+    launch_config_for,
+    persistent_grid,
+    run_with_fallback,
+    to_output_dtype,
+)
 
 # Guards the division for an all-zero head; far below any real norm.
 NORM_EPS = 1e-6
 
+#: Widest head the kernels hold in registers.
+MAX_HEAD_DIM = 4096
+
+# Heads are 64-256 wide: many rows per program so each program moves a few kB. The seed's
+# Blackwell tuning (8 warps) targets wide tiles and would leave most lanes idle here, so every
+# generation takes the same entries.
+_ROWS = {
+    64: LaunchConfig(num_warps=4, num_stages=2, block_rows=32),
+    128: LaunchConfig(num_warps=4, num_stages=2, block_rows=16),
+    256: LaunchConfig(num_warps=4, num_stages=2, block_rows=8),
+    1024: LaunchConfig(num_warps=4, num_stages=2, block_rows=4),
+    MAX_HEAD_DIM: LaunchConfig(num_warps=8, num_stages=2, block_rows=1),
+}
+TABLES: WidthTables = tuple(
+    (width, {"hopper": cfg, "blackwell": cfg, "default": cfg}) for width, cfg in _ROWS.items()
+)
+# The backward's row loop prefetches num_stages tiles of x and dy (4 kB each at 16 rows × 128).
+BWD_TABLES: WidthTables = tuple(
+    (width, {gen: replace(cfg, num_stages=3) for gen, cfg in table.items()}) for width, table in TABLES
+)
+
+#: Target programs per SM of the persistent backward (the bench script sweeps it).
+BWD_PROGRAMS_PER_SM: dict[str, int] = {"blackwell": 4, "hopper": 4, "ampere": 4, "default": 2}
+
+
+# --- PyTorch references --------------------------------------------------------------------------
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for half types, unchanged for fp32/fp64 (so an fp64 run really is fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
 
 def qk_norm_ref(x: torch.Tensor, scale: float, temperature: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: ``x`` is [..., H, D]; fp32 norms; ``temperature`` is [H] or None."""
-    xf = x.float()
+    """Reference: ``x`` is [..., H, D]; fp32 norms (fp64 for fp64 x); ``temperature`` is [H] or None."""
+    xf = _upcast(x)
     inv = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True).clamp_min(NORM_EPS * NORM_EPS))
     y = xf * inv * scale
     if temperature is not None:
-        y = y * temperature.float().exp().unsqueeze(-1)
+        y = y * _upcast(temperature).exp().unsqueeze(-1)
     return y.to(x.dtype)
 
 
+def qk_norm_backward_ref(
+    dy: torch.Tensor, x: torch.Tensor, scale: float, temperature: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx, dtemperature or None) from the saved inputs, in fp32 (fp64 for fp64) PyTorch. Runs
+    when the fused backward is switched off or fails."""
+    xf, dyf = _upcast(x), _upcast(dy)
+    sq = xf.pow(2).sum(-1, keepdim=True)
+    inv = torch.rsqrt(sq.clamp_min(NORM_EPS * NORM_EPS))
+    gain = inv * scale
+    if temperature is not None:
+        gain = gain * _upcast(temperature).exp().unsqueeze(-1)
+    dot = (dyf * xf).sum(-1, keepdim=True)
+    # d/dx of 1/‖x‖ is −x/‖x‖³ where the clamp is inactive, zero where it holds.
+    radial = torch.where(sq >= NORM_EPS * NORM_EPS, inv * inv * dot, torch.zeros_like(dot))
+    dx = (gain * (dyf - xf * radial)).to(x.dtype)
+    if temperature is None:
+        return dx, None
+    dtemp = (gain * dot).reshape(-1, x.shape[-2]).sum(0).to(temperature.dtype)
+    return dx, dtemp
+
+
+# --- Triton kernels ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _qk_norm_fwd_kernel(
+    X, TEMP, Y,
+    n_rows, stride_t, stride_h, scale, eps_sq,
+    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # row = token · H + head
+    cols = tl.arange(0, BLOCK_D)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < HEAD_DIM)[None, :]
+    head = rows % N_HEADS
+    src = (rows // N_HEADS).to(tl.int64) * stride_t + head * stride_h  # offsets can pass 2**31
+    rows = rows.to(tl.int64)
+    x = tl.load(X + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gain = tl.rsqrt(tl.maximum(tl.sum(x * x, axis=1), eps_sq)) * scale
+    if HAS_TEMP:
+        gain *= tl.exp(tl.load(TEMP + head, mask=row_mask, other=0.0).to(tl.float32))
+    y = x * gain[:, None]
+    tl.store(Y + rows[:, None] * HEAD_DIM + cols[None, :], to_output_dtype(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_bwd_kernel(
+    DY, X, TEMP, DX, DT_PARTIAL,
+    n_rows, stride_dyt, stride_dyh, stride_xt, stride_xh, scale, eps_sq,
+    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr, ITERS: tl.constexpr, HAS_TEMP: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < HEAD_DIM
+    heads = tl.arange(0, BLOCK_H)
+    dt_acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    # compile-time trip count (see persistent_grid); named stages make Triton prefetch row blocks
+    for it in tl.range(0, ITERS, num_stages=LOOP_STAGES):
+        rows = (pid * ITERS + it) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        head = rows % N_HEADS
+        token = (rows // N_HEADS).to(tl.int64)
+        rows = rows.to(tl.int64)
+        x_src = token * stride_xt + head * stride_xh
+        dy_src = token * stride_dyt + head * stride_dyh
+        x = tl.load(X + x_src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + dy_src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sq = tl.sum(x * x, axis=1)
+        inv = tl.rsqrt(tl.maximum(sq, eps_sq))
+        gain = inv * scale
+        if HAS_TEMP:
+            gain *= tl.exp(tl.load(TEMP + head, mask=row_mask, other=0.0).to(tl.float32))
+        dot = tl.sum(dy * x, axis=1)
+        radial = tl.where(sq >= eps_sq, inv * inv * dot, 0.0)
+        dx = gain[:, None] * (dy - x * radial[:, None])
+        tl.store(
+            DX + rows[:, None] * HEAD_DIM + cols[None, :], to_output_dtype(dx, DX.dtype.element_ty), mask=mask
+        )
+        if HAS_TEMP:
+            row_dt = tl.where(row_mask, gain * dot, 0.0)  # Σ_d dy·y of each row
+            hit = head[:, None] == heads[None, :]
+            dt_acc += tl.sum(tl.where(hit, row_dt[:, None], 0.0), axis=0)
+    if HAS_TEMP:
+        tl.store(DT_PARTIAL + pid * N_HEADS + heads, dt_acc, mask=heads < N_HEADS)
+
+
+# --- host launchers ------------------------------------------------------------------------------
+
+
+def _as_token_heads(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as [tokens, H, D] with unit stride along D: a view when strides allow, else a copy."""
+    heads = t.reshape(-1, t.shape[-2], t.shape[-1])
+    return heads if heads.stride(-1) == 1 else heads.contiguous()
+
+
+def _block_d(x: torch.Tensor, temperature: torch.Tensor | None, dy: torch.Tensor | None = None) -> int:
+    """BLOCK_D for x's heads; raises (→ counted fallback) for what the kernels cannot take, which
+    only a direct call of the custom ops can pass (the public function checks shapes first)."""
+    head_dim = x.shape[-1]
+    if (temperature is not None and temperature.numel() != x.shape[-2]) or (
+        dy is not None and dy.shape != x.shape
+    ):
+        raise ValueError(f"qk_norm: temperature must have {x.shape[-2]} entries and dy x's shape")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"qk_norm: heads of {head_dim} elements exceed the {MAX_HEAD_DIM} the fused kernel holds "
+            "in registers; the PyTorch reference runs instead"
+        )
+    return triton.next_power_of_2(head_dim)
+
+
+def qk_norm_fwd_launch(x: torch.Tensor, scale: float, temperature: torch.Tensor | None) -> torch.Tensor:
+    """Run the forward kernel; the output is contiguous with x's shape and dtype."""
+    n_heads, head_dim = x.shape[-2], x.shape[-1]
+    block_d = _block_d(x, temperature)
+    x3 = _as_token_heads(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = x3.shape[0] * n_heads
+    if n_rows == 0:
+        return y
+    cfg = launch_config_for("qk_norm", x.device, block_d, TABLES)
+    block_rows = min(cfg.block_rows, triton.next_power_of_2(n_rows))
+    with device_guard(x):
+        _qk_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x3, temperature.contiguous() if temperature is not None else x3, y,
+            n_rows, x3.stride(0), x3.stride(1), float(scale), NORM_EPS * NORM_EPS,
+            N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_ROWS=block_rows,
+            HAS_TEMP=temperature is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return y
+
+
+def qk_norm_bwd_launch(
+    dy: torch.Tensor, x: torch.Tensor, scale: float, temperature: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the backward kernel: (dx, dtemperature or None)."""
+    n_heads, head_dim = x.shape[-2], x.shape[-1]
+    block_d = _block_d(x, temperature, dy)
+    x3, dy3 = _as_token_heads(x), _as_token_heads(dy)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = x3.shape[0] * n_heads
+    if n_rows == 0:
+        return dx, (torch.zeros_like(temperature) if temperature is not None else None)
+    cfg = launch_config_for("qk_norm_bwd", x.device, block_d, BWD_TABLES)
+    block_rows = min(cfg.block_rows, triton.next_power_of_2(n_rows))
+    n_programs, iters = persistent_grid(triton.cdiv(n_rows, block_rows), x.device, BWD_PROGRAMS_PER_SM)
+    has_temp = temperature is not None
+    partial = torch.empty((n_programs, n_heads) if has_temp else (1,), dtype=torch.float32, device=x.device)
+    with device_guard(x):
+        _qk_norm_bwd_kernel[(n_programs,)](
+            dy3, x3, temperature.contiguous() if has_temp else x3, dx, partial,
+            n_rows, dy3.stride(0), dy3.stride(1), x3.stride(0), x3.stride(1),
+            float(scale), NORM_EPS * NORM_EPS,
+            N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_ROWS=block_rows,
+            BLOCK_H=triton.next_power_of_2(n_heads), ITERS=iters, HAS_TEMP=has_temp,
+            LOOP_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return dx, (partial.sum(0).to(temperature.dtype) if has_temp else None)
+
+
+# --- implementations behind the custom ops (Triton with a counted fallback) ---------------------
+
+
+def _qk_norm_forward(x: torch.Tensor, scale: float, temperature: torch.Tensor | None) -> torch.Tensor:
+    return run_with_fallback(
+        "qk_norm",
+        lambda: qk_norm_fwd_launch(x, scale, temperature),
+        lambda: qk_norm_ref(x, scale, temperature).contiguous(),
+    )
+
+
+def _qk_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, scale: float, temperature: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    reference = lambda: qk_norm_backward_ref(dy, x, scale, temperature)
+    # The backward switch is read here, at run time, so it holds inside compiled graphs too.
+    tensors = (dy, x) if temperature is None else (dy, x, temperature)
+    if not controls.triton_path("qk_norm", *tensors, backward=True):
+        return reference()
+    return run_with_fallback("qk_norm", lambda: qk_norm_bwd_launch(dy, x, scale, temperature), reference)
+
+
+# --- torch.library registration ------------------------------------------------------------------
+
+
+@torch.library.custom_op("hydra_kernels::qk_norm_fwd", mutates_args=())
+def _qk_norm_fwd_op(x: torch.Tensor, scale: float, temperature: torch.Tensor | None) -> torch.Tensor:
+    return _qk_norm_forward(x, scale, temperature)
+
+
+@_qk_norm_fwd_op.register_fake
+def _(x: torch.Tensor, scale: float, temperature: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("hydra_kernels::qk_norm_bwd", mutates_args=())
+def _qk_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, scale: float, temperature: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Custom ops return tensors only: without a temperature the second output is empty."""
+    dx, dtemp = _qk_norm_backward(dy, x, scale, temperature)
+    return dx, dtemp if dtemp is not None else x.new_empty(0)
+
+
+@_qk_norm_bwd_op.register_fake
+def _(
+    dy: torch.Tensor, x: torch.Tensor, scale: float, temperature: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), (
+        temperature.new_empty(temperature.shape) if temperature is not None else x.new_empty(0)
+    )
+
+
+def _qk_norm_setup(ctx, inputs, output) -> None:
+    x, scale, temperature = inputs
+    ctx.save_for_backward(x, temperature)
+    ctx.scale = scale
+
+
+def _qk_norm_grads(ctx, dy):
+    x, temperature = ctx.saved_tensors
+    if getattr(ctx, "eager", False):
+        dx, dtemp = _qk_norm_backward(dy, x, ctx.scale, temperature)
+    else:
+        dx, dtemp = _qk_norm_bwd_op(dy, x, ctx.scale, temperature)
+    return dx, None, (dtemp if temperature is not None else None)
+
+
+_qk_norm_fwd_op.register_autograd(_qk_norm_grads, setup_context=_qk_norm_setup)
+_QKNormFunction = eager_autograd_function("_QKNormFunction", _qk_norm_forward, _qk_norm_setup, _qk_norm_grads)
+
+
+# --- public function -----------------------------------------------------------------------------
+
+
 def qk_norm(x: torch.Tensor, scale: float, temperature: torch.Tensor | None = None) -> torch.Tensor:
-    """``x / ‖x‖₂ * scale`` per head over the last dim, times ``exp(temperature[h])`` if given."""
-    return qk_norm_ref(x, scale, temperature)
+    """``x / ‖x‖₂ * scale`` per head over the last dim, times ``exp(temperature[h])`` if given.
+
+    ``x`` is [..., H, D] (any strides); ``temperature`` is a [H] tensor (differentiable) or None.
+    fp64 inputs run the reference (in fp64).
+    """
+    if x.dim() < 2:
+        raise ValueError(f"qk_norm: x must be [..., H, D], got shape {tuple(x.shape)}")
+    if temperature is not None and tuple(temperature.shape) != (x.shape[-2],):
+        raise ValueError(
+            f"qk_norm: temperature has shape {tuple(temperature.shape)} but x has {x.shape[-2]} heads "
+            f"(x is {tuple(x.shape)}); pass a [H] tensor"
+        )
+    scale = float(scale)
+    tensors = (x,) if temperature is None else (x, temperature)
+    if x.dtype == torch.float64 or not controls.triton_path("qk_norm", *tensors):
+        return qk_norm_ref(x, scale, temperature)
+    if compiling():
+        return _qk_norm_fwd_op(x, scale, temperature)
+    return _QKNormFunction.apply(x, scale, temperature)

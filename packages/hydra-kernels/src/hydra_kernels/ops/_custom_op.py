@@ -1,0 +1,156 @@
+"""Plumbing every op module shares for its ``torch.library`` registration (keep this file small).
+
+Each op registers its host launchers as ``torch.library.custom_op`` s (namespace
+``hydra_kernels``) with ``register_fake`` and ``register_autograd``: that is what
+``torch.compile(fullgraph=True)`` traces. In eager mode a custom op costs tens of microseconds of
+dispatcher work per call (pytorch/pytorch#176592), which is as long as the kernels themselves at
+small sizes, so ops may also run the *same* forward implementation, ``setup_context`` and
+``backward`` through a plain ``torch.autograd.Function`` built by :func:`eager_autograd_function`;
+the public function picks it when :func:`compiling` is false.
+
+- :func:`run_with_fallback` — launch the Triton kernel; on a run-time failure count it
+  (``controls.record_fallback``: counted, warned once) and return the reference's result instead.
+- :func:`eager_autograd_function` — the eager twin of a custom op's autograd registration. Its
+  ``ctx.eager`` is True, so a shared ``backward`` can call the raw backward implementation
+  instead of the (traceable, slower) backward custom op.
+- :func:`compiling` — whether Dynamo is tracing right now.
+- :func:`multiprocessor_count` — streaming multiprocessors of a CUDA device (a small fixed number
+  on the CPU, where only the interpreter runs kernels), for sizing persistent-style grids.
+- :func:`launch_config_for` — an op's launch table entry for a padded row width and the device's
+  GPU generation, with user overrides (``launch_config.resolve_launch_config``) applied.
+- :func:`persistent_grid` — (programs, row blocks per program) for a persistent-style grid.
+- :func:`device_guard` — makes a tensor's CUDA device current for a launch: Triton launches on
+  the current device, which need not be the one holding the tensors.
+- :func:`to_output_dtype` (``@triton.jit``) — ``v.to(dtype)`` with round-to-nearest-even. GPUs
+  round fp32 → bf16 that way natively; Triton 3.6's interpreter truncates instead, which would
+  make CPU tests measure the interpreter rather than the kernel, so under the interpreter (only)
+  the rounding is done by hand on the bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+import triton
+import triton.language as tl
+
+from hydra_kernels import controls
+from hydra_kernels.launch_config import LaunchConfig, gpu_generation, resolve_launch_config
+
+#: Launch tables by padded row width: ((largest BLOCK_D, {generation: LaunchConfig}), ...).
+WidthTables = tuple[tuple[int, Mapping[str, LaunchConfig]], ...]
+
+T = TypeVar("T")
+
+#: "SM count" used for grids on the CPU (Triton interpreter): small, so that tests with a few
+#: hundred rows still give each program several row blocks and exercise the loop tails.
+INTERPRETER_SM_COUNT = 4
+
+
+# Read by to_output_dtype at compile time: on GPUs the branch compiles away.
+_ROUND_BF16_BY_HAND = tl.constexpr(controls.INTERPRETER_ACTIVE)
+
+
+@triton.jit
+def to_output_dtype(v, dtype: tl.constexpr):
+    """Cast fp32 ``v`` to ``dtype`` rounding to nearest even (see the module docstring)."""
+    if _ROUND_BF16_BY_HAND and dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)  # round half to even on the 16 dropped bits
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(v != v, v.to(dtype), rounded)  # keep NaN a NaN
+    else:
+        return v.to(dtype)
+
+
+def run_with_fallback(op: str, launch: Callable[[], T], reference: Callable[[], T]) -> T:
+    """``launch()``; if it raises, record the failure for ``op`` and return ``reference()``.
+
+    Out-of-memory is re-raised: it is not a kernel fault and the reference would need memory too.
+    """
+    try:
+        return launch()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        controls.record_fallback(op, exc)
+        return reference()
+
+
+def compiling() -> bool:
+    """True while torch.compile traces (the public functions then call the custom op)."""
+    return torch.compiler.is_compiling()
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_sm_count(index)
+    return INTERPRETER_SM_COUNT
+
+
+def launch_config_for(op: str, device: torch.device, block_d: int, tables: WidthTables) -> LaunchConfig:
+    """The entry of ``tables`` for this padded width and device generation, overrides applied."""
+    for widest, table in tables:
+        if block_d <= widest:
+            cfg = resolve_launch_config(op, device, table)
+            break
+    else:
+        raise ValueError(f"{op}: padded width {block_d} is beyond every launch table")
+    if cfg.block_rows & (cfg.block_rows - 1):
+        raise ValueError(f"{op}: block_rows={cfg.block_rows} must be a power of two")
+    return cfg
+
+
+def persistent_grid(
+    n_blocks: int, device: torch.device, programs_per_sm: Mapping[str, int]
+) -> tuple[int, int]:
+    """(programs, row blocks per program) for about ``programs_per_sm[generation]`` programs per
+    SM. The per-program count is a power of two: kernels take it as a compile-time trip count
+    (the Triton interpreter cannot loop to a run-time bound), and powers of two keep the number
+    of compiled variants small; the program count then lands between half the target and it."""
+    per_sm = programs_per_sm.get(gpu_generation(device), programs_per_sm["default"])
+    target = max(1, per_sm * multiprocessor_count(device))
+    iters = triton.next_power_of_2(triton.cdiv(n_blocks, target))
+    return triton.cdiv(n_blocks, iters), iters
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device(t.device)`` for CUDA tensors, a no-op otherwise."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def eager_autograd_function(
+    name: str,
+    forward: Callable[..., Any],
+    setup_context: Callable[[Any, tuple[Any, ...], Any], None],
+    backward: Callable[..., Any],
+) -> type[torch.autograd.Function]:
+    """A ``torch.autograd.Function`` running ``forward(*inputs)`` directly, then the custom op's
+    own ``setup_context(ctx, inputs, output)``; ``backward(ctx, *grads)`` is shared too (once
+    differentiable: a double backward raises instead of returning wrong second derivatives)."""
+
+    def _forward(ctx: Any, *inputs: Any) -> Any:
+        output = forward(*inputs)
+        ctx.eager = True
+        setup_context(ctx, inputs, output)
+        return output
+
+    @torch.autograd.function.once_differentiable  # the kernels' backward is not differentiable
+    def _backward(ctx: Any, *grads: Any) -> Any:
+        return backward(ctx, *grads)
+
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(_forward), "backward": staticmethod(_backward)},
+    )
