@@ -1,3 +1,62 @@
 """hydra_model: The HYDRA model: CCGQA attention with MoD/MoR/MoE routing, size presets, generation."""
 
 __version__ = "0.1.0"
+
+from hydra_model.attention_backend import (
+    FLASH_ATTN_AVAILABLE,
+    XFORMERS_AVAILABLE,
+    attention_autotune_report,
+    attention_fallback_counts,
+    flexible_attention,
+    get_attention_backend,
+    reset_attention_fallback_counts,
+    set_attention_backend,
+)
+from hydra_model.blocks import CCGQABlock, CCGQAMoDBlockWrapper, CCGQAMoRBlock
+from hydra_model.cache import ModelCache
+from hydra_model.ccgqa import CCGQAAttention
+from hydra_model.checkpointing import GradientCheckpointMixin
+from hydra_model.config import MODEL_PRESETS, SEED_PARAM_COUNTS, HydraConfig, preset_config
+from hydra_model.footprint import compute_memory_footprint, flops_breakdown, flops_per_token
+from hydra_model.gqa import GQAAttention
+from hydra_model.layers import FUSED_KERNELS_AVAILABLE, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from hydra_model.model import CCGQAMoDMoRModel, HydraOutput, aux_loss_weights, create_ccgqa_mod_mor_model
+from hydra_model.moe import MoEFFN, moe_dispatch_counts
+from hydra_model.stats import routing_stats_to_python
+
+__all__ = [
+    "FLASH_ATTN_AVAILABLE",
+    "FUSED_KERNELS_AVAILABLE",
+    "MODEL_PRESETS",
+    "SEED_PARAM_COUNTS",
+    "XFORMERS_AVAILABLE",
+    "CCGQAAttention",
+    "CCGQABlock",
+    "CCGQAMoDBlockWrapper",
+    "CCGQAMoDMoRModel",
+    "CCGQAMoRBlock",
+    "GQAAttention",
+    "GradientCheckpointMixin",
+    "HydraConfig",
+    "HydraOutput",
+    "MoEFFN",
+    "ModelCache",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLUMLP",
+    "__version__",
+    "attention_autotune_report",
+    "attention_fallback_counts",
+    "aux_loss_weights",
+    "compute_memory_footprint",
+    "create_ccgqa_mod_mor_model",
+    "flexible_attention",
+    "flops_breakdown",
+    "flops_per_token",
+    "get_attention_backend",
+    "moe_dispatch_counts",
+    "preset_config",
+    "reset_attention_fallback_counts",
+    "routing_stats_to_python",
+    "set_attention_backend",
+]

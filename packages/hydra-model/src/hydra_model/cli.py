@@ -1,7 +1,287 @@
-"""The `hydra-model` command line."""
+"""The `hydra-model` command line: sizes, info, generate."""
 
-from hydra_kernels.cli_support import add_version_option, new_app
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from hydra_kernels.cli_support import add_version_option, console, emit_json, err_console, fail, new_app
 from hydra_model import __version__
 
 app = new_app("The HYDRA model: CCGQA attention with MoD/MoR/MoE routing, size presets, generation.")
 add_version_option(app, "hydra-model", __version__)
+
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a config field, e.g. --set static_routing_mode=true (repeatable)."),
+]
+
+
+def _parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            fail(f"--set {item!r} is not FIELD=VALUE (e.g. --set mod_capacity=0.5)", code=2)
+        key, raw = item.split("=", 1)
+        try:
+            value = json.loads(raw.lower() if raw.lower() in ("true", "false", "null") else raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare string such as token_choice
+        out[key.strip()] = value
+    return out
+
+
+def _meta_model(model_size: str, overrides: dict[str, Any]):
+    import torch
+
+    from hydra_model.model import create_ccgqa_mod_mor_model
+
+    try:
+        with torch.device("meta"):  # shapes and counts only: nothing is allocated
+            return create_ccgqa_mod_mor_model(model_size, **overrides)
+    except ValueError as exc:
+        fail(str(exc), code=2)
+
+
+@app.command()
+def sizes(
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", "--batch_size", help="Batch for the memory estimate.")
+    ] = 8,
+    seq_len: Annotated[
+        int, typer.Option("--seq-len", "--seq_len", help="Sequence length for memory and FLOPs.")
+    ] = 2048,
+    overrides: SetOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Every size preset: parameters, width, blocks × recursions, latent heads, FLOPs, training memory."""
+    from hydra_model.config import MODEL_PRESETS
+    from hydra_model.footprint import compute_memory_footprint
+
+    extra = _parse_overrides(overrides)
+    rows = []
+    for name in MODEL_PRESETS:
+        model = _meta_model(name, extra)
+        cfg = model.config
+        mem = compute_memory_footprint(model, batch_size, seq_len)
+        rows.append(
+            {
+                "model_size": name,
+                "parameters": model.num_parameters(),
+                "dim": cfg.dim,
+                "blocks": cfg.n_mor_blocks,
+                "recursions": cfg.recursions_per_block,
+                "latent_q_heads": cfg.n_heads,
+                "latent_kv_heads": cfg.n_kv_heads,
+                "head_dim": cfg.head_dim,
+                "mlp_hidden": cfg.mlp_hidden,
+                "vocab_size": cfg.vocab_size,
+                "flops_per_token_executed": model.flops_per_token(seq_len, executed=True),
+                "flops_per_token_dense": model.flops_per_token(seq_len, executed=False),
+                "estimated_training_gib": mem["estimated_training_mb"] / 1024,
+            }
+        )
+    if as_json:
+        emit_json({"batch_size": batch_size, "seq_len": seq_len, "overrides": extra, "presets": rows})
+        return
+    table = Table(
+        title=f"HYDRA presets (training memory: B={batch_size}, T={seq_len}, AdamW, bf16 activations)"
+    )
+    for col in (
+        "preset",
+        "params",
+        "dim",
+        "blocks×rec",
+        "q/kv heads×d",
+        "MLP",
+        "GFLOP/tok (dense)",
+        "memory",
+    ):
+        table.add_column(col, justify="left" if col == "preset" else "right")
+    for r in rows:
+        table.add_row(
+            r["model_size"],
+            f"{r['parameters'] / 1e6:.1f}M",
+            str(r["dim"]),
+            f"{r['blocks']}×{r['recursions']}",
+            f"{r['latent_q_heads']}/{r['latent_kv_heads']}×{r['head_dim']}",
+            str(r["mlp_hidden"]),
+            f"{r['flops_per_token_executed'] / 1e9:.2f} ({r['flops_per_token_dense'] / 1e9:.2f})",
+            f"{r['estimated_training_gib']:.1f} GiB",
+        )
+    console.print(table)
+    console.print(
+        "FLOPs: training (fwd+bwd) per token, executed under routing; memory is an analytic estimate."
+    )
+
+
+def _block_param_rows(model) -> list[dict[str, Any]]:
+    rows = [{"name": "embedding (tied LM head)", "parameters": model.embed.weight.numel()}]
+    for i, blk in enumerate(model.blocks):
+        attn = sum(p.numel() for p in blk.mor.block.attn.parameters())
+        ffn = sum(p.numel() for p in blk.mor.block.ffn.parameters())
+        total = sum(p.numel() for p in blk.parameters())
+        rows.append(
+            {
+                "name": f"block{i}",
+                "parameters": total,
+                "attention": attn,
+                "ffn": ffn,
+                "routers_norms": total - attn - ffn,
+                "mod_routed": bool(blk.routed),
+            }
+        )
+    rows.append({"name": "final norm", "parameters": model.norm.weight.numel()})
+    return rows
+
+
+@app.command()
+def info(
+    model_size: Annotated[str, typer.Option("--model-size", "--model_size", help="Preset name.")] = "100M",
+    seq_len: Annotated[int, typer.Option("--seq-len", "--seq_len", help="Sequence length for FLOPs.")] = 2048,
+    overrides: SetOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Layer by layer: parameters, and training FLOPs per token executed under routing vs dense."""
+    from hydra_model.footprint import flops_breakdown
+
+    extra = _parse_overrides(overrides)
+    model = _meta_model(model_size, extra)
+    cfg = model.config
+    params = _block_param_rows(model)
+    executed = flops_breakdown(cfg, seq_len, executed=True)
+    dense = {row["name"]: row["flops"] for row in flops_breakdown(cfg, seq_len, executed=False)}
+    flops = [{**row, "dense_flops": dense[row["name"]]} for row in executed]
+    summary = {
+        "model_size": model_size,
+        "seq_len": seq_len,
+        "config": cfg.to_dict(),
+        "parameters": model.num_parameters(),
+        "parameters_no_embedding": model.num_parameters(True),
+        "flops_per_token_executed": sum(r["flops"] for r in flops),
+        "flops_per_token_dense": sum(r["dense_flops"] for r in flops),
+    }
+    if as_json:
+        emit_json({**summary, "parameter_rows": params, "flops_rows": flops})
+        return
+    pt = Table(title=f"{model_size}: parameters ({summary['parameters'] / 1e6:.2f}M)")
+    for col in ("layer", "params", "attention", "ffn", "routers+norms", "MoD"):
+        pt.add_column(col, justify="left" if col == "layer" else "right")
+    for r in params:
+        pt.add_row(
+            r["name"],
+            f"{r['parameters']:,}",
+            f"{r['attention']:,}" if "attention" in r else "",
+            f"{r['ffn']:,}" if "ffn" in r else "",
+            f"{r['routers_norms']:,}" if "ffn" in r else "",
+            ("routed" if r["mod_routed"] else "dense") if "mod_routed" in r else "",
+        )
+    console.print(pt)
+    ft = Table(title=f"training FLOPs per token at T={seq_len} (fwd+bwd)")
+    for col in ("application", "token share", "attn context", "MFLOP executed", "MFLOP dense"):
+        ft.add_column(col, justify="left" if col == "application" else "right")
+    for r in flops:
+        ft.add_row(
+            r["name"],
+            f"{r['token_fraction']:.3f}",
+            str(r["context"]),
+            f"{r['flops'] / 1e6:.2f}",
+            f"{r['dense_flops'] / 1e6:.2f}",
+        )
+    ft.add_row(
+        "total",
+        "",
+        "",
+        f"{summary['flops_per_token_executed'] / 1e6:.1f}",
+        f"{summary['flops_per_token_dense'] / 1e6:.1f}",
+        style="bold",
+    )
+    console.print(ft)
+
+
+def _find_tokenizer(checkpoint: Path, tokenizer: Path | None) -> Path:
+    if tokenizer is not None:
+        if not tokenizer.is_file():
+            fail(f"--tokenizer {tokenizer} does not exist")
+        return tokenizer
+    beside = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "tokenizer.json"
+    if beside.is_file():
+        return beside
+    fail(f"no tokenizer: pass --tokenizer PATH/tokenizer.json (none found at {beside})")
+
+
+def _load_model(checkpoint: Path, device: str, allow_pickle: bool):
+    from hydra_model.model import CCGQAMoDMoRModel
+    from hydra_model.persistence import load_checkpoint_file
+
+    if not checkpoint.exists():
+        fail(f"--checkpoint {checkpoint} does not exist")
+    try:
+        if checkpoint.is_dir():
+            return CCGQAMoDMoRModel.from_pretrained(checkpoint, map_location=device)
+        return load_checkpoint_file(CCGQAMoDMoRModel, checkpoint, device, allow_pickle=allow_pickle)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        fail(f"could not load {checkpoint}: {exc}")
+
+
+@app.command()
+def generate(
+    checkpoint: Annotated[
+        Path, typer.Option("--checkpoint", help="save_pretrained directory or hydra-train .pt file.")
+    ],
+    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")],
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            "--tokenizer", help="tokenizers-library tokenizer.json (default: beside the checkpoint)."
+        ),
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "--max_new_tokens", min=0)] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int | None, typer.Option("--top-k", "--top_k", min=1)] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", "--top_p", min=0.0, max=1.0)] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, or auto.")] = "auto",
+    allow_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--allow-pickle", "--allow_pickle", help="Trust a .pt checkpoint that holds pickled objects."
+        ),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (prompt, ids, text).")] = False,
+) -> None:
+    """Continue --prompt with a trained model (greedy by default)."""
+    import torch
+
+    if not checkpoint.exists():
+        fail(f"--checkpoint {checkpoint} does not exist")
+    tok_path = _find_tokenizer(checkpoint, tokenizer)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        fail("the `tokenizers` package is needed to encode the prompt: pip install tokenizers")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = _load_model(checkpoint, device, allow_pickle)
+    tok = Tokenizer.from_file(str(tok_path))
+    ids = tok.encode(prompt).ids
+    if not ids:
+        fail("the prompt encodes to no tokens; give some text", code=2)
+    if max(ids) >= model.config.vocab_size:
+        fail(
+            f"tokenizer {tok_path} produces id {max(ids)} ≥ the model's vocab_size {model.config.vocab_size}"
+        )
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with err_console.status("generating…"):
+        out = model.generate(
+            torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, top_p, generator=gen
+        )
+    new_ids = out[0, len(ids) :].tolist()
+    text = tok.decode(new_ids)
+    if as_json:
+        emit_json({"prompt": prompt, "prompt_ids": ids, "generated_ids": new_ids, "text": text})
+    else:
+        console.print(Text(prompt, style="bold") + Text(text), highlight=False)

@@ -1,0 +1,381 @@
+"""flexible_attention: causal GQA attention on the fastest backend that is present and valid.
+
+Backends: ``flash`` (flash-attn 2/3 when importable), ``xformers``, ``sdpa`` (PyTorch's
+scaled_dot_product_attention and its cuDNN / flash / efficient kernels), and ``auto``.
+
+``auto`` on CUDA measures, once per shape signature, every candidate that is importable and valid
+(forward+backward when gradients are needed) and keeps the fastest; the choice is logged once and
+cached. Off CUDA ``auto`` is plain SDPA. Under torch.compile or CUDA-graph capture nothing can be
+measured: ``auto`` takes the backend measured most often for the same heads and head size (any
+batch and length, so run one eager step first), else plain SDPA, counted as a fallback.
+
+GQA never copies K/V where the backend takes grouped heads natively (SDPA ``enable_gqa``,
+flash-attn, xformers' grouped layout); candidates that need copies are measured as separate
+"+expand" variants, so the copy only wins when it is actually faster.
+
+Environment: ``HYDRA_ATTENTION_BACKEND`` (auto|flash|xformers|sdpa), ``HYDRA_SDPA_FLASH_ONLY=1``
+(SDPA restricted to its flash kernel), ``HYDRA_SDPA_NO_FLASH=1`` (SDPA without its flash kernel).
+A requested backend that cannot run a call falls back to SDPA and is counted per reason
+(:func:`attention_fallback_counts`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flash", "xformers", "sdpa")
+
+try:  # pragma: no cover - flash-attn is not installed on the project's machines
+    from flash_attn import flash_attn_func as _flash_attn_func
+
+    FLASH_ATTN_AVAILABLE = True
+except Exception:
+    _flash_attn_func = None
+    FLASH_ATTN_AVAILABLE = False
+
+try:  # pragma: no cover - xformers is not installed on the project's machines
+    import xformers.ops as _xops
+
+    XFORMERS_AVAILABLE = True
+except Exception:
+    _xops = None
+    XFORMERS_AVAILABLE = False
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # pragma: no cover - torch < 2.3
+    SDPBackend = None
+    sdpa_kernel = None
+
+_lock = threading.Lock()
+_fallbacks: Counter[str] = Counter()
+_auto_choice: dict[tuple, str] = {}
+_auto_report: dict[tuple, dict[str, float | str]] = {}
+_state = {"backend": "auto", "flash_only": False, "no_flash": False}
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def reload_attention_env() -> None:
+    """Re-read HYDRA_ATTENTION_BACKEND, HYDRA_SDPA_FLASH_ONLY and HYDRA_SDPA_NO_FLASH."""
+    name = os.environ.get("HYDRA_ATTENTION_BACKEND", "").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"HYDRA_ATTENTION_BACKEND={name!r}; expected one of {', '.join(BACKENDS)}")
+    flash_only, no_flash = _env_true("HYDRA_SDPA_FLASH_ONLY"), _env_true("HYDRA_SDPA_NO_FLASH")
+    if flash_only and no_flash:
+        raise ValueError("HYDRA_SDPA_FLASH_ONLY=1 and HYDRA_SDPA_NO_FLASH=1 contradict each other; set one")
+    _state.update(backend=name, flash_only=flash_only, no_flash=no_flash)
+    _auto_choice.clear()
+
+
+reload_attention_env()
+
+
+def set_attention_backend(name: str) -> None:
+    """Use ``name`` (auto|flash|xformers|sdpa) from now on; clears auto's measured choices."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    _state["backend"] = name
+    _auto_choice.clear()
+
+
+def get_attention_backend() -> str:
+    """The requested backend (what :func:`set_attention_backend` or the environment asked for)."""
+    return str(_state["backend"])
+
+
+def attention_fallback_counts() -> dict[str, int]:
+    """Calls that could not run on the requested backend, per ``"<requested>-><used>: reason"``."""
+    return dict(_fallbacks)
+
+
+def reset_attention_fallback_counts() -> None:
+    _fallbacks.clear()
+
+
+def attention_autotune_report() -> dict[str, dict[str, float | str]]:
+    """auto's measurements: per signature, each candidate's median ms (or its error) and the pick."""
+    return {_describe(sig): dict(rep) for sig, rep in _auto_report.items()}
+
+
+def _count(key: str) -> None:
+    if not torch.compiler.is_compiling():
+        with _lock:
+            _fallbacks[key] += 1
+
+
+def _describe(sig: tuple) -> str:
+    dev, dtype, b, hq, hkv, s, length, d, causal, grad = sig
+    return f"{dev} {dtype} B={b} Hq={hq} Hkv={hkv} S={s} L={length} d={d} causal={causal} grad={grad}"
+
+
+# --- the implementations, all on [B, H, S, d] ------------------------------------------------
+
+
+def _sdpa_kernels(restrict: str | None) -> list | None:
+    if SDPBackend is None or restrict == "none":
+        return None
+    if restrict == "cudnn":
+        return [SDPBackend.CUDNN_ATTENTION]
+    if restrict == "flash" or _state["flash_only"]:
+        return [SDPBackend.FLASH_ATTENTION]
+    if restrict == "efficient":
+        return [SDPBackend.EFFICIENT_ATTENTION]
+    if _state["no_flash"]:
+        return [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return None
+
+
+def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    groups = q.shape[1] // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _run_sdpa(q, k, v, causal, mask, scale, restrict: str | None = None, expand: bool = False):
+    if expand:
+        k, v = _expand_kv(q, k), _expand_kv(q, v)
+    gqa = q.shape[1] != k.shape[1]
+    kernels = _sdpa_kernels(restrict)
+    ctx = sdpa_kernel(kernels) if kernels is not None else contextlib.nullcontext()
+    with ctx:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+
+
+def _run_flash(q, k, v, causal, mask, scale):
+    # flash-attn takes [B, S, H, d] and grouped kv heads natively
+    out = _flash_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def _run_xformers(q, k, v, causal, mask, scale):
+    b, hq, s, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    # grouped layout [B, S, Hkv, G, d]; kv broadcast over G by a stride-0 expand (no copy)
+    qx = q.transpose(1, 2).reshape(b, s, hkv, groups, d)
+    kx = k.transpose(1, 2).unsqueeze(3).expand(b, length, hkv, groups, d)
+    vx = v.transpose(1, 2).unsqueeze(3).expand(b, length, hkv, groups, d)
+    bias = _xops.LowerTriangularMask() if causal else None
+    out = _xops.memory_efficient_attention(qx, kx, vx, attn_bias=bias, scale=scale)
+    return out.reshape(b, s, hq, d).transpose(1, 2)
+
+
+def _invalid_reason(name: str, q: torch.Tensor, mask: torch.Tensor | None) -> str | None:
+    """Why backend ``name`` cannot run these inputs, or None when it can."""
+    if name == "flash":
+        if not FLASH_ATTN_AVAILABLE:
+            return "not installed"
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            return "needs fp16/bf16 CUDA tensors"
+        if q.shape[-1] % 8 or q.shape[-1] > 256 or mask is not None:
+            return "head size or mask not supported"
+    if name == "xformers":
+        if not XFORMERS_AVAILABLE:
+            return "not installed"
+        if q.device.type != "cuda" or mask is not None:
+            return "needs CUDA tensors and no explicit mask"
+    return None
+
+
+_Impl = Callable[..., torch.Tensor]
+
+
+def _candidates(q: torch.Tensor, k: torch.Tensor) -> dict[str, _Impl]:
+    """auto's candidates for these inputs (CUDA only)."""
+    gqa = q.shape[1] != k.shape[1]
+    out: dict[str, _Impl] = {"sdpa": lambda *a: _run_sdpa(*a)}
+    if SDPBackend is not None and not _state["flash_only"]:
+        kernels = ["cudnn", "efficient"] + ([] if _state["no_flash"] else ["flash"])
+        for kern in kernels:
+            out[f"sdpa_{kern}"] = lambda *a, _k=kern: _run_sdpa(*a, restrict=_k)
+            if gqa:
+                out[f"sdpa_{kern}+expand"] = lambda *a, _k=kern: _run_sdpa(*a, restrict=_k, expand=True)
+    if _invalid_reason("flash", q, None) is None:
+        out["flash"] = _run_flash
+    if _invalid_reason("xformers", q, None) is None:
+        out["xformers"] = _run_xformers
+    return out
+
+
+def _measure(sig: tuple, q, k, v, causal, scale, needs_grad: bool) -> str:
+    """Time every candidate on fresh random inputs of this shape; cache and log the fastest."""
+    report: dict[str, float | str] = {}
+    with torch.no_grad():
+        tq, tk, tv = (torch.randn_like(t) for t in (q, k, v))
+    # identity saved-tensor hooks: inside a checkpointed forward, the checkpoint's own hooks
+    # would otherwise capture this private graph's saved tensors
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        for name, impl in _candidates(q, k).items():
+            _time_candidate(report, name, impl, (tq, tk, tv), causal, scale, needs_grad)
+    timed = {n: t for n, t in report.items() if isinstance(t, float)}
+    choice = min(timed, key=timed.get) if timed else "sdpa"
+    report["chosen"] = choice
+    _auto_choice[sig] = choice
+    _auto_report[sig] = report
+    logger.info(
+        "attention backend for %s: %s (%s)",
+        _describe(sig),
+        choice,
+        ", ".join(f"{n} {t:.3f} ms" for n, t in sorted(timed.items(), key=lambda kv: kv[1])),
+    )
+    return choice
+
+
+def _time_candidate(report, name, impl, inputs, causal, scale, needs_grad: bool) -> None:
+    """Median ms of 5 timed forward(+backward) calls after 2 untimed ones, or the error.
+    CUDA events on the GPU; a host clock elsewhere (only tests time on the CPU)."""
+    cuda = inputs[0].is_cuda
+    try:
+        times = []
+        for it in range(7):
+            args = [t.detach().requires_grad_(needs_grad) for t in inputs]
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                t0 = time.perf_counter()
+            with torch.enable_grad() if needs_grad else torch.no_grad():
+                out = impl(*args, causal, None, scale)
+                if needs_grad:
+                    out.backward(torch.ones_like(out))
+            if cuda:
+                end.record()
+                end.synchronize()
+                elapsed = start.elapsed_time(end)
+            else:
+                elapsed = (time.perf_counter() - t0) * 1000
+            if it >= 2:  # the first calls include kernel selection and plan building
+                times.append(elapsed)
+        report[name] = statistics.median(times)
+    except Exception as exc:  # a candidate that cannot run these shapes is simply not chosen
+        report[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _auto_impl(q, k, v, causal, mask, scale) -> tuple[str, _Impl]:
+    if q.device.type != "cuda" or mask is not None:
+        return "sdpa", _run_sdpa
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    # head counts and size are static ints even when torch.compile treats B and S as symbolic
+    family = (
+        str(q.dtype).removeprefix("torch."),
+        q.shape[1],
+        k.shape[1],
+        q.shape[3],
+        bool(causal),
+        needs_grad,
+    )
+    if torch.compiler.is_compiling() or _capturing(q.device):
+        choice = _family_choice(family)
+        if choice is None:
+            _count("auto->sdpa: signature not measured before compile/capture")
+            return "sdpa", _run_sdpa
+        return choice, _candidates(q, k).get(choice, _run_sdpa)
+    sig = (str(q.device), family[0], q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+           bool(causal), needs_grad)  # fmt: skip
+    choice = _auto_choice.get(sig)
+    if choice is None:
+        choice = _measure(sig, q, k, v, causal, scale, needs_grad)
+    return choice, _candidates(q, k).get(choice, _run_sdpa)
+
+
+def _family_choice(family: tuple) -> str | None:
+    """Under compile/capture (no measuring there): the backend measured most often for these
+    heads and head size at any batch and length, or None if none was measured."""
+    dtype, hq, hkv, d, causal, grad = family
+    picks = [
+        c
+        for s, c in _auto_choice.items()
+        if (s[1], s[3], s[4], s[7], s[8], s[9]) == (dtype, hq, hkv, d, causal, grad)
+    ]
+    return Counter(picks).most_common(1)[0][0] if picks else None
+
+
+def flexible_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, Hq, S, d] over k, v [B, Hkv, L, d] (Hq a multiple of Hkv) → [B, Hq, S, d].
+
+    ``causal`` (alias ``is_causal``) masks keys after each query and needs S == L; ``attn_mask``
+    (boolean, True = attend, broadcastable to [B, Hq, S, L]) is for decoding against a cache.
+    ``scale`` defaults to 1/√d.
+    """
+    if is_causal is not None:
+        causal = is_causal
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"causal attention needs as many queries as keys, got S={q.shape[2]}, L={k.shape[2]}"
+        )
+    if causal and attn_mask is not None:
+        raise ValueError("pass either causal=True or attn_mask, not both")
+    requested = _state["backend"]
+    if requested == "auto":
+        name, impl = _auto_impl(q, k, v, causal, attn_mask, scale)
+    elif requested == "sdpa":
+        name, impl = "sdpa", _run_sdpa
+    else:
+        reason = _invalid_reason(requested, q, attn_mask)
+        if reason is not None:
+            _count(f"{requested}->sdpa: {reason}")
+            name, impl = "sdpa", _run_sdpa
+        else:
+            name, impl = requested, (_run_flash if requested == "flash" else _run_xformers)
+    if not torch.compiler.is_compiling():
+        _log_once(requested, name, q)
+    restricted = name != "sdpa" or _state["flash_only"] or _state["no_flash"]
+    if torch.compiler.is_compiling() or not restricted:
+        return impl(q, k, v, causal, attn_mask, scale)
+    try:
+        return impl(q, k, v, causal, attn_mask, scale)
+    except RuntimeError as exc:  # e.g. a restricted SDPA kernel that rejects these inputs
+        _count(f"{name}->sdpa (unrestricted): {type(exc).__name__}")
+        return _run_sdpa(q, k, v, causal, attn_mask, scale, restrict="none")
+
+
+_logged: set[tuple[str, str, str]] = set()
+
+
+def _log_once(requested: str, used: str, q: torch.Tensor) -> None:
+    key = (requested, used, q.device.type)
+    if key not in _logged:
+        _logged.add(key)
+        sdpa_mode = (
+            "flash only" if _state["flash_only"] else "no flash" if _state["no_flash"] else "any kernel"
+        )
+        logger.info(
+            "attention backend: requested %s, using %s on %s (SDPA: %s)",
+            requested,
+            used,
+            q.device.type,
+            sdpa_mode,
+        )

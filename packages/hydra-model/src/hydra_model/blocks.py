@@ -1,0 +1,302 @@
+"""The block hierarchy: CCGQABlock (attention + FFN) ← CCGQAMoRBlock (recursion routing) ←
+CCGQAMoDBlockWrapper (depth routing). Routing modes:
+
+============  ====================================  ===========================================
+mode          training (model.train())              eval / decoding (model.eval())
+============  ====================================  ===========================================
+dynamic       expert choice: top-k per sequence,    causal threshold on the same routers
+              gathered in time order (fixed k)      (σ(logit) > ½), selected-first permutation
+static        soft: every token, update × weight    same as training (already causal)
+token choice  MoR depth chosen per token up front    same as training (already causal)
+dense         no routers, every token everywhere    same
+============  ====================================  ===========================================
+
+Updates are scaled by the router weight (MoD: σ(logit); MoR: α·σ(logit)) so routers learn from
+the LM loss; the BCE auxiliary loss teaches them to predict top-k membership from the token
+alone, which is what makes threshold routing at eval time causal and close to training.
+Routing statistics are written into non-persistent buffers (detached, no host sync).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hydra_model.cache import ModelCache
+from hydra_model.ccgqa import CCGQAAttention
+from hydra_model.config import HydraConfig
+from hydra_model.gqa import GQAAttention
+from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from hydra_model.moe import MoEFFN
+from hydra_model.routing import SubSequence, masked_mean, membership_bce, positions_or_arange
+
+AuxLists = dict[str, list[torch.Tensor]]
+
+
+@dataclass
+class RunContext:
+    """What every block application of one forward shares."""
+
+    rope: RotaryEmbedding | None
+    cache: ModelCache | None = None
+
+    def tables(self, n: int, pos: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.rope is None:
+            return None, None
+        return self.rope.tables(n) if pos is None else self.rope.tables(positions=pos)
+
+
+def router_input(h: torch.Tensor) -> torch.Tensor:
+    """Routers score the RMS-normalised residual stream: its scale grows with depth and starts at
+    the embedding's (≈ 0.02), which would leave every initial logit near 0 and every σ near ½."""
+    return F.rms_norm(h, (h.shape[-1],), eps=1e-6)
+
+
+def _add(aux: AuxLists, name: str, value: torch.Tensor | None) -> None:
+    if value is not None:
+        aux.setdefault(name, []).append(value)
+
+
+def merge_aux(into: AuxLists, other: AuxLists) -> None:
+    for name, values in other.items():
+        into.setdefault(name, []).extend(values)
+
+
+class CCGQABlock(nn.Module):
+    """Pre-norm block: h → (attn(norm1 h) + ffn(norm2(h + attn))) as an update, not a new h."""
+
+    def __init__(self, cfg: HydraConfig) -> None:
+        super().__init__()
+        e = cfg.dim
+        self.norm1 = RMSNorm(e, cfg.norm_eps)
+        self.norm2 = RMSNorm(e, cfg.norm_eps)
+        if cfg.dense_baseline:
+            n_q = e // cfg.head_dim
+            self.attn: nn.Module = GQAAttention(
+                e, n_q, n_q * cfg.n_kv_heads // cfg.n_heads, cfg.head_dim, cfg.rotary_dim
+            )
+        else:
+            self.attn = CCGQAAttention(
+                e,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                cfg.rotary_dim,
+                cfg.conv_kernel_seq,
+                cfg.conv_kernel_ch,
+            )
+        if cfg.moe_enabled:
+            self.ffn: nn.Module = MoEFFN(
+                e,
+                cfg.expert_hidden,
+                cfg.moe_num_experts,
+                cfg.moe_top_k,
+                cfg.moe_balancing,
+                cfg.moe_bias_update_rate,
+            )
+        else:
+            self.ffn = SwiGLUMLP(e, cfg.mlp_hidden)
+
+    def forward(self, h, cos, sin, *, slot=None, member=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [B, n, E] → (update [B, n, E], MoE balance loss or None)."""
+        a = self.attn(self.norm1(h), cos, sin, slot=slot, member=member)
+        x2 = self.norm2.forward_add(a, h)
+        if isinstance(self.ffn, MoEFFN):
+            m, moe_loss = self.ffn(x2, member)
+        else:
+            m, moe_loss = self.ffn(x2), None
+        return a + m, moe_loss
+
+
+class CCGQAMoRBlock(nn.Module):
+    """One shared CCGQABlock applied up to R times; a router decides per token how deep it goes."""
+
+    def __init__(self, cfg: HydraConfig, block_index: int) -> None:
+        super().__init__()
+        self.block_index = block_index
+        self.recursions = cfg.recursions_per_block
+        self.capacities = cfg.mor_capacity_schedule
+        self.alpha = cfg.mor_gate_alpha
+        self.ponder = cfg.ponder_weight > 0
+        self.mode = (
+            "dense" if cfg.dense_baseline else "static" if cfg.static_routing_mode else cfg.mor_routing
+        )
+        self.block = CCGQABlock(cfg)
+        # expert choice / static: one logit per recursion; token choice: logits over depths 1..R
+        self.router = None if self.mode == "dense" else nn.Linear(cfg.dim, self.recursions)
+        self.register_buffer("stat_depth", torch.zeros(2), persistent=False)  # [avg, expected]
+        self.register_buffer("stat_depth_hist", torch.zeros(self.recursions + 1), persistent=False)
+
+    def _logit(self, rin: torch.Tensor, r: int) -> torch.Tensor:
+        """Recursion r's router logit [B, n] from the normalised input ``rin`` = router_input(h)."""
+        w, b = self.router.weight[r : r + 1], self.router.bias[r : r + 1]
+        return F.linear(rin, w, b).squeeze(-1).float()
+
+    def _run_block(self, h, r, ctx, pos, gate, view=None, member=None):
+        """Add gate·update of the shared block to h, on all rows (view None) or a routed view."""
+        slot = ctx.cache.slot(self.block_index, r) if ctx.cache is not None else None
+        if view is None:
+            cos, sin = ctx.tables(h.shape[1], pos)
+            delta, moe_loss = self.block(h, cos, sin, slot=slot, member=member)
+            if gate is not None:
+                delta = gate.unsqueeze(-1) * delta
+            return h + delta.to(h.dtype), moe_loss
+        hs = view.gather(h)
+        cos, sin = ctx.tables(hs.shape[1], view.pos)
+        delta, moe_loss = self.block(hs, cos, sin, slot=slot, member=view.member)
+        return view.scatter_add(h, view.gather_values(gate).unsqueeze(-1) * delta), moe_loss
+
+    def forward(self, h, pos, member, ctx: RunContext) -> tuple[torch.Tensor, AuxLists]:
+        """h [B, n, E] with positions pos [B, n] (None = 0..n−1) and real rows ``member`` (None =
+        all; otherwise a prefix mask) → (new h, auxiliary loss terms)."""
+        aux: AuxLists = {}
+        b, n, _ = h.shape
+        big_r = self.recursions
+        ones = torch.ones(b, n, device=h.device)
+        if self.mode == "dense":
+            for r in range(big_r):
+                h, moe_loss = self._run_block(h, r, ctx, pos, None, member=member)
+                _add(aux, "moe_balance", moe_loss)
+            depth, expected = ones * big_r, ones * big_r
+        elif self.mode == "static":
+            reach, expected = ones, torch.zeros_like(ones)
+            for r in range(big_r):
+                logit = self._logit(router_input(h), r)
+                h, moe_loss = self._run_block(
+                    h, r, ctx, pos, self.alpha * torch.sigmoid(logit), member=member
+                )
+                _add(aux, "moe_balance", moe_loss)
+                _add(aux, "router_z", masked_mean(logit.pow(2), member))
+                reach = reach * torch.sigmoid(logit)  # not detached: the ponder penalty trains routers
+                expected = expected + reach
+            depth = ones * big_r
+        elif self.mode == "token_choice":
+            h, depth, expected = self._token_choice(h, pos, member, ctx, aux)
+        else:
+            h, depth, expected = self._expert_choice(h, pos, member, ctx, aux)
+        if self.ponder and self.mode != "dense":
+            _add(aux, "ponder", masked_mean(expected, member) / big_r)
+        with torch.no_grad():
+            hist = F.one_hot(depth.detach().round().long().clamp(0, big_r), big_r + 1).float()
+            self.stat_depth.copy_(
+                torch.stack([masked_mean(depth.detach(), member), masked_mean(expected.detach(), member)])
+            )
+            self.stat_depth_hist.copy_(
+                torch.stack([masked_mean(hist[..., j], member) for j in range(big_r + 1)])
+            )
+        return h, aux
+
+    def _expert_choice(self, h, pos, member, ctx, aux):
+        b, n, _ = h.shape
+        active = member  # None: every row is a candidate
+        depth = torch.zeros(b, n, device=h.device)
+        expected = torch.zeros(b, n, device=h.device)
+        reach = torch.ones(b, n, device=h.device)  # P(token reaches recursion r), for expected depth
+        all_pos = None
+        for r, cap in enumerate(self.capacities):
+            rin = router_input(h)
+            logit = self._logit(rin, r)
+            gate = self.alpha * torch.sigmoid(logit)
+            _add(aux, "router_z", masked_mean(logit.pow(2), active))
+            if cap >= 1.0:
+                h, moe_loss = self._run_block(h, r, ctx, pos, gate, member=active)
+                selected = active
+            else:
+                all_pos = positions_or_arange(pos, b, n, h.device) if all_pos is None else all_pos
+                reach = reach * torch.sigmoid(logit)
+                if self.training:
+                    k = math.ceil(cap * n)
+                    scores = (
+                        logit.detach() if active is None else logit.detach().masked_fill(~active, -math.inf)
+                    )
+                    view = SubSequence.top_k(scores, k, all_pos)
+                    selected = torch.zeros(b, n, dtype=torch.bool, device=h.device).scatter(1, view.idx, True)
+                    # the router learns to predict membership from the token alone (detached input)
+                    _add(aux, "mor_router", membership_bce(self._logit(rin.detach(), r), selected, active))
+                else:
+                    selected = logit > 0 if active is None else (logit > 0) & active
+                    view = SubSequence.permuted(selected, all_pos)
+                h, moe_loss = self._run_block(h, r, ctx, pos, gate, view=view)
+            _add(aux, "moe_balance", moe_loss)
+            depth = depth + (1.0 if selected is None else selected.float())
+            expected = expected + reach
+            active = selected
+        return h, depth, expected
+
+    def _token_choice(self, h, pos, member, ctx, aux):
+        b, n, _ = h.shape
+        logits = self.router(router_input(h)).float()  # [B, n, R]: depth 1..R
+        probs = logits.softmax(dim=-1)
+        choice = probs.argmax(dim=-1)  # [B, n]
+        gate = self.alpha * probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+        depth_tok = choice + 1
+        all_pos = positions_or_arange(pos, b, n, h.device)
+        for r in range(self.recursions):
+            if r == 0:  # every token goes at least once
+                h, moe_loss = self._run_block(h, r, ctx, pos, gate, member=member)
+            else:
+                selected = depth_tok > r if member is None else (depth_tok > r) & member
+                h, moe_loss = self._run_block(
+                    h, r, ctx, pos, gate, view=SubSequence.permuted(selected, all_pos)
+                )
+            _add(aux, "moe_balance", moe_loss)
+        _add(aux, "router_z", masked_mean(torch.logsumexp(logits, dim=-1).pow(2), member))
+        if self.training:
+            onehot = F.one_hot(choice, self.recursions).float()  # [B, n, R]
+            frac = torch.stack([masked_mean(onehot[..., j], member) for j in range(self.recursions)])
+            p_mean = torch.stack([masked_mean(probs[..., j], member) for j in range(self.recursions)])
+            _add(aux, "mor_balance", self.recursions * (frac.detach() * p_mean).sum())
+        depths = torch.arange(1, self.recursions + 1, device=h.device, dtype=probs.dtype)
+        return h, depth_tok.float(), (probs * depths).sum(-1)
+
+
+class CCGQAMoDBlockWrapper(nn.Module):
+    """Mixture-of-Depths around a CCGQAMoRBlock: only the top ⌈capacity·S⌉ tokens go through."""
+
+    def __init__(self, cfg: HydraConfig, block_index: int) -> None:
+        super().__init__()
+        self.block_index = block_index
+        self.mor = CCGQAMoRBlock(cfg, block_index)
+        self.routed = cfg.mod_routed(block_index)
+        self.capacity = cfg.mod_capacity
+        self.static = cfg.static_routing_mode
+        self.router = nn.Linear(cfg.dim, 1) if self.routed else None
+        self.register_buffer("stat_mod", torch.zeros(2), persistent=False)  # [selected_frac, mean prob]
+
+    def forward(
+        self, h: torch.Tensor, pos: torch.Tensor | None, ctx: RunContext
+    ) -> tuple[torch.Tensor, AuxLists]:
+        """h [B, S, E], positions (None = 0..S−1) → (new h, auxiliary loss terms)."""
+        if not self.routed:
+            return self.mor(h, pos, None, ctx)
+        b, s, _ = h.shape
+        rin = router_input(h)
+        logit = self.router(rin).squeeze(-1).float()  # [B, S]
+        weight = torch.sigmoid(logit)
+        aux: AuxLists = {}
+        if self.static or self.capacity >= 1.0:
+            h_out, aux = self.mor(h, pos, None, ctx)
+            new_h = h + weight.unsqueeze(-1).to(h.dtype) * (h_out - h)
+            selected_frac = torch.ones((), device=h.device)
+        else:
+            all_pos = positions_or_arange(pos, b, s, h.device)
+            if self.training:
+                view = SubSequence.top_k(logit.detach(), math.ceil(self.capacity * s), all_pos)
+                selected = torch.zeros(b, s, dtype=torch.bool, device=h.device).scatter(1, view.idx, True)
+                bce_logit = self.router(rin.detach()).squeeze(-1).float()
+                _add(aux, "mod_router", membership_bce(bce_logit, selected, None))
+            else:
+                selected = logit > 0  # σ(logit) > ½, decided by the token alone: causal
+                view = SubSequence.permuted(selected, all_pos)
+            hs = view.gather(h)
+            hs_out, inner = self.mor(hs, view.pos, view.member, ctx)
+            merge_aux(aux, inner)
+            new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
+            selected_frac = selected.float().mean()
+        with torch.no_grad():
+            self.stat_mod.copy_(torch.stack([selected_frac, weight.detach().mean()]))
+        return new_h, aux

@@ -1,0 +1,309 @@
+"""HydraConfig: every knob of the model, the size presets, validation and derived widths."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+#: Size presets. Parameter counts at vocab 32000 land within 10% of the seed table (debug ~33M,
+#: 100M ~104M, 250M ~198M, 500M ~426M, 1B ~973M; tests/hydra_model/test_config.py checks it).
+#: Compression factor and head counts are chosen per size so that the latent head size
+#: dim / (compression_factor · n_heads) is 64 and n_heads is divisible by n_kv_heads; the MLP ratio
+#: is what lands the count (the blocks are few, so the MLPs are wide: debug keeps the seed's 33M
+#: with two blocks, hence its 10×).
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        dim=256,
+        n_mor_blocks=2,
+        recursions_per_block=2,
+        n_heads=2,
+        n_kv_heads=1,
+        compression_factor=2.0,
+        mlp_ratio=4.0,
+        max_seq_len=1024,
+    ),
+    "debug": dict(
+        dim=512,
+        n_mor_blocks=2,
+        recursions_per_block=2,
+        n_heads=4,
+        n_kv_heads=2,
+        compression_factor=2.0,
+        mlp_ratio=10.0,
+        max_seq_len=2048,
+    ),
+    "100M": dict(
+        dim=768,
+        n_mor_blocks=8,
+        recursions_per_block=4,
+        n_heads=4,
+        n_kv_heads=2,
+        compression_factor=3.0,
+        mlp_ratio=16 / 3,
+        max_seq_len=2048,
+    ),
+    "250M": dict(
+        dim=1024,
+        n_mor_blocks=10,
+        recursions_per_block=4,
+        n_heads=4,
+        n_kv_heads=2,
+        compression_factor=4.0,
+        mlp_ratio=5.0,
+        max_seq_len=2048,
+    ),
+    "500M": dict(
+        dim=1280,
+        n_mor_blocks=16,
+        recursions_per_block=4,
+        n_heads=8,
+        n_kv_heads=2,
+        compression_factor=2.5,
+        mlp_ratio=4.6,
+        max_seq_len=2048,
+    ),
+    "1B": dict(
+        dim=1792,
+        n_mor_blocks=20,
+        recursions_per_block=4,
+        n_heads=8,
+        n_kv_heads=2,
+        compression_factor=3.5,
+        mlp_ratio=4.5,
+        max_seq_len=2048,
+    ),
+}
+
+#: The seed table's parameter counts (vocab 32000), which the presets are held to.
+SEED_PARAM_COUNTS: dict[str, float] = {
+    "debug": 33e6,
+    "100M": 104e6,
+    "250M": 198e6,
+    "500M": 426e6,
+    "1B": 973e6,
+}
+
+MOR_ROUTINGS = ("expert_choice", "token_choice")
+MOE_BALANCINGS = ("aux_loss", "loss_free")
+
+
+@dataclass
+class HydraConfig:
+    """All model settings. Field names follow the seed documents where they had one."""
+
+    vocab_size: int = 32000
+    dim: int = 512
+    n_mor_blocks: int = 2
+    recursions_per_block: int = 2
+    #: latent query heads and latent key/value heads (GQA inside the compressed space)
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    #: C₁: the query latent width is dim / compression_factor = n_heads · head_dim
+    compression_factor: float = 2.0
+    mlp_ratio: float = 4.0
+    #: MLP hidden width is mlp_ratio · dim rounded up to a multiple of this (matmul-friendly)
+    mlp_multiple_of: int = 64
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-6
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    # CCGQA
+    conv_kernel_seq: int = 2
+    conv_kernel_ch: int = 2
+    rope_fraction: float = 0.5
+    rope_base: float = 10000.0
+
+    # Mixture-of-Depths
+    mod_capacity: float = 0.75
+    #: first and last blocks see every token (MoD off there)
+    mod_dense_first_last: bool = True
+    mod_aux_weight: float = 0.01
+
+    # Mixture-of-Recursions
+    mor_routing: str = "expert_choice"
+    #: capacities per recursion; None means the linear schedule (R − r) / R
+    mor_capacities: tuple[float, ...] | None = None
+    mor_gate_alpha: float = 1.0
+    mor_aux_weight: float = 0.01
+    router_z_weight: float = 1e-3
+    ponder_weight: float = 0.0
+    mor_balance_weight: float = 0.01
+
+    # Mixture-of-Experts
+    moe_enabled: bool = False
+    moe_num_experts: int = 4
+    moe_top_k: int = 1
+    #: expert hidden width; None means the dense MLP's width
+    moe_expert_hidden: int | None = None
+    moe_balancing: str = "aux_loss"
+    moe_aux_weight: float = 0.01
+    moe_bias_update_rate: float = 1e-3
+
+    # modes
+    static_routing_mode: bool = False
+    dense_baseline: bool = False
+    use_chunked_ce: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mor_capacities is not None:
+            self.mor_capacities = tuple(float(c) for c in self.mor_capacities)
+        self.validate()
+
+    # --- derived widths --------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        """Latent head size d = dim / (compression_factor · n_heads)."""
+        return round(self.dim / (self.compression_factor * self.n_heads))
+
+    @property
+    def q_latent_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_latent_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each latent head that RoPE rotates (even, at least 2 when fraction > 0)."""
+        if self.rope_fraction <= 0:
+            return 0
+        return max(2, int(self.head_dim * self.rope_fraction) // 2 * 2)
+
+    @property
+    def mlp_hidden(self) -> int:
+        m = self.mlp_multiple_of
+        return int(math.ceil(self.mlp_ratio * self.dim / m) * m)
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_expert_hidden or self.mlp_hidden
+
+    @property
+    def mor_capacity_schedule(self) -> tuple[float, ...]:
+        if self.mor_capacities is not None:
+            return self.mor_capacities
+        r_total = self.recursions_per_block
+        return tuple((r_total - r) / r_total for r in range(r_total))
+
+    @property
+    def effective_depth(self) -> int:
+        """Block applications a token would pass through with every router saying yes."""
+        return self.n_mor_blocks * self.recursions_per_block
+
+    def mod_routed(self, block_index: int) -> bool:
+        """Whether block ``block_index`` routes tokens with MoD (Python-level, fixed per config)."""
+        if self.dense_baseline:
+            return False
+        return not (self.mod_dense_first_last and block_index in (0, self.n_mor_blocks - 1))
+
+    # --- validation ------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field and what would fix it."""
+
+        def bad(msg: str) -> None:
+            raise ValueError(f"HydraConfig: {msg}")
+
+        for name in (
+            "vocab_size",
+            "dim",
+            "n_mor_blocks",
+            "recursions_per_block",
+            "n_heads",
+            "n_kv_heads",
+            "max_seq_len",
+            "conv_kernel_seq",
+            "conv_kernel_ch",
+            "moe_num_experts",
+        ):
+            if int(getattr(self, name)) < 1:
+                bad(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.compression_factor <= 0:
+            bad(f"compression_factor={self.compression_factor} must be positive")
+        width = self.dim / (self.compression_factor * self.n_heads)
+        if abs(width - round(width)) > 1e-6 or round(width) < 2:
+            bad(
+                f"latent head size dim / (compression_factor · n_heads) = {self.dim} / "
+                f"({self.compression_factor} · {self.n_heads}) = {width:g} is not an integer ≥ 2; "
+                "pick compression_factor and n_heads so that it divides evenly"
+            )
+        if self.head_dim % 2:
+            bad(f"latent head size {self.head_dim} must be even (value shift and RoPE split channels)")
+        if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
+            bad(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+                "(GQA in the latent space needs C₂ ≥ C₁)"
+            )
+        if self.dense_baseline and (
+            self.dim % self.head_dim or (self.dim // self.head_dim * self.n_kv_heads) % self.n_heads
+        ):
+            bad(
+                f"dense_baseline keeps head size {self.head_dim} and the q/kv head ratio {self.n_heads}/"
+                f"{self.n_kv_heads}, so dim={self.dim} must give a whole number of heads of each kind"
+            )
+        if not 0 < self.mod_capacity <= 1:
+            bad(f"mod_capacity={self.mod_capacity} must be in (0, 1]")
+        caps = self.mor_capacity_schedule
+        if len(caps) != self.recursions_per_block:
+            bad(
+                f"mor_capacities has {len(caps)} entries, recursions_per_block is {self.recursions_per_block}"
+            )
+        if any(not 0 < c <= 1 for c in caps) or any(b > a for a, b in itertools.pairwise(caps)):
+            bad(f"mor_capacities={caps} must lie in (0, 1] and not increase (recursion r picks among r−1's)")
+        if self.mor_routing not in MOR_ROUTINGS:
+            bad(f"mor_routing={self.mor_routing!r}; expected one of {MOR_ROUTINGS}")
+        if self.moe_balancing not in MOE_BALANCINGS:
+            bad(f"moe_balancing={self.moe_balancing!r}; expected one of {MOE_BALANCINGS}")
+        if self.moe_top_k not in (1, 2) or self.moe_top_k > self.moe_num_experts:
+            bad(f"moe_top_k={self.moe_top_k} must be 1 or 2 and ≤ moe_num_experts={self.moe_num_experts}")
+        if not 0 <= self.rope_fraction <= 1:
+            bad(f"rope_fraction={self.rope_fraction} must be in [0, 1]")
+        if self.dropout != 0.0:
+            bad("dropout must be 0.0 (routing and checkpoint recomputation assume a deterministic block)")
+
+    # --- (de)serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every field (tuples become lists)."""
+        out = dataclasses.asdict(self)
+        if out["mor_capacities"] is not None:
+            out["mor_capacities"] = list(out["mor_capacities"])
+        return out
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HydraConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ValueError naming them."""
+        unknown = sorted(set(d) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown HydraConfig field(s) {unknown}; valid fields: {', '.join(cls.field_names())}"
+            )
+        return cls(**d)
+
+    def diff(self, other: HydraConfig) -> list[str]:
+        """Fields that differ, as ``"field: mine != theirs"`` (empty when the configs agree)."""
+        a, b = self.to_dict(), other.to_dict()
+        return [f"{k}: {a[k]!r} != {b[k]!r}" for k in a if a[k] != b[k]]
+
+    def replace(self, **changes: Any) -> HydraConfig:
+        return config_from(self.to_dict(), **changes)
+
+
+def config_from(base: dict[str, Any], **overrides: Any) -> HydraConfig:
+    """A validated config from ``base`` updated by ``overrides`` (unknown names raise ValueError)."""
+    merged = {**base, **overrides}
+    return HydraConfig.from_dict(merged)
+
+
+def preset_config(model_size: str = "debug", **overrides: Any) -> HydraConfig:
+    """The preset ``model_size`` with ``overrides`` applied."""
+    if model_size not in MODEL_PRESETS:
+        raise ValueError(f"unknown model_size {model_size!r}; presets: {', '.join(MODEL_PRESETS)}")
+    return config_from(MODEL_PRESETS[model_size], **overrides)

@@ -1,0 +1,172 @@
+"""Analytic accounting: FLOPs per token (executed under routing, or dense) and training memory.
+
+FLOPs count multiply-adds as 2; training = forward + backward ≈ 3 × forward. Attention is
+causal, so a query at position t over an m-token (sub-)sequence sees (m+1)/2 keys on average.
+Routing executes a block application on a fraction of the tokens, and that application's
+attention runs over the routed sub-sequence only (its length is the context).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hydra_model.config import HydraConfig
+
+if TYPE_CHECKING:
+    from hydra_model.model import CCGQAMoDMoRModel
+
+
+@dataclass
+class Application:
+    """One (block, recursion) application: share of the sequence's tokens it runs on, and the
+    length of the (sub-)sequence its attention sees."""
+
+    block: int
+    recursion: int
+    token_fraction: float
+    context: int
+
+
+def attention_widths(cfg: HydraConfig) -> tuple[int, int, int]:
+    """(query heads, kv heads, head size) of the attention the config builds."""
+    if cfg.dense_baseline:
+        n_q = cfg.dim // cfg.head_dim
+        return n_q, n_q * cfg.n_kv_heads // cfg.n_heads, cfg.head_dim
+    return cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+
+
+def block_forward_flops(cfg: HydraConfig, context: int) -> dict[str, float]:
+    """Forward FLOPs per token of one block application whose attention sees ``context`` tokens."""
+    e = cfg.dim
+    n_q, n_kv, d = attention_widths(cfg)
+    q, kv = n_q * d, n_kv * d
+    out: dict[str, float] = {}
+    if cfg.dense_baseline:
+        out["attn_proj"] = 2.0 * e * (q + 2 * kv) + 2.0 * q * e
+    else:
+        c = q + kv
+        out["attn_proj"] = 2.0 * e * (c + kv) + 2.0 * q * e
+        out["attn_conv"] = 2.0 * c * cfg.conv_kernel_seq + 2.0 * c * d * cfg.conv_kernel_ch
+    out["attn_core"] = 2.0 * 2.0 * q * (context + 1) / 2.0  # QKᵀ and PV
+    if cfg.moe_enabled:
+        out["ffn"] = 2.0 * e * cfg.moe_num_experts + cfg.moe_top_k * 2.0 * 3 * e * cfg.expert_hidden
+    else:
+        out["ffn"] = 2.0 * 3 * e * cfg.mlp_hidden
+    return out
+
+
+def applications(cfg: HydraConfig, seq_len: int, executed: bool = True) -> list[Application]:
+    """Every block application with the share of tokens it executes in a training step."""
+    apps = []
+    r_total = cfg.recursions_per_block
+    fixed_shape_dense = cfg.static_routing_mode or cfg.dense_baseline or cfg.mor_routing == "token_choice"
+    for i in range(cfg.n_mor_blocks):
+        n = seq_len
+        mod_frac = 1.0
+        if executed and cfg.mod_routed(i) and not cfg.static_routing_mode and cfg.mod_capacity < 1.0:
+            n = math.ceil(cfg.mod_capacity * seq_len)
+            mod_frac = n / seq_len
+        for r in range(r_total):
+            cap = 1.0 if (not executed or fixed_shape_dense) else cfg.mor_capacity_schedule[r]
+            m = n if cap >= 1.0 else math.ceil(cap * n)
+            apps.append(Application(i, r, mod_frac * m / n, m))
+    return apps
+
+
+def flops_breakdown(cfg: HydraConfig, seq_len: int, executed: bool = True) -> list[dict[str, Any]]:
+    """Rows of training FLOPs per token: one per block application, routers, LM head."""
+    rows: list[dict[str, Any]] = []
+    for app in applications(cfg, seq_len, executed):
+        parts = block_forward_flops(cfg, app.context)
+        rows.append(
+            {
+                "name": f"block{app.block}.rec{app.recursion}",
+                "token_fraction": app.token_fraction,
+                "context": app.context,
+                "flops": 3.0 * app.token_fraction * sum(parts.values()),
+            }
+        )
+    e = cfg.dim
+    router = 0.0
+    if not cfg.dense_baseline:
+        for i in range(cfg.n_mor_blocks):
+            router += 2.0 * e * (1 if cfg.mod_routed(i) else 0)
+            router += 2.0 * e * cfg.recursions_per_block
+    rows.append({"name": "routers", "token_fraction": 1.0, "context": seq_len, "flops": 3.0 * router})
+    rows.append(
+        {
+            "name": "lm_head",
+            "token_fraction": 1.0,
+            "context": seq_len,
+            "flops": 3.0 * 2.0 * e * cfg.vocab_size,
+        }
+    )
+    return rows
+
+
+def flops_per_token(cfg: HydraConfig, seq_len: int, executed: bool = True) -> float:
+    """Training FLOPs per token (see :func:`flops_breakdown`)."""
+    return float(sum(row["flops"] for row in flops_breakdown(cfg, seq_len, executed)))
+
+
+def _activation_elements_per_token(cfg: HydraConfig) -> float:
+    """Elements one block application keeps for the backward per token it processes."""
+    e = cfg.dim
+    n_q, n_kv, d = attention_widths(cfg)
+    q, kv = n_q * d, n_kv * d
+    attn = 2 * e + (q + 2 * kv) + 4 * (q + kv) + kv + q + e  # norm in/out, proj, convs & norms, v, out
+    hidden = cfg.moe_top_k * cfg.expert_hidden if cfg.moe_enabled else cfg.mlp_hidden
+    ffn = 2 * e + 3 * hidden + e  # norm in/out, gate+up, swiglu out, down out
+    routing = 2 * e  # gathered input and scattered output copies of the residual
+    return float(attn + ffn + routing)
+
+
+def compute_memory_footprint(
+    model: CCGQAMoDMoRModel | HydraConfig,
+    batch_size: int,
+    seq_len: int,
+    activation_bytes: int = 2,
+    optimizer_bytes_per_param: int = 8,
+) -> dict[str, float]:
+    """Estimated training memory (MB) with fp32 weights and grads, AdamW states
+    (``optimizer_bytes_per_param``: 8 for fp32 AdamW, 2 for 8-bit) and bf16 activations
+    (``activation_bytes``). Routed applications hold activations only for their tokens;
+    gradient checkpointing keeps only the inputs of the checkpointed blocks plus one block."""
+    from hydra_model.model import CCGQAMoDMoRModel
+
+    if isinstance(model, CCGQAMoDMoRModel):
+        cfg, every, n_params = model.config, model._checkpoint_every, model.num_parameters()
+    else:
+        cfg, every = model, 0
+        with torch.device("meta"):  # count without allocating
+            n_params = CCGQAMoDMoRModel(cfg).num_parameters()
+    mb = 1024.0**2
+    tokens = batch_size * seq_len
+    per_app = _activation_elements_per_token(cfg) * activation_bytes
+    per_block: dict[int, float] = {}
+    for app in applications(cfg, seq_len, executed=True):
+        per_block[app.block] = per_block.get(app.block, 0.0) + tokens * app.token_fraction * per_app
+    if every:
+        kept = [tokens * cfg.dim * 4 if i % every == 0 else v for i, v in per_block.items()]
+        activations = sum(kept) + max(per_block.values(), default=0.0)
+    else:
+        activations = sum(per_block.values())
+    logits = 0.0 if cfg.use_chunked_ce else tokens * cfg.vocab_size * (activation_bytes + 4 + 4)
+    out = {
+        "parameters": float(n_params),
+        "parameter_mb": n_params * 4 / mb,
+        "gradient_mb": n_params * 4 / mb,
+        "optimizer_mb": n_params * optimizer_bytes_per_param / mb,
+        "activation_mb": activations / mb,
+        "logits_mb": logits / mb,
+        "batch_size": float(batch_size),
+        "seq_len": float(seq_len),
+    }
+    out["estimated_training_mb"] = sum(
+        out[k] for k in ("parameter_mb", "gradient_mb", "optimizer_mb", "activation_mb", "logits_mb")
+    )
+    return out

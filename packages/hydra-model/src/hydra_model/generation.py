@@ -1,0 +1,86 @@
+"""Sampling loop for :meth:`CCGQAMoDMoRModel.generate`: one prefill pass, then one token a step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hydra_model.cache import ModelCache
+
+if TYPE_CHECKING:
+    from hydra_model.model import CCGQAMoDMoRModel
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token [B] from logits [B, V]: argmax at temperature 0, else top-k / nucleus sampling."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be ≥ 0")
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / temperature
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k={top_k} must be ≥ 1")
+        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p={top_p} must be in (0, 1]")
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        # drop a token when the tokens before it already cover top_p (the first always stays)
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: CCGQAMoDMoRModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Prompt [B, S] (equal lengths, no padding) → [B, S + generated]. Stops early only when every
+    sequence has produced ``eos_token_id``; finished sequences are padded with it."""
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [B, S] with S ≥ 1, got {tuple(input_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be ≥ 0")
+    was_training = model.training
+    model.eval()
+    try:
+        total = input_ids.shape[1] + max_new_tokens
+        if model.rope is not None:
+            model.rope.ensure(total)
+        cache = ModelCache(capacity=total)
+        pieces = [input_ids]
+        if max_new_tokens == 0:
+            return input_ids
+        logits = model(input_ids, cache=cache).logits[:, -1]
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for step in range(max_new_tokens):
+            nxt = sample_next(logits, temperature, top_k, top_p, generator)
+            if eos_token_id is not None:
+                nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
+                finished |= nxt == eos_token_id
+            pieces.append(nxt.unsqueeze(1))
+            if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+                break
+            logits = model(nxt.unsqueeze(1), cache=cache).logits[:, -1]
+        return torch.cat(pieces, dim=1)
+    finally:
+        model.train(was_training)

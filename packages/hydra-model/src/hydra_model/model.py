@@ -1,0 +1,230 @@
+"""CCGQAMoDMoRModel: embedding → MoD-wrapped MoR blocks → final norm → tied LM head."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hydra_kernels import linear_cross_entropy
+from hydra_model.blocks import AuxLists, CCGQAMoDBlockWrapper, RunContext, merge_aux
+from hydra_model.cache import ModelCache
+from hydra_model.ccgqa import CCGQAAttention
+from hydra_model.checkpointing import GradientCheckpointMixin
+from hydra_model.config import HydraConfig, preset_config
+from hydra_model.gqa import GQAAttention
+from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from hydra_model.moe import MoEFFN
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class HydraOutput:
+    """``logits`` [B, S, V] (None when chunked CE skipped them); with targets: ``loss`` (what
+    training backpropagates: ce + weighted aux), ``ce_loss`` and the unweighted ``aux_losses``."""
+
+    logits: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    ce_loss: torch.Tensor | None = None
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def aux_loss_weights(cfg: HydraConfig) -> dict[str, float]:
+    """Weight of each auxiliary term in ``loss`` (the terms in ``aux_losses`` are unweighted)."""
+    return {
+        "mod_router": cfg.mod_aux_weight,
+        "mor_router": cfg.mor_aux_weight,
+        "router_z": cfg.router_z_weight,
+        "ponder": cfg.ponder_weight,
+        "mor_balance": cfg.mor_balance_weight,
+        "moe_balance": cfg.moe_aux_weight,
+    }
+
+
+class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
+    """The HYDRA decoder. ``model.train()`` routes by top-k over each sequence (as the papers
+    do); ``model.eval()`` routes causally by thresholds, so logits at t never see tokens after t."""
+
+    def __init__(self, config: HydraConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.rope = (
+            RotaryEmbedding(config.rotary_dim, config.max_seq_len, config.rope_base)
+            if config.rotary_dim
+            else None
+        )
+        self.blocks = nn.ModuleList(CCGQAMoDBlockWrapper(config, i) for i in range(config.n_mor_blocks))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.reset_parameters()
+
+    # --- initialisation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) everywhere; residual output projections scaled by 1/√(2·depth),
+        depth counting every recursion, so the residual stream's variance stays O(1)."""
+        std = self.config.init_std
+        resid_std = std / math.sqrt(2 * self.config.effective_depth)
+        nn.init.normal_(self.embed.weight, std=std)
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=std)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, nn.Conv1d):
+                mod.reset_parameters()
+            elif isinstance(mod, RMSNorm):
+                nn.init.ones_(mod.weight)
+        for mod in self.modules():
+            if isinstance(mod, (CCGQAAttention, GQAAttention)):
+                nn.init.normal_(mod.w_o.weight, std=resid_std)
+                if isinstance(mod, CCGQAAttention):
+                    nn.init.zeros_(mod.temperature)
+            elif isinstance(mod, SwiGLUMLP):
+                nn.init.normal_(mod.w_down.weight, std=resid_std)
+            elif isinstance(mod, MoEFFN):
+                nn.init.normal_(mod.w_gate_up, std=std)
+                nn.init.normal_(mod.w_down, std=resid_std)
+                mod.balance_bias.zero_()
+
+    # --- forward --------------------------------------------------------------------------------
+    def moe_layers(self) -> list[MoEFFN]:
+        return [m for m in self.modules() if isinstance(m, MoEFFN)]
+
+    def forward(
+        self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *, cache: ModelCache | None = None
+    ) -> HydraOutput:
+        """input_ids [B, S] → HydraOutput. ``targets`` [B, S] (ignore_index −100) adds the losses.
+        ``cache`` (from :meth:`generate`) prefills when empty and decodes one token when not."""
+        b, s = input_ids.shape
+        cfg = self.config
+        pos = None
+        if cache is not None:
+            if self.training:
+                raise RuntimeError("decoding with a cache needs model.eval() (threshold routing)")
+            if cache.seq_len:
+                if s != 1:
+                    raise ValueError(f"a filled cache decodes one token at a time, got {s}")
+                pos = torch.full((b, 1), cache.seq_len, dtype=torch.long, device=input_ids.device)
+        elif s > cfg.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds max_seq_len={cfg.max_seq_len}")
+        moes = self.moe_layers()
+        for moe in moes:
+            if self.training and moe.balancing == "loss_free":
+                moe.apply_bias_update()  # from the previous forward's load, outside any checkpoint
+            moe.reset_stats()
+
+        h = self.embed(input_ids)  # [B, S, E]
+        ctx = RunContext(self.rope, cache)
+        aux_lists: AuxLists = {}
+        for i, block in enumerate(self.blocks):
+            h, aux = self.checkpointed_call(i, block, h, pos, ctx)
+            merge_aux(aux_lists, aux)
+        h = self.norm(h)
+        if cache is not None:
+            cache.seq_len += s
+
+        if targets is None:
+            return HydraOutput(logits=F.linear(h, self.embed.weight))
+        if cfg.use_chunked_ce:
+            logits = None
+            hid, weight = h.reshape(-1, cfg.dim), self.embed.weight
+            if torch.is_autocast_enabled(h.device.type):  # custom op: cast as autocast would
+                dt = torch.get_autocast_dtype(h.device.type)
+                hid, weight = hid.to(dt), weight.to(dt)
+            ce = linear_cross_entropy(hid, weight, targets.reshape(-1), ignore_index=IGNORE_INDEX)
+        else:
+            logits = F.linear(h, self.embed.weight)
+            ce = F.cross_entropy(
+                logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=IGNORE_INDEX
+            )
+        aux_losses = {name: torch.stack(vals).mean() for name, vals in aux_lists.items()}
+        weights = aux_loss_weights(cfg)
+        loss = ce
+        for name, value in aux_losses.items():
+            if weights[name]:
+                loss = loss + weights[name] * value
+        return HydraOutput(logits=logits, loss=loss, ce_loss=ce, aux_losses=aux_losses)
+
+    # --- introspection --------------------------------------------------------------------------
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (the tied LM head counts once, with the embedding)."""
+        seen = {id(p): p for p in self.parameters()}
+        total = sum(p.numel() for p in seen.values())
+        return total - self.embed.weight.numel() if exclude_embeddings else total
+
+    def routing_stats(self) -> dict[str, list[dict[str, Any]]]:
+        """Per-layer routing statistics of the last forward, as detached tensors (no host sync)."""
+        out: dict[str, list[dict[str, Any]]] = {"mod": [], "mor": [], "moe": []}
+        for i, blk in enumerate(self.blocks):
+            if blk.routed:
+                out["mod"].append(
+                    {
+                        "layer": i,
+                        "selected_frac": blk.stat_mod[0].clone(),
+                        "capacity": float(self.config.mod_capacity),
+                        "router_prob_mean": blk.stat_mod[1].clone(),
+                    }
+                )
+            if blk.mor.mode != "dense":
+                out["mor"].append(
+                    {
+                        "layer": i,
+                        "avg_depth": blk.mor.stat_depth[0].clone(),
+                        "expected_depth": blk.mor.stat_depth[1].clone(),
+                        "depth_hist": blk.mor.stat_depth_hist.clone(),
+                    }
+                )
+            if isinstance(blk.mor.block.ffn, MoEFFN):
+                stats = {k: v.detach().clone() for k, v in blk.mor.block.ffn.routing_stats().items()}
+                out["moe"].append({"layer": i, **stats})
+        return out
+
+    def flops_per_token(self, seq_len: int, executed: bool = True) -> float:
+        """Training FLOPs (forward + backward ≈ 3× forward) per token at ``seq_len``; ``executed``
+        counts only what routing runs, otherwise the dense equivalent. Attention included."""
+        from hydra_model.footprint import flops_per_token
+
+        return flops_per_token(self.config, seq_len, executed=executed)
+
+    # --- generation and persistence -------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Incremental decoding with a KV + conv + value-shift cache → [B, S + new]."""
+        from hydra_model.generation import generate
+
+        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` into directory ``path``."""
+        from hydra_model.persistence import save_pretrained
+
+        return save_pretrained(self, path)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, map_location: str | torch.device = "cpu") -> CCGQAMoDMoRModel:
+        """Load a directory written by :meth:`save_pretrained`."""
+        from hydra_model.persistence import load_pretrained
+
+        return load_pretrained(cls, path, map_location)
+
+
+def create_ccgqa_mod_mor_model(model_size: str = "debug", **overrides: Any) -> CCGQAMoDMoRModel:
+    """The preset ``model_size`` (tiny, debug, 100M, 250M, 500M, 1B) with any HydraConfig field
+    overridden, e.g. ``dense_baseline=True`` for the baseline of the same code."""
+    return CCGQAMoDMoRModel(preset_config(model_size, **overrides))

@@ -1,0 +1,108 @@
+"""Fixed-shape token routing primitives shared by MoD and MoR.
+
+Two ways to run a block on a subset of a sequence, both without host syncs:
+
+* **gather** (training, expert choice): the top k = ⌈capacity · n⌉ tokens by router score, k a
+  Python int, indices sorted so the sub-sequence keeps time order; the block runs on [B, k, E].
+* **selected-first permutation** (eval threshold routing, token choice, decoding): a stable sort
+  puts the selected tokens first, in time order, and the block runs on the whole permuted
+  [B, n, E]. A causal block never lets the selected prefix see the unselected tail, so the
+  prefix outputs are exactly those of the selected sub-sequence alone; only they are scattered
+  back (``member`` marks them). The count per sequence is data-dependent, the shapes are not.
+
+In both, tokens keep their original positions for RoPE (positions are gathered alongside).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def _flat_index(idx: torch.Tensor, n: int) -> torch.Tensor:
+    b = idx.shape[0]
+    return (idx + torch.arange(b, device=idx.device).unsqueeze(1) * n).reshape(-1)
+
+
+def gather_tokens(h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """h [B, n, E], idx [B, m] → h[b, idx[b, j]] as [B, m, E]."""
+    b, n, e = h.shape
+    return h.reshape(b * n, e).index_select(0, _flat_index(idx, n)).view(b, idx.shape[1], e)
+
+
+def scatter_add_tokens(h: torch.Tensor, idx: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """h with ``update`` [B, m, E] added at rows idx [B, m] (distinct per sequence); out of place."""
+    b, n, e = h.shape
+    flat = h.reshape(b * n, e).index_add(0, _flat_index(idx, n), update.reshape(-1, e).to(h.dtype))
+    return flat.view(b, n, e)
+
+
+def topk_in_time_order(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [B, k] of the k largest scores per row, sorted ascending (time order)."""
+    return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+def selected_first(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Permutation [B, n] putting selected tokens first (time order kept in both parts), and the
+    membership mask [B, n] of the permuted sequence (True on the selected prefix)."""
+    n = selected.shape[1]
+    t = torch.arange(n, device=selected.device)
+    key = torch.where(selected, t, t + n)  # distinct keys: the sort is deterministic
+    perm = key.argsort(dim=-1)
+    member = t.unsqueeze(0) < selected.sum(dim=1, keepdim=True)
+    return perm, member
+
+
+def positions_or_arange(pos: torch.Tensor | None, batch: int, n: int, device: torch.device) -> torch.Tensor:
+    if pos is not None:
+        return pos
+    return torch.arange(n, device=device).unsqueeze(0).expand(batch, n)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return x.mean()
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp_min(1.0)
+
+
+def membership_bce(
+    logits: torch.Tensor, target: torch.Tensor, candidates: torch.Tensor | None
+) -> torch.Tensor:
+    """Mean BCE of router logits against top-k membership over the candidate tokens."""
+    loss = F.binary_cross_entropy_with_logits(logits, target.to(logits.dtype), reduction="none")
+    return masked_mean(loss, candidates)
+
+
+@dataclass
+class SubSequence:
+    """A routed view of a sequence: which rows (``idx``), their positions, which are real."""
+
+    idx: torch.Tensor  # [B, m] indices into the parent sequence
+    pos: torch.Tensor  # [B, m] original positions
+    member: torch.Tensor | None  # [B, m] bool, None when every gathered row is selected
+
+    @classmethod
+    def top_k(cls, scores: torch.Tensor, k: int, pos: torch.Tensor) -> SubSequence:
+        idx = topk_in_time_order(scores, k)
+        return cls(idx, pos.gather(1, idx), None)
+
+    @classmethod
+    def permuted(cls, selected: torch.Tensor, pos: torch.Tensor) -> SubSequence:
+        perm, member = selected_first(selected)
+        return cls(perm, pos.gather(1, perm), member)
+
+    def gather(self, h: torch.Tensor) -> torch.Tensor:
+        return gather_tokens(h, self.idx)
+
+    def gather_values(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-token values t [B, n] (e.g. router gates) for the rows of this view."""
+        return t.gather(1, self.idx)
+
+    def scatter_add(self, h: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """Add ``update`` [B, m, E] back to h, only for member rows."""
+        if self.member is not None:  # where(), not a product: the tail is never mixed in
+            update = torch.where(self.member.unsqueeze(-1), update, torch.zeros_like(update))
+        return scatter_add_tokens(h, self.idx, update)

@@ -1,0 +1,146 @@
+"""flexible_attention against an fp64 softmax reference; backend selection and fallback counting."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hydra_model.attention_backend as ab
+from hydra_model import (
+    attention_fallback_counts,
+    flexible_attention,
+    get_attention_backend,
+    set_attention_backend,
+)
+
+
+def _reference(q, k, v, causal, mask=None, scale=None):
+    q, k, v = q.double(), k.double(), v.double()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if causal:
+        s, length = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(s, length, dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.fixture(autouse=True)
+def _restore_backend():
+    before = get_attention_backend()
+    yield
+    set_attention_backend(before)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "s", "d"), [(4, 2, 13, 8), (6, 1, 7, 12), (3, 3, 1, 16)])
+def test_causal_gqa_matches_reference(hq, hkv, s, d):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, hq, s, d), torch.randn(2, hkv, s, d), torch.randn(2, hkv, s, d)
+    out = flexible_attention(q, k, v, causal=True, scale=0.37)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, True, scale=0.37), atol=1e-5, rtol=1e-5)
+    same = flexible_attention(q, k, v, is_causal=True, scale=0.37)
+    torch.testing.assert_close(same, out)
+
+
+def test_mask_for_decoding_against_a_cache():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 9, 8), torch.randn(3, 2, 9, 8)
+    lengths = torch.tensor([1, 5, 9])
+    mask = (torch.arange(9).view(1, -1) < lengths.view(-1, 1)).view(3, 1, 1, 9)
+    out = flexible_attention(q, k, v, causal=False, attn_mask=mask)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, False, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_are_refused_with_a_reason():
+    q = torch.randn(1, 3, 4, 8)
+    with pytest.raises(ValueError, match="multiple"):
+        flexible_attention(q, torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        flexible_attention(q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), causal=True)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        set_attention_backend("fastest")
+
+
+@pytest.mark.skipif(ab.FLASH_ATTN_AVAILABLE, reason="checks the fallback when flash-attn is absent")
+def test_requested_backend_that_cannot_run_falls_back_counted(caplog):
+    set_attention_backend("flash")
+    before = attention_fallback_counts().get("flash->sdpa: not installed", 0)
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    with caplog.at_level(logging.INFO, logger="hydra_model.attention_backend"):
+        out = flexible_attention(q, k, v)
+        flexible_attention(q, k, v)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, True), atol=1e-5, rtol=1e-5)
+    assert attention_fallback_counts()["flash->sdpa: not installed"] == before + 2
+    assert get_attention_backend() == "flash"
+
+
+def test_environment_overrides(monkeypatch):
+    monkeypatch.setenv("HYDRA_ATTENTION_BACKEND", "sdpa")
+    ab.reload_attention_env()
+    assert get_attention_backend() == "sdpa"
+    monkeypatch.setenv("HYDRA_ATTENTION_BACKEND", "magic")
+    with pytest.raises(ValueError, match="HYDRA_ATTENTION_BACKEND"):
+        ab.reload_attention_env()
+    monkeypatch.setenv("HYDRA_ATTENTION_BACKEND", "auto")
+    monkeypatch.setenv("HYDRA_SDPA_FLASH_ONLY", "1")
+    monkeypatch.setenv("HYDRA_SDPA_NO_FLASH", "1")
+    with pytest.raises(ValueError, match="contradict"):
+        ab.reload_attention_env()
+    monkeypatch.delenv("HYDRA_SDPA_FLASH_ONLY")
+    ab.reload_attention_env()
+    try:
+        assert ab._state["no_flash"] and not ab._state["flash_only"]
+        torch.manual_seed(2)
+        q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+        out = flexible_attention(q, k, v)  # SDPA restricted away from its flash kernel
+        torch.testing.assert_close(out.double(), _reference(q, k, v, True), atol=1e-5, rtol=1e-5)
+    finally:
+        monkeypatch.delenv("HYDRA_SDPA_NO_FLASH")
+        monkeypatch.delenv("HYDRA_ATTENTION_BACKEND")
+        ab.reload_attention_env()
+
+
+def test_auto_on_cpu_uses_sdpa_without_measuring():
+    set_attention_backend("auto")
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8)
+    flexible_attention(q, k, v)
+    assert ab._auto_impl(q, k, v, True, None, None)[0] == "sdpa"
+    assert not ab._auto_choice  # nothing measured off CUDA
+
+
+def test_measurement_picks_a_working_candidate_even_inside_a_checkpoint():
+    """auto's measuring (run on CUDA in practice) exercised on CPU tensors: every candidate is
+    timed or recorded with its error, the fastest working one is cached and reused for the same
+    heads under compile, and measuring inside a checkpointed forward leaves that forward intact."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, h, 9, 8, requires_grad=True) for h in (4, 2, 2))
+    sig = ("cpu", "float32", 1, 4, 2, 9, 9, 8, True, True)
+    ab._auto_choice.pop(sig, None)
+    choices = []
+
+    def fn(q, k, v):
+        choices.append(ab._measure(sig, q, k, v, True, None, needs_grad=True))
+        return flexible_attention(q, k, v)
+
+    out = checkpoint(fn, q, k, v, use_reentrant=False)
+    out.sum().backward()
+    ref_q = q.detach().requires_grad_()
+    flexible_attention(ref_q, k.detach(), v.detach()).sum().backward()
+    torch.testing.assert_close(q.grad, ref_q.grad)
+    try:
+        report = ab.attention_autotune_report()[ab._describe(sig)]
+        # measured in the forward and again in the recompute (this test calls _measure itself)
+        assert len(choices) == 2
+        assert report["chosen"] == choices[-1] and isinstance(report[choices[-1]], float)
+        assert set(report) >= {"sdpa", "sdpa_cudnn", "sdpa_efficient", "chosen"}
+        assert ab._family_choice(("float32", 4, 2, 8, True, True)) == choices[-1]
+        assert ab._family_choice(("float32", 4, 2, 16, True, True)) is None
+    finally:
+        ab._auto_choice.pop(sig, None)
+        ab._auto_report.pop(sig, None)

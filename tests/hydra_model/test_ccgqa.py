@@ -1,0 +1,200 @@
+"""CCGQA against an independent fp64 implementation of DESIGN.md §3 steps 1–8, plus the single
+properties one by one (latent widths, conv causality, q-k mean, value shift, temperature) and
+cached decoding against the full forward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import hydra_model.ccgqa as ccgqa_mod
+from hydra_model import CCGQAAttention, RotaryEmbedding
+from hydra_model.cache import CacheSlot
+
+E, HQ, HKV, D, R = 40, 4, 2, 10, 4  # latent q width 40 (C = 1), kv width 20, head size 10
+
+
+def make_attention(seed=0, k_seq=2, k_ch=2, rotary=R) -> CCGQAAttention:
+    torch.manual_seed(seed)
+    attn = CCGQAAttention(E, HQ, HKV, D, rotary, k_seq, k_ch)
+    with torch.no_grad():  # non-trivial biases and temperatures, so the reference has to use them
+        attn.conv_seq.bias.normal_()
+        attn.conv_ch.bias.normal_()
+        attn.temperature.normal_(std=0.5)
+    return attn
+
+
+def reference(attn: CCGQAAttention, x: torch.Tensor, pos: torch.Tensor, base=10000.0) -> torch.Tensor:
+    """Steps 1–8 in fp64 with explicit loops; x [B, n, E], pos [B, n] original positions."""
+    x = x.double()
+    b, n, _ = x.shape
+    qd, kvd, half = HQ * D, HKV * D, HKV * D // 2
+    w = attn.w_qkv.weight.double()
+    q_pre, k_pre = x @ w[:qd].t(), x @ w[qd : qd + kvd].t()
+    v_cur, v_src = x @ w[qd + kvd : qd + kvd + half].t(), x @ w[qd + kvd + half :].t()
+    u = torch.cat([q_pre, k_pre], -1)  # [B, n, C]
+    c_total = u.shape[-1]
+    ks, kc = attn.k_seq, attn.k_ch
+    w1, b1 = attn.conv_seq.weight.double()[:, 0], attn.conv_seq.bias.double()  # [C, ks]
+    w2, b2 = attn.conv_ch.weight.double(), attn.conv_ch.bias.double()  # [C, D, kc]
+
+    def u_at(t):  # input with zero left padding
+        return u[:, t] if t >= 0 else torch.zeros(b, c_total, dtype=torch.float64)
+
+    def y1_at(t):  # depthwise conv output at (possibly negative) time t
+        return b1 + sum(w1[:, j] * u_at(t - (ks - 1) + j) for j in range(ks))
+
+    z = torch.zeros(b, n, c_total, dtype=torch.float64)
+    for t in range(n):
+        for head in range(HQ + HKV):
+            sl = slice(head * D, (head + 1) * D)
+            acc = b2[sl].clone().expand(b, D).clone()
+            for i in range(kc):
+                acc = acc + y1_at(t - (kc - 1) + i)[:, sl] @ w2[sl, :, i].t()
+            z[:, t, sl] = acc
+    groups = HQ // HKV
+    qh = z[..., :qd].reshape(b, n, HQ, D).clone()
+    kh = z[..., qd:].reshape(b, n, HKV, D).clone()
+    qp, kp = q_pre.reshape(b, n, HQ, D), k_pre.reshape(b, n, HKV, D)
+    for h in range(HQ):
+        qh[:, :, h] += (qp[:, :, h] + kp[:, :, h // groups]) / 2
+    for g in range(HKV):
+        kh[:, :, g] += (
+            sum((qp[:, :, h] + kp[:, :, g]) / 2 for h in range(g * groups, (g + 1) * groups)) / groups
+        )
+    v_prev = torch.cat([torch.zeros(b, 1, half, dtype=torch.float64), v_src[:, :-1]], 1)
+    v = torch.cat([v_cur, v_prev], -1).reshape(b, n, HKV, D)
+    qh = qh / qh.norm(dim=-1, keepdim=True) * math.sqrt(D)
+    kh = (
+        kh / kh.norm(dim=-1, keepdim=True) * math.sqrt(D) * attn.temperature.double().exp().view(1, 1, HKV, 1)
+    )
+    if attn.rotary_dim:
+        hr = attn.rotary_dim // 2
+        inv = base ** (-torch.arange(hr, dtype=torch.float64) * 2 / attn.rotary_dim)
+        ang = pos.double().unsqueeze(-1) * inv  # [B, n, R/2]
+        cos, sin = ang.cos().unsqueeze(2), ang.sin().unsqueeze(2)
+
+        def rot(t):
+            a, bb, rest = t[..., :hr], t[..., hr : 2 * hr], t[..., 2 * hr :]
+            return torch.cat([a * cos - bb * sin, bb * cos + a * sin, rest], -1)
+
+        qh, kh = rot(qh), rot(kh)
+    out = torch.zeros(b, n, HQ, D, dtype=torch.float64)
+    for h in range(HQ):
+        scores = torch.einsum("bsd,btd->bst", qh[:, :, h], kh[:, :, h // groups]) / math.sqrt(D)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out[:, :, h] = scores.softmax(-1) @ v[:, :, h // groups]
+    return out.reshape(b, n, qd) @ attn.w_o.weight.double().t()
+
+
+def run(attn, x, pos, **kw):
+    rope = RotaryEmbedding(attn.rotary_dim, 64)
+    cos, sin = rope.tables(positions=pos)
+    return attn(x, cos, sin, **kw)
+
+
+@pytest.mark.parametrize(("k_seq", "k_ch", "rotary"), [(2, 2, R), (3, 2, R), (1, 3, 0), (2, 1, D)])
+def test_matches_independent_fp64_reference(k_seq, k_ch, rotary):
+    attn = make_attention(k_seq=k_seq, k_ch=k_ch, rotary=rotary)
+    x = torch.randn(2, 11, E)
+    pos = torch.tensor([[0, 1, 2, 4, 7, 8, 9, 15, 16, 20, 33], list(range(11))])  # original positions
+    torch.testing.assert_close(run(attn, x, pos).double(), reference(attn, x, pos), atol=2e-5, rtol=2e-5)
+
+
+def test_latent_widths():
+    attn = make_attention()
+    assert attn.w_qkv.weight.shape == (HQ * D + 2 * HKV * D, E)  # W_q | W_k | W_v1 | W_v2, no bias
+    assert attn.w_qkv.bias is None and attn.w_o.bias is None
+    assert attn.w_o.weight.shape == (E, HQ * D)
+    assert attn.conv_seq.groups == HQ * D + HKV * D and attn.conv_seq.kernel_size == (2,)
+    assert attn.conv_ch.groups == HQ + HKV and attn.conv_ch.weight.shape == ((HQ + HKV) * D, D, 2)
+    assert attn.conv_seq.bias is not None and attn.conv_ch.bias is not None
+    assert attn.conv_context == 2
+    assert torch.equal(CCGQAAttention(E, HQ, HKV, D, R).temperature, torch.zeros(HKV))
+
+
+def test_conv_and_attention_are_causal():
+    attn = make_attention(k_seq=3, k_ch=3)
+    x = torch.randn(2, 12, E)
+    pos = torch.arange(12).expand(2, 12)
+    y = run(attn, x, pos)
+    for t0 in (1, 5, 11):
+        x2 = x.clone()
+        x2[:, t0:] = torch.randn_like(x2[:, t0:])
+        y2 = run(attn, x2, pos)
+        torch.testing.assert_close(y2[:, :t0], y[:, :t0], atol=0, rtol=0)
+        assert (y2[:, t0] - y[:, t0]).abs().max() > 1e-4
+
+
+class Capture:
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = ccgqa_mod.flexible_attention
+
+        def spy(q, k, v, *args, **kw):
+            self.calls.append((q.detach(), k.detach(), v.detach()))
+            return real(q, k, v, *args, **kw)
+
+        monkeypatch.setattr(ccgqa_mod, "flexible_attention", spy)
+
+
+def test_value_shift_qk_mean_and_temperature(monkeypatch):
+    attn = make_attention(rotary=0)
+    with torch.no_grad():  # silence the convs: q, k are then exactly the normalised q-k means
+        for conv in (attn.conv_seq, attn.conv_ch):
+            conv.weight.zero_()
+            conv.bias.zero_()
+    cap = Capture(monkeypatch)
+    x = torch.randn(2, 6, E, dtype=torch.float64)
+    attn.double()
+    run(attn, x, torch.arange(6).expand(2, 6))
+    q, k, v = cap.calls[0]  # [B, H, n, D]
+    w = attn.w_qkv.weight
+    qd, kvd, half = HQ * D, HKV * D, HKV * D // 2
+    q_pre = (x @ w[:qd].t()).reshape(2, 6, HQ, D).transpose(1, 2)
+    k_pre = (x @ w[qd : qd + kvd].t()).reshape(2, 6, HKV, D).transpose(1, 2)
+    # q-k mean: query head h gets (q_pre[h] + k_pre[h // G]) / 2, kv head g the mean over its group
+    mean_q = (q_pre + k_pre.repeat_interleave(2, 1)) / 2
+    mean_k = torch.stack([mean_q[:, 2 * g : 2 * g + 2].mean(1) for g in range(HKV)], 1)
+    unit = lambda t: t / t.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(q, unit(mean_q) * math.sqrt(D))
+    temp = attn.temperature.detach().double().exp().view(1, HKV, 1, 1)
+    torch.testing.assert_close(k, unit(mean_k) * math.sqrt(D) * temp)
+    torch.testing.assert_close(k.norm(dim=-1), (math.sqrt(D) * temp.squeeze(-1)).expand(2, HKV, 6))
+    # value shift: first half of the value channels from x_t, second half from x_{t−1}, zero at t = 0
+    vv = v.transpose(1, 2).reshape(2, 6, kvd)
+    torch.testing.assert_close(vv[..., :half], x @ w[qd + kvd : qd + kvd + half].t())
+    torch.testing.assert_close(vv[:, 1:, half:], x[:, :-1] @ w[qd + kvd + half :].t())
+    assert torch.count_nonzero(vv[:, 0, half:]) == 0
+
+
+def test_decoding_with_cache_equals_full_forward_of_the_member_tokens():
+    """Prefill from a prefix-member sequence, then decode with some tokens skipping the layer: each
+    written token's output equals a fresh full forward over that sequence's held tokens."""
+    attn = make_attention(k_seq=3, k_ch=2).double()
+    torch.manual_seed(5)
+    b, n = 2, 7
+    x = torch.randn(b, n, E, dtype=torch.float64)
+    pos = torch.tensor([[0, 2, 3, 5, 6, 9, 10], [1, 2, 4, 5, 7, 8, 11]])
+    counts = torch.tensor([3, 5])  # the first count[b] rows are real, the tail is filler
+    member = torch.arange(n).view(1, -1) < counts.view(-1, 1)
+    slot = CacheSlot(capacity=n + 6)
+    run(attn, x, pos, slot=slot, member=member)
+    held = [[(x[i, j], pos[i, j]) for j in range(counts[i])] for i in range(b)]
+    writes = [[True, False], [True, True], [False, True], [True, True]]
+    next_pos = torch.tensor([12, 13])
+    for w in writes:
+        xt = torch.randn(b, 1, E, dtype=torch.float64)
+        write = torch.tensor(w).view(b, 1)
+        out = run(attn, xt, next_pos.view(b, 1), slot=slot, member=write)
+        for i in range(b):
+            if w[i]:
+                held[i].append((xt[i, 0], next_pos[i]))
+                xs = torch.stack([t for t, _ in held[i]]).unsqueeze(0)
+                ps = torch.stack([p for _, p in held[i]]).view(1, -1)
+                full = run(attn, xs, ps)
+                torch.testing.assert_close(out[i, 0], full[0, -1], atol=1e-10, rtol=1e-10)
+        next_pos = next_pos + 1
+    assert slot.entry.length.tolist() == [len(h) for h in held]

@@ -1,0 +1,121 @@
+"""HydraConfig: presets land on the seed table, widths are valid, validation names the problem,
+serialisation round-trips, diff lists what differs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from hydra_model import (
+    MODEL_PRESETS,
+    SEED_PARAM_COUNTS,
+    HydraConfig,
+    create_ccgqa_mod_mor_model,
+    preset_config,
+)
+
+
+def _meta_params(name: str, **kw) -> int:
+    with torch.device("meta"):
+        return create_ccgqa_mod_mor_model(name, **kw).num_parameters()
+
+
+@pytest.mark.parametrize("name", sorted(SEED_PARAM_COUNTS))
+def test_preset_parameter_counts_within_ten_percent_of_seed_table(name):
+    count = _meta_params(name, vocab_size=32000)
+    assert abs(count / SEED_PARAM_COUNTS[name] - 1) <= 0.10, (name, count)
+
+
+def _hand_count(cfg: HydraConfig) -> int:
+    """Parameters from the architecture's formulas, independently of the modules."""
+    e, d, q, kv = cfg.dim, cfg.head_dim, cfg.q_latent_dim, cfg.kv_latent_dim
+    c = q + kv
+    attn = (
+        e * (c + kv)
+        + (c * cfg.conv_kernel_seq + c)
+        + (c * d * cfg.conv_kernel_ch + c)
+        + cfg.n_kv_heads
+        + q * e
+    )
+    block = 2 * e + attn + 3 * e * cfg.mlp_hidden + (e * cfg.recursions_per_block + cfg.recursions_per_block)
+    mod_routers = sum(e + 1 for i in range(cfg.n_mor_blocks) if cfg.mod_routed(i))
+    return cfg.vocab_size * e + cfg.n_mor_blocks * block + mod_routers + e
+
+
+@pytest.mark.parametrize("name", list(MODEL_PRESETS))
+def test_preset_widths_and_hand_count(name):
+    cfg = preset_config(name)
+    assert cfg.head_dim >= 64
+    assert cfg.dim == pytest.approx(cfg.compression_factor * cfg.n_heads * cfg.head_dim)
+    assert cfg.n_heads % cfg.n_kv_heads == 0 and cfg.n_kv_heads <= cfg.n_heads
+    assert cfg.mlp_hidden % 64 == 0
+    assert _meta_params(name) == _hand_count(cfg)
+
+
+def test_seed_table_dims_and_depths():
+    table = {
+        "debug": (512, 2, 2),
+        "100M": (768, 8, 4),
+        "250M": (1024, 10, 4),
+        "500M": (1280, 16, 4),
+        "1B": (1792, 20, 4),
+    }
+    for name, (dim, blocks, rec) in table.items():
+        cfg = preset_config(name)
+        assert (cfg.dim, cfg.n_mor_blocks, cfg.recursions_per_block) == (dim, blocks, rec)
+
+
+def test_round_trip_through_json():
+    cfg = preset_config("tiny", mor_capacities=[1.0, 0.5], moe_enabled=True, vocab_size=123)
+    again = HydraConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+    assert again.diff(cfg) == []
+    assert isinstance(again.mor_capacities, tuple)
+
+
+def test_diff_names_fields():
+    a, b = preset_config("tiny"), preset_config("tiny", mod_capacity=0.5, dim=128, compression_factor=1.0)
+    lines = a.diff(b)
+    assert "mod_capacity: 0.75 != 0.5" in lines
+    assert any(line.startswith("dim: 256 != 128") for line in lines)
+    assert len(lines) == 3
+
+
+def test_unknown_override_names_it_and_lists_valid_ones():
+    with pytest.raises(ValueError, match="no_such_field") as info:
+        create_ccgqa_mod_mor_model("tiny", no_such_field=1)
+    assert "mod_capacity" in str(info.value)
+    with pytest.raises(ValueError, match="unknown model_size"):
+        preset_config("3B")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (dict(dim=100, n_heads=3, compression_factor=1.0), "latent head size"),
+        (dict(n_heads=2, n_kv_heads=4), "multiple of n_kv_heads"),
+        (dict(n_heads=3, n_kv_heads=2, dim=192, compression_factor=1.0), "multiple of n_kv_heads"),
+        (dict(mod_capacity=0.0), "mod_capacity"),
+        (dict(mor_capacities=(0.5, 1.0)), "not increase"),
+        (dict(mor_capacities=(1.0,)), "entries"),
+        (dict(moe_top_k=3), "moe_top_k"),
+        (dict(mor_routing="random"), "mor_routing"),
+        (dict(dropout=0.1), "dropout"),
+    ],
+)
+def test_validation_names_the_bad_field(overrides, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        preset_config("tiny", **overrides)
+
+
+def test_derived_widths():
+    cfg = preset_config("100M")
+    assert (cfg.head_dim, cfg.q_latent_dim, cfg.kv_latent_dim) == (64, 256, 128)
+    assert cfg.rotary_dim == 32
+    assert cfg.mor_capacity_schedule == (1.0, 0.75, 0.5, 0.25)
+    assert cfg.mlp_hidden == math.ceil(16 / 3 * 768 / 64) * 64
+    assert [cfg.mod_routed(i) for i in range(8)] == [False] + [True] * 6 + [False]
+    assert not preset_config("100M", dense_baseline=True).mod_routed(3)

@@ -1,0 +1,65 @@
+"""Shared layers against fp64 hand computations."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hydra_model import RMSNorm, RotaryEmbedding, SwiGLUMLP
+
+
+def test_rms_norm_matches_fp64_formula():
+    torch.manual_seed(0)
+    norm = RMSNorm(37, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(37))
+    x = torch.randn(3, 5, 37)
+    x64 = x.double()
+    ref = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    torch.testing.assert_close(norm(x).double(), ref, atol=1e-5, rtol=1e-5)
+    r = torch.randn_like(x)
+    torch.testing.assert_close(norm.forward_add(x, r), norm(x + r), atol=1e-6, rtol=1e-6)
+
+
+def test_swiglu_mlp_matches_hand_computation():
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(24, 40)
+    x = torch.randn(2, 7, 24)
+    w = mlp.w_gate_up.weight.double()
+    gate, up = x.double() @ w[:40].t(), x.double() @ w[40:].t()
+    ref = (F.silu(gate) * up) @ mlp.w_down.weight.double().t()
+    torch.testing.assert_close(mlp(x).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_tables_by_length_and_by_positions():
+    rope = RotaryEmbedding(6, max_seq_len=11, base=500.0)
+    cos, sin = rope.tables(9)
+    assert cos.shape == (9, 3) and cos.dtype == torch.float32
+    for t in (0, 4, 8):
+        for i in range(3):
+            angle = t * 500.0 ** (-2 * i / 6)
+            assert math.isclose(cos[t, i].item(), math.cos(angle), abs_tol=1e-6)
+            assert math.isclose(sin[t, i].item(), math.sin(angle), abs_tol=1e-6)
+    pos = torch.tensor([[3, 0, 7], [10, 2, 2]])
+    pc, ps = rope.tables(positions=pos)
+    assert pc.shape == (2, 3, 3)
+    full_c, full_s = rope.tables(11)
+    torch.testing.assert_close(pc, full_c[pos])
+    torch.testing.assert_close(ps, full_s[pos])
+
+
+def test_rotary_table_grows_and_stays_fp32():
+    rope = RotaryEmbedding(4, max_seq_len=5)
+    rope.ensure(13)
+    assert rope.max_seq_len == 13
+    rope.to(torch.bfloat16)
+    assert rope.cos.dtype == torch.float32
+    torch.testing.assert_close(rope.tables(13)[0][12, 0], torch.tensor(math.cos(12.0)), atol=1e-6, rtol=0)
+    try:
+        rope.tables(14)
+    except ValueError as exc:
+        assert "max_seq_len" in str(exc)
+    else:
+        raise AssertionError("a length beyond the table must raise")
