@@ -63,9 +63,7 @@ def require_cuda(tool: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        fail(
-            f"{tool} needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False)."
-        )
+        fail(f"{tool} needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False).")
 
 
 def emit_json(obj: Any) -> None:

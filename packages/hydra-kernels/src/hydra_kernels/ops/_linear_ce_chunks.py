@@ -1,0 +1,172 @@
+"""The chunk loop of ``linear_cross_entropy``: host code shared by the Triton path and the
+PyTorch path (which runs the same chunks with PyTorch ops where the row kernel would run).
+
+Per chunk of C tokens: ``logits = h_c @ Wᵀ`` (cuBLAS, one reused ``[C, V]`` buffer), the row
+step (loss, and the logits' gradient in place), ``dh_c = dlogits @ W`` straight into rows of dh,
+and ``dW (+)= dlogitsᵀ @ h_c`` into the accumulator. Nothing ``[N, V]``-sized is allocated.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from hydra_kernels.ops import _linear_ce_kernels as K
+
+DW_ACCUM_MODES = ("fp32", "input")
+DW_BACKENDS = ("auto", "cublas", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class LinearCEOptions:
+    """``chunk_rows``: tokens per chunk, 0 = automatic. ``dw_accum``: ``"fp32"`` (default) or
+    ``"input"`` (the weight's dtype: less memory, rounding per chunk). ``dw_backend``: who adds
+    a chunk into an fp32 accumulator from 16-bit operands: ``"auto"``, ``"cublas"``,
+    ``"triton"`` or ``"torch"`` (widen the chunk to fp32 first)."""
+
+    chunk_rows: int = 0
+    dw_accum: str = "fp32"
+    dw_backend: str = "auto"
+
+    def validated(self) -> LinearCEOptions:
+        """Self, or a ValueError naming the bad field."""
+        if not isinstance(self.chunk_rows, int) or self.chunk_rows < 0:
+            raise ValueError(f"linear_cross_entropy chunk_rows must be an int ≥ 0, got {self.chunk_rows!r}")
+        if self.dw_accum not in DW_ACCUM_MODES:
+            raise ValueError(
+                f"linear_cross_entropy dw_accum must be one of {DW_ACCUM_MODES}, got {self.dw_accum!r}"
+            )
+        if self.dw_backend not in DW_BACKENDS:
+            raise ValueError(
+                f"linear_cross_entropy dw_backend must be one of {DW_BACKENDS}, got {self.dw_backend!r}"
+            )
+        return self
+
+
+def acc_dtype_for(compute_dtype: torch.dtype, weight_dtype: torch.dtype, dw_accum: str) -> torch.dtype:
+    """dtype of the dW accumulator: at least fp32 unless the lean mode asked for the weight's."""
+    widest = torch.promote_types(compute_dtype, weight_dtype)
+    return widest if dw_accum == "input" else torch.promote_types(widest, torch.float32)
+
+
+def chunk_rows_for(n: int, d: int, v: int, acc_dtype: torch.dtype, opts: LinearCEOptions) -> int:
+    """Tokens per chunk. Set: as given. Automatic, with a 4-byte accumulator: 2²²/D rows, in
+    [1024, 4096], rounded up to 128: enough (C/128)·(D/128) output tiles for the dh GEMM (whose
+    reduction runs over V) to fill a 132-SM GPU twice without split-K, and ≥ 1024 so that the dW
+    GEMM, which reads and writes the accumulator once per chunk, stays compute-bound. In the lean
+    mode, Liger's rule: the chunk's logits hold as many elements as ``hidden``."""
+    if opts.chunk_rows:
+        rows = opts.chunk_rows
+    else:
+        want = 2**22 // d if acc_dtype.itemsize >= 4 else -(-n * d // v)
+        lo = 1024 if acc_dtype.itemsize >= 4 else 128
+        rows = -(-min(max(want, lo), 4096) // 128) * 128
+    return max(1, min(rows, n))
+
+
+def _ce_rows_torch(lg, targets, loss_out, scale, ignore_index, z_loss, write_grad) -> None:
+    """PyTorch twin of ``_ce_rows_kernel`` on one chunk (used when Triton does not run)."""
+    sdt = torch.promote_types(lg.dtype, torch.float32)
+    x = lg.to(sdt)
+    lse = torch.logsumexp(x, dim=1)
+    valid = targets != ignore_index
+    in_range = (targets >= 0) & (targets < lg.shape[1])
+    hit = valid & in_range
+    y = torch.where(hit, targets, 0)
+    loss = lse - x.gather(1, y[:, None])[:, 0]
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    loss = torch.where(in_range, loss, torch.nan)
+    loss_out.copy_(torch.where(valid, loss, 0.0))
+    if write_grad:
+        sc = torch.where(valid, scale.to(sdt), 0.0).expand(lg.shape[0])
+        coef = sc * (1.0 + 2.0 * z_loss * lse) if z_loss else sc
+        # fp32 logits (x is lg) are overwritten in place: the loss is already out.
+        x.sub_(lse[:, None]).exp_().mul_(coef[:, None])
+        x.scatter_add_(1, y[:, None], -(sc * hit)[:, None])
+        if x is not lg:
+            lg.copy_(x)
+
+
+@functools.lru_cache(maxsize=8)
+def _cublas_fp32_out_ok(device_index: int, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(acc32, a16, b16, out_dtype=torch.float32, out=acc32)`` works here,
+    both adding into the fp32 accumulator and, with ``beta=0``, overwriting it (NaN included).
+    Older torch builds reject an fp32 ``self`` with 16-bit operands. Probed once per device."""
+    dev = torch.device("cuda", device_index)
+    gen = torch.Generator().manual_seed(0)
+    a, b, acc = (torch.randn(s, generator=gen) for s in ((48, 32), (32, 40), (48, 40)))
+    prod = a.to(dtype).double() @ b.to(dtype).double()
+    a16, b16 = a.to(dev, dtype), b.to(dev, dtype)
+    try:
+        added = acc.to(dev)
+        torch.addmm(added, a16, b16, out_dtype=torch.float32, out=added)
+        fresh = torch.full_like(added, float("nan"))
+        torch.addmm(fresh, a16, b16, beta=0, out_dtype=torch.float32, out=fresh)
+        ok_add = torch.allclose(added.double().cpu(), acc.double() + prod, rtol=1e-5, atol=1e-5)
+        return bool(ok_add and torch.allclose(fresh.double().cpu(), prod, rtol=1e-5, atol=1e-5))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _accumulate_dw(acc, g, h_c, first: bool, use_triton: bool, backend: str, capacity: int) -> None:
+    """``acc (+)= gᵀ @ h_c``; ``first`` overwrites (no zero-fill pass over the accumulator)."""
+    gt = g.t()
+    if acc.dtype == g.dtype:  # one dtype (fp32 throughout, or the lean mode): plain cuBLAS
+        if first:
+            torch.mm(gt, h_c, out=acc)
+        else:
+            acc.addmm_(gt, h_c)
+        return
+    if backend in ("auto", "cublas") and acc.is_cuda and _cublas_fp32_out_ok(acc.device.index or 0, g.dtype):
+        torch.addmm(acc, gt, h_c, beta=0 if first else 1, out_dtype=torch.float32, out=acc)
+        return
+    if backend == "cublas":
+        raise RuntimeError("dw_backend='cublas' needs torch.addmm(..., out_dtype=torch.float32) on CUDA")
+    if use_triton and backend != "torch":
+        K.launch_dw_accum(acc, g, h_c, accumulate=not first, capacity=capacity)
+        return
+    wide = torch.mm(gt.to(acc.dtype), h_c.to(acc.dtype))  # exact widening, then one fp32 GEMM
+    acc.copy_(wide) if first else acc.add_(wide)
+
+
+def chunked_pass(hidden, weight, targets, ignore_index, z_loss, scale, need_dh, need_dw, use_triton, opts):
+    """Per-token loss and, when asked, dh and the dW accumulator, scaled by ``scale`` (0-d or
+    per token). Never holds more than one ``[chunk, V]`` block of logits."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    cdt = hidden.dtype
+    w = weight if weight.dtype == cdt else weight.to(cdt)  # [V, D] in the compute dtype
+    acc_dtype = acc_dtype_for(cdt, weight.dtype, opts.dw_accum)
+    rows = chunk_rows_for(n, d, v, acc_dtype, opts)
+    dev = hidden.device
+    loss_rows = torch.empty(n, dtype=torch.promote_types(cdt, torch.float32), device=dev)
+    dh = torch.empty((n, d), dtype=cdt, device=dev) if need_dh else None
+    dw = (torch.empty if n else torch.zeros)((v, d), dtype=acc_dtype, device=dev) if need_dw else None
+    logits = torch.empty((rows, v), dtype=cdt, device=dev) if n else None  # [C, V], reused
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        h_c = hidden[start:stop]  # [c, D]
+        lg = logits[: stop - start]  # [c, V]
+        torch.mm(h_c, w.t(), out=lg)
+        sc = scale[start:stop] if scale.dim() else scale
+        row_args = (
+            lg,
+            targets[start:stop],
+            loss_rows[start:stop],
+            sc,
+            ignore_index,
+            z_loss,
+            need_dh or need_dw,
+        )
+        if use_triton:
+            K.launch_ce_rows(*row_args)
+        else:
+            _ce_rows_torch(*row_args)
+        if need_dh:
+            torch.mm(lg, w, out=dh[start:stop])
+        if need_dw:
+            _accumulate_dw(dw, lg, h_c, start == 0, use_triton, opts.dw_backend, rows)
+    return loss_rows, dh, dw
