@@ -1,7 +1,365 @@
-"""The `hydra-train` command line."""
+"""The `hydra-train` command line: `run` (train) and the `db` group (query the metrics database).
 
-from hydra_kernels.cli_support import add_version_option, new_app
+Every option accepts the seed documents' underscore spelling and Typer's kebab-case
+(``--max_steps`` and ``--max-steps``). Nothing heavy is imported until a command runs.
+"""
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hydra_kernels.cli_support import add_version_option, console, emit_json, err_console, fail, new_app
 from hydra_train import __version__
 
 app = new_app("Train HYDRA models: hydra-train run, pretests, metrics database.")
 add_version_option(app, "hydra-train", __version__)
+
+
+def _opt(*names: str, help: str, **kw):
+    """An option under both spellings: the kebab-case one Typer prints first, then the seed's."""
+    spellings: list[str] = []
+    for n in names:
+        for s in (n.replace("_", "-"), n):
+            if s not in spellings:
+                spellings.append(s)
+    return typer.Option(*spellings, help=help, **kw)
+
+
+def _parse_overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            fail(f"--model_override {item!r}: expected FIELD=VALUE, e.g. dim=128", code=2)
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
+#: Help text of each `run` option (kept here so the signature stays readable).
+H = {
+    "model_size": (
+        "Model preset: tiny, debug, 100M, 250M, 500M, 1B, or auto (tiny on CPU; by GPU memory on CUDA)."
+    ),
+    "mode": (
+        "testing: defaults for a run of minutes; production: long-run defaults (100k steps, eval/save "
+        "every 1000)."
+    ),
+    "max_steps": "Optimizer steps to train (default: by device and mode; 400 on CPU).",
+    "batch_size": "Sequences per micro-batch per GPU/process.",
+    "seq_len": "Tokens per sequence (row-shaped data fixes it itself).",
+    "grad_accum": "Micro-batches accumulated per optimizer step.",
+    "lr": "Peak learning rate (default by preset: tiny 3e-3 ... 1B 3e-4).",
+    "lr_schedule": "cosine (warmup + cosine) or wsd (warmup-stable-decay).",
+    "warmup_steps": "Linear warmup steps (default 5% of max_steps, at most 1000).",
+    "min_lr_ratio": "Final learning rate as a fraction of the peak.",
+    "wsd_decay_frac": "wsd: fraction of the steps spent decaying at the end.",
+    "weight_decay": "AdamW weight decay (matrices only).",
+    "grad_clip": "Clip the global gradient norm to this (0: no clipping).",
+    "eight_bit_adam": (
+        "bitsandbytes AdamW8bit; with a message, fused AdamW when bitsandbytes is missing or unusable."
+    ),
+    "checkpoint_every": "Activation checkpointing every N blocks (0: off). Saves memory, costs a recompute.",
+    "save_every": "Write a checkpoint every N steps.",
+    "keep_checkpoints": "Keep the last K step checkpoints (0: all); the final one is always kept.",
+    "checkpoint_dir": "Where checkpoints, training.db and run artifacts go.",
+    "resume": "Continue from the newest valid checkpoint in --checkpoint_dir.",
+    "triton_kernels": "Use hydra-kernels' fused Triton ops (otherwise the PyTorch references).",
+    "chunked_ce": "Loss via hydra_kernels.linear_cross_entropy: no full [tokens, vocab] logits.",
+    "dataset": (
+        "stdlib / stdlib-full (embedded), a name under $HYDRA_DATA_ROOT, or a path to shards (.bin .pt "
+        ".jsonl .txt)."
+    ),
+    "tokenizer": "tokenizer.json for .jsonl/.txt data (default: one in the data folder).",
+    "vocab_size": "Vocabulary size (embedded corpus: of the BPE built for it; 4096 on CPU, 32000 on GPU).",
+    "moe": "Mixture-of-Experts FFNs instead of the dense MLP.",
+    "moe_num_experts": "Experts per MoE layer.",
+    "static_routing_mode": (
+        "Soft routing: every token through every block (fixed shapes, CUDA-graph friendly)."
+    ),
+    "compile": "torch.compile the model.",
+    "eval_every": "Validation every N steps (also at the start and the end).",
+    "eval_batches": "Validation batches per evaluation.",
+    "log_every": "Read losses, write the database and the progress every N steps.",
+    "seed": "Seed for initialisation and data order.",
+    "precision": "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32.",
+    "device": "auto, cpu, cuda or cuda:N.",
+    "cpu_threads": "CPU training: intra-op threads (default: the cores the load average leaves idle).",
+    "fsdp": "Shard parameters, gradients and optimizer state with FSDP2 (under torchrun).",
+    "prefetch_threads": "Threads building batches ahead of the trainer (0: inline).",
+    "prefetch_buffer_size": "Batches built ahead.",
+    "tensorboard": "Also log scalars to TensorBoard (run folder).",
+    "wandb": "Also log to Weights & Biases (offline unless WANDB_MODE says otherwise).",
+    "model_override": "Set any HydraConfig field, FIELD=VALUE (repeatable), e.g. dim=128.",
+    "json_out": "Print the final summary as JSON instead of a table.",
+    "start": "First step to show.",
+    "limit": "At most this many rows, evenly spaced (0: all).",
+}
+
+
+@app.command("run")
+def run(
+    model_size: Annotated[str, _opt("--model_size", help=H["model_size"])] = "auto",
+    mode: Annotated[str, _opt("--mode", help=H["mode"])] = "testing",
+    max_steps: Annotated[int | None, _opt("--max_steps", help=H["max_steps"])] = None,
+    batch_size: Annotated[int | None, _opt("--batch_size", help=H["batch_size"])] = None,
+    seq_len: Annotated[int | None, _opt("--seq_len", help=H["seq_len"])] = None,
+    grad_accum: Annotated[int, _opt("--grad_accum", help=H["grad_accum"])] = 1,
+    lr: Annotated[float | None, _opt("--lr", help=H["lr"])] = None,
+    lr_schedule: Annotated[str, _opt("--lr_schedule", "--schedule", help=H["lr_schedule"])] = "cosine",
+    warmup_steps: Annotated[int | None, _opt("--warmup_steps", help=H["warmup_steps"])] = None,
+    min_lr_ratio: Annotated[float, _opt("--min_lr_ratio", help=H["min_lr_ratio"])] = 0.1,
+    wsd_decay_frac: Annotated[float, _opt("--wsd_decay_frac", help=H["wsd_decay_frac"])] = 0.2,
+    weight_decay: Annotated[float, _opt("--weight_decay", help=H["weight_decay"])] = 0.1,
+    grad_clip: Annotated[float, _opt("--grad_clip", help=H["grad_clip"])] = 1.0,
+    eight_bit_adam: Annotated[bool, _opt("--8bit_adam", help=H["eight_bit_adam"])] = False,
+    checkpoint_every: Annotated[int, _opt("--checkpoint_every", help=H["checkpoint_every"])] = 0,
+    save_every: Annotated[int | None, _opt("--save_every", help=H["save_every"])] = None,
+    keep_checkpoints: Annotated[int, _opt("--keep_checkpoints", help=H["keep_checkpoints"])] = 3,
+    checkpoint_dir: Annotated[str, _opt("--checkpoint_dir", help=H["checkpoint_dir"])] = "checkpoints",
+    resume: Annotated[bool, _opt("--resume", help=H["resume"])] = False,
+    triton_kernels: Annotated[bool, _opt("--triton_kernels", help=H["triton_kernels"])] = False,
+    chunked_ce: Annotated[bool, _opt("--chunked_ce", help=H["chunked_ce"])] = False,
+    dataset: Annotated[str, _opt("--dataset", help=H["dataset"])] = "auto",
+    tokenizer: Annotated[str | None, _opt("--tokenizer", help=H["tokenizer"])] = None,
+    vocab_size: Annotated[int | None, _opt("--vocab_size", help=H["vocab_size"])] = None,
+    moe: Annotated[bool, _opt("--moe", help=H["moe"])] = False,
+    moe_num_experts: Annotated[int, _opt("--moe_num_experts", help=H["moe_num_experts"])] = 4,
+    static_routing_mode: Annotated[
+        bool, _opt("--static_routing_mode", help=H["static_routing_mode"])
+    ] = False,
+    compile: Annotated[bool, _opt("--compile", help=H["compile"])] = False,
+    eval_every: Annotated[int | None, _opt("--eval_every", help=H["eval_every"])] = None,
+    eval_batches: Annotated[int, _opt("--eval_batches", help=H["eval_batches"])] = 8,
+    log_every: Annotated[int | None, _opt("--log_every", help=H["log_every"])] = None,
+    seed: Annotated[int, _opt("--seed", help=H["seed"])] = 1337,
+    precision: Annotated[str, _opt("--precision", help=H["precision"])] = "auto",
+    device: Annotated[str, _opt("--device", help=H["device"])] = "auto",
+    cpu_threads: Annotated[int | None, _opt("--cpu_threads", help=H["cpu_threads"])] = None,
+    fsdp: Annotated[bool, _opt("--fsdp", help=H["fsdp"])] = False,
+    prefetch_threads: Annotated[int, _opt("--experimental_prefetch_threads", help=H["prefetch_threads"])] = 4,
+    prefetch_buffer_size: Annotated[int, _opt("--prefetch_buffer_size", help=H["prefetch_buffer_size"])] = 8,
+    tensorboard: Annotated[bool, _opt("--tensorboard", help=H["tensorboard"])] = False,
+    wandb: Annotated[bool, _opt("--wandb", help=H["wandb"])] = False,
+    model_override: Annotated[list[str] | None, _opt("--model_override", help=H["model_override"])] = None,
+    json_out: Annotated[bool, _opt("--json", help=H["json_out"])] = False,
+) -> None:
+    """Train a HYDRA model. With no options: the tiny preset on the Python standard library's own
+    source (tokenizer built and cached on first use), a few minutes on a laptop CPU; on a GPU a larger
+    preset with bf16 autocast. Checkpoints, training.db and run artifacts go to --checkpoint_dir.
+    Multi-GPU: torchrun --nproc_per_node=N -m hydra_train run ... (DDP; --fsdp for FSDP2)."""
+    from hydra_train.config import TrainConfig
+    from hydra_train.errors import HydraTrainError
+    from hydra_train.run import run_training, summary_rows
+
+    cfg = TrainConfig(
+        model_size=model_size,
+        mode=mode,
+        max_steps=max_steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        grad_accum=grad_accum,
+        lr=lr,
+        lr_schedule=lr_schedule,
+        warmup_steps=warmup_steps,
+        min_lr_ratio=min_lr_ratio,
+        wsd_decay_frac=wsd_decay_frac,
+        weight_decay=weight_decay,
+        grad_clip=grad_clip,
+        eight_bit_adam=eight_bit_adam,
+        checkpoint_every=checkpoint_every,
+        save_every=save_every,
+        keep_checkpoints=keep_checkpoints,
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+        triton_kernels=triton_kernels,
+        chunked_ce=chunked_ce,
+        dataset=dataset,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        moe=moe,
+        moe_num_experts=moe_num_experts,
+        static_routing_mode=static_routing_mode,
+        compile=compile,
+        eval_every=eval_every,
+        eval_batches=eval_batches,
+        log_every=log_every,
+        seed=seed,
+        precision=precision,
+        device=device,
+        cpu_threads=cpu_threads,
+        fsdp=fsdp,
+        experimental_prefetch_threads=prefetch_threads,
+        prefetch_buffer_size=prefetch_buffer_size,
+        tensorboard=tensorboard,
+        wandb=wandb,
+        model_overrides=_parse_overrides(model_override or []),
+        progress=not json_out,
+    )
+    try:
+        summary = run_training(cfg, console=err_console if json_out else console)
+    except HydraTrainError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail(
+            f"interrupted; continue with: hydra-train run --resume --checkpoint_dir {checkpoint_dir}",
+            code=130,
+        )
+    import os
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    if json_out:
+        emit_json(summary)
+        return
+    from rich.table import Table
+
+    table = Table(title="hydra-train run: summary", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in summary_rows(summary):
+        table.add_row(k, v)
+    console.print(table)
+
+
+db_app = new_app("Query the metrics database (<checkpoint_dir>/training.db).")
+app.add_typer(db_app, name="db")
+
+CkptDir = Annotated[
+    str, _opt("--checkpoint_dir", help="Folder holding training.db and the diagnostics_*.json exports.")
+]
+Model = Annotated[str | None, _opt("--model", help="Only this model id (e.g. tiny, 100m).")]
+Json = Annotated[bool, _opt("--json", help="Machine-readable output.")]
+
+
+def _open_db(checkpoint_dir: str):
+    from hydra_train.metrics_db import DB_NAME, TrainingDB
+
+    path = Path(checkpoint_dir) / DB_NAME
+    if not path.is_file():
+        fail(
+            f"no metrics database at {path}; train first (hydra-train run) or rebuild it "
+            "(hydra-train db rebuild)"
+        )
+    return TrainingDB(path)
+
+
+def _table(title: str, rows: list[dict], columns: list[str]) -> None:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, justify="right" if rows and isinstance(rows[0].get(c), (int, float)) else "left")
+    for r in rows:
+        t.add_row(
+            *(
+                "-" if r.get(c) is None else f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r[c])
+                for c in columns
+            )
+        )
+    console.print(t)
+
+
+@db_app.command("stats")
+def db_stats(checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_out: Json = False) -> None:
+    """Per model: runs, logged steps, last step, best and last loss, EMAs, best validation loss."""
+    with _open_db(checkpoint_dir) as db:
+        rows = db.stats(model)
+    if json_out:
+        return emit_json(rows)
+    _table(
+        "models",
+        rows,
+        [
+            "model_id",
+            "params",
+            "runs",
+            "logged_steps",
+            "last_step",
+            "tokens_seen",
+            "best_loss",
+            "last_loss",
+            "ema_short",
+            "ema_long",
+            "best_val_loss",
+        ],
+    )
+
+
+@db_app.command("milestones")
+def db_milestones(
+    checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_out: Json = False
+) -> None:
+    """The first step at which the short-EMA loss went below each threshold."""
+    with _open_db(checkpoint_dir) as db:
+        rows = db.milestones(model)
+    if json_out:
+        return emit_json(rows)
+    _table(
+        "loss milestones (ema_short)",
+        rows,
+        ["model_id", "threshold", "step", "tokens_seen", "ema_short", "run_id"],
+    )
+
+
+@db_app.command("ema")
+def db_ema(
+    checkpoint_dir: CkptDir = "checkpoints",
+    model: Model = None,
+    start: Annotated[int, _opt("--start", help=H["start"])] = 0,
+    limit: Annotated[int, _opt("--limit", help=H["limit"])] = 40,
+    json_out: Json = False,
+) -> None:
+    """Loss with its short (0.99), medium (0.999) and long (0.9999) EMAs from --start on."""
+    with _open_db(checkpoint_dir) as db:
+        rows = db.ema(model, start=start, limit=limit)
+    if json_out:
+        return emit_json(rows)
+    _table(
+        f"multi-scale EMA from step {start}",
+        rows,
+        ["model_id", "step", "loss", "ema_short", "ema_medium", "ema_long", "run_id"],
+    )
+
+
+@db_app.command("runs")
+def db_runs(checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_out: Json = False) -> None:
+    """Every run: status, steps, best and final validation loss, tokens/s, what it resumed from."""
+    with _open_db(checkpoint_dir) as db:
+        rows = db.runs(model)
+    if json_out:
+        return emit_json(rows)
+    _table(
+        "runs",
+        rows,
+        [
+            "run_id",
+            "model_id",
+            "status",
+            "start_step",
+            "end_step",
+            "best_loss",
+            "final_val_loss",
+            "tokens_per_s",
+            "resumed_from",
+            "device",
+        ],
+    )
+
+
+@db_app.command("rebuild")
+def db_rebuild(checkpoint_dir: CkptDir = "checkpoints", json_out: Json = False) -> None:
+    """Recreate training.db from the diagnostics_*.json exports in --checkpoint_dir."""
+    from hydra_train.metrics_db import rebuild_database
+
+    try:
+        path, run_ids = rebuild_database(checkpoint_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        fail(str(exc))
+    if json_out:
+        return emit_json({"database": str(path), "runs": run_ids})
+    console.print(f"rebuilt {path} from {len(run_ids)} export(s): {', '.join(run_ids)}", highlight=False)

@@ -1,0 +1,197 @@
+"""Atomic checkpoints, finding the newest valid one, and refusing one of another model config.
+
+Layout of a checkpoint (a ``torch.save`` dict, loadable with ``weights_only=True``)::
+
+    format, version          "hydra-train-checkpoint", 1
+    step, time, run_id       optimizer steps done, wall-clock time of the save, the run that saved it
+    model_id, model_size     e.g. "tiny", "tiny"
+    model                    model state dict (full, unsharded, also under FSDP)
+    optimizer, scheduler     their state dicts
+    rng                      python / numpy / torch CPU / CUDA generator states
+    data                     {"position": micro-batches consumed, "seed": data order seed}
+    trainer                  loop state: EMAs, skipped steps, tokens seen, validation history
+    config                   {"model": HydraConfig.to_dict(), "train": TrainConfig.to_dict()}
+    callbacks                {callback name: callback.state_dict()} (SafeOptimizations lives here)
+
+Names: ``hydra_{model_id}_step{N}.pt`` every ``--save_every`` steps (the last ``--keep_checkpoints``
+kept) and ``hydra_{model_id}_final.pt`` at the end.
+
+Atomicity: the bytes go to a temporary file in the same folder, are flushed and fsync'ed, the file
+is renamed over the final name (``os.replace`` is atomic on POSIX) and the folder is fsync'ed so
+the rename survives a power cut. A crash at any point leaves either the old file set or the new
+one; a leftover ``.tmp`` is ignored by :func:`find_resume_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hydra_train.errors import HydraCheckpointError, short_error
+
+FORMAT = "hydra-train-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^hydra_(?P<id>.+?)_(?:step(?P<step>\d+)|final)\.pt$")
+
+#: HydraConfig fields that change how the model computes, not what it is: they may differ on resume.
+RUNTIME_FIELDS = frozenset({"use_chunked_ce"})
+
+
+def step_name(model_id: str, step: int) -> str:
+    return f"hydra_{model_id}_step{step}.pt"
+
+
+def final_name(model_id: str) -> str:
+    return f"hydra_{model_id}_final.pt"
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # some platforms cannot open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(payload: dict[str, Any], path: str | Path) -> Path:
+    """Write ``payload`` to ``path`` atomically (see the module docstring)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+    """Load and sanity-check a checkpoint; any failure is a :class:`HydraCheckpointError`."""
+    path = Path(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:
+        raise HydraCheckpointError(
+            f"{path}: unreadable checkpoint ({type(exc).__name__}: {exc})"[:400]
+        ) from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise HydraCheckpointError(f"{path}: not a hydra-train checkpoint")
+    for key in ("step", "model", "config"):
+        if key not in ckpt:
+            raise HydraCheckpointError(f"{path}: checkpoint has no {key!r} entry (incomplete)")
+    return ckpt
+
+
+def list_checkpoints(folder: str | Path, model_id: str | None = None) -> list[Path]:
+    """Checkpoint files in ``folder`` (of ``model_id`` when given), by name."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    out = []
+    for p in sorted(folder.iterdir()):
+        m = _NAME.match(p.name)
+        if m and p.is_file() and (model_id is None or m["id"] == model_id):
+            out.append(p)
+    return out
+
+
+def prune_checkpoints(folder: str | Path, model_id: str, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` highest-step ``..._step{N}.pt`` files (0 keeps all); final files stay."""
+    if keep <= 0:
+        return []
+    steps = []
+    for p in list_checkpoints(folder, model_id):
+        m = _NAME.match(p.name)
+        if m and m["step"] is not None:
+            steps.append((int(m["step"]), p))
+    steps.sort()
+    removed = [p for _, p in steps[:-keep]]
+    for p in removed:
+        p.unlink(missing_ok=True)
+    return removed
+
+
+@dataclass
+class ResumePoint:
+    path: Path
+    step: int
+    checkpoint: dict[str, Any]
+
+
+def find_resume_checkpoint(folder: str | Path, log=print) -> ResumePoint | None:
+    """The newest valid checkpoint in ``folder`` (by save time, then step); invalid ones are skipped
+    with a message. Returns None when there is none."""
+    candidates = []
+    for p in list_checkpoints(folder):
+        try:
+            ck = load_checkpoint(p, mmap=True)
+        except HydraCheckpointError as exc:
+            log(f"skipping {p.name}: {exc}")
+            continue
+        candidates.append((float(ck.get("time", p.stat().st_mtime)), int(ck["step"]), p))
+    if not candidates:
+        return None
+    _, step, path = max(candidates)
+    return ResumePoint(path, step, load_checkpoint(path))
+
+
+def config_differences(saved_model_config: dict[str, Any], current) -> list[str]:
+    """``HydraConfig.diff`` between a saved config dict and ``current``, runtime-only fields dropped."""
+    try:
+        saved = type(current).from_dict(saved_model_config)
+    except ValueError as exc:  # a field this version does not know: an incompatible model
+        return [short_error(exc, 400)]
+    diffs = saved.diff(current)
+    return [d for d in diffs if d.split(":", 1)[0].strip() not in RUNTIME_FIELDS]
+
+
+def check_model_config(ckpt: dict[str, Any], current, path: Path) -> None:
+    diffs = config_differences(ckpt["config"]["model"], current)
+    if diffs:
+        raise HydraCheckpointError(
+            f"{path} was saved for a different model config and cannot be resumed with this one; "
+            f"differences (checkpoint != current): {'; '.join(diffs)}. Use the original flags, or another "
+            "--checkpoint_dir to start fresh."
+        )
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every generator the loop may draw from, in a form ``weights_only`` loading accepts."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = state["cuda"]
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_states)

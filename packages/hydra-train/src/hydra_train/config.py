@@ -1,0 +1,232 @@
+"""TrainConfig: every flag of ``hydra-train run`` in one dataclass, and how "auto" values resolve.
+
+A field left at ``None`` (or ``"auto"``) is chosen by :func:`resolve_config` from the device and
+the mode, so that ``hydra-train run`` with no arguments finishes in minutes on a laptop CPU and
+uses a larger preset with bf16 on a GPU. The resolved config (no ``None`` left in the fields that
+have automatic values) is what the trainer uses and what checkpoints store under
+``config["train"]``.
+
+Seam for SafeOptimizations: add its ``experimental_*`` fields here; ``to_dict``/``from_dict``
+carry any field without further changes, and unknown keys in an old checkpoint are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra_train.errors import HydraTrainError
+
+MODES = ("testing", "production")
+SCHEDULES = ("cosine", "wsd")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+#: Default corpus names that need no files: the Python standard library's own source.
+EMBEDDED_CORPORA = ("stdlib", "stdlib-full")  # see hydra_train.corpus
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run. ``None``/``"auto"`` means: pick for this device and mode."""
+
+    # model
+    model_size: str = "auto"
+    moe: bool = False
+    moe_num_experts: int = 4
+    static_routing_mode: bool = False
+    chunked_ce: bool = False
+    vocab_size: int | None = None
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    # run length and batch
+    mode: str = "testing"
+    max_steps: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    grad_accum: int = 1
+    # optimizer and schedule
+    lr: float | None = None
+    min_lr_ratio: float = 0.1
+    warmup_steps: int | None = None
+    lr_schedule: str = "cosine"
+    wsd_decay_frac: float = 0.2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eight_bit_adam: bool = False
+    # memory and speed
+    checkpoint_every: int = 0
+    triton_kernels: bool = False
+    compile: bool = False
+    precision: str = "auto"
+    device: str = "auto"
+    cpu_threads: int | None = None
+    fsdp: bool = False
+    ddp_find_unused_parameters: bool = False
+    # data
+    dataset: str = "auto"
+    tokenizer: str | None = None
+    experimental_prefetch_threads: int = 4
+    prefetch_buffer_size: int = 8
+    # evaluation, logging, saving
+    eval_every: int | None = None
+    eval_batches: int = 8
+    log_every: int | None = None
+    save_every: int | None = None
+    keep_checkpoints: int = 3
+    checkpoint_dir: str = "checkpoints"
+    resume: bool = False
+    seed: int = 1337
+    tensorboard: bool = False
+    wandb: bool = False
+    progress: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """Build from a dict; keys this version does not know (an older or newer run) are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What :func:`resolve_config` needs to know about the machine."""
+
+    type: str  # "cpu" or "cuda"
+    total_memory_gib: float = 0.0
+    bf16_supported: bool = False
+
+
+def _size_for(dev: DeviceInfo) -> str:
+    if dev.type != "cuda":
+        return "tiny"
+    if dev.total_memory_gib >= 40:
+        return "100M"
+    if dev.total_memory_gib >= 12:
+        return "debug"
+    return "tiny"
+
+
+# Per device kind: (dataset, vocab, seq_len, batch, steps, lr, eval_every, log_every, save_every).
+# The CPU row is sized so that the default run (tiny preset, the stdlib corpus) finishes in a few
+# minutes on a 2-core machine with the validation loss far below its start; see the README.
+_TESTING_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": dict(
+        dataset="stdlib",
+        vocab_size=4096,
+        seq_len=128,
+        batch_size=8,
+        max_steps=120,
+        lr=3e-3,
+        eval_every=40,
+        log_every=5,
+        save_every=60,
+    ),
+    "cuda": dict(
+        dataset="stdlib-full",
+        vocab_size=32000,
+        seq_len=1024,
+        batch_size=16,
+        max_steps=300,
+        lr=1e-3,
+        eval_every=100,
+        log_every=10,
+        save_every=300,
+    ),
+}
+_PRODUCTION_DEFAULTS: dict[str, Any] = dict(max_steps=100_000, eval_every=1000, log_every=50, save_every=1000)
+_LR_BY_SIZE = {"tiny": 3e-3, "debug": 1e-3, "100M": 6e-4, "250M": 5e-4, "500M": 4e-4, "1B": 3e-4}
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise HydraTrainError(f"--{name} {value!r} is not one of: {', '.join(allowed)}")
+
+
+def _check_positive(cfg: TrainConfig, names: tuple[str, ...], allow_zero: tuple[str, ...] = ()) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if v is None:
+            continue
+        if v < 0 or (v == 0 and name not in allow_zero):
+            raise HydraTrainError(f"--{name} must be {'>= 0' if name in allow_zero else '> 0'}, got {v}")
+
+
+def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
+    """Fill every automatic field for device ``dev`` and validate the rest."""
+    _check_choice("mode", cfg.mode, MODES)
+    _check_choice("lr_schedule", cfg.lr_schedule, SCHEDULES)
+    _check_choice("precision", cfg.precision, PRECISIONS)
+    _check_positive(
+        cfg,
+        (
+            "max_steps",
+            "batch_size",
+            "seq_len",
+            "grad_accum",
+            "lr",
+            "eval_every",
+            "log_every",
+            "save_every",
+            "keep_checkpoints",
+            "eval_batches",
+            "moe_num_experts",
+            "prefetch_buffer_size",
+            "cpu_threads",
+            "checkpoint_every",
+            "experimental_prefetch_threads",
+            "warmup_steps",
+            "grad_clip",
+        ),
+        allow_zero=(
+            "checkpoint_every",
+            "experimental_prefetch_threads",
+            "warmup_steps",
+            "grad_clip",
+            "keep_checkpoints",
+            "save_every",
+        ),
+    )
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise HydraTrainError(f"--min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if not 0.0 < cfg.wsd_decay_frac <= 1.0:
+        raise HydraTrainError(f"--wsd_decay_frac must be in (0, 1], got {cfg.wsd_decay_frac}")
+
+    kind = "cuda" if dev.type == "cuda" else "cpu"
+    base = dict(_TESTING_DEFAULTS[kind])
+    if cfg.mode == "production":
+        base.update(_PRODUCTION_DEFAULTS)
+    out = cfg.replace()
+    if out.model_size == "auto":
+        out.model_size = _size_for(dev)
+    if out.dataset == "auto":
+        out.dataset = base["dataset"]
+    if out.vocab_size is None and out.dataset in EMBEDDED_CORPORA:
+        out.vocab_size = base["vocab_size"]
+    for name in ("seq_len", "batch_size", "max_steps", "eval_every", "log_every", "save_every"):
+        if getattr(out, name) is None:
+            setattr(out, name, base[name])
+    if out.lr is None:
+        out.lr = _LR_BY_SIZE.get(out.model_size, base["lr"])
+    if out.warmup_steps is None:
+        out.warmup_steps = max(1, min(1000, out.max_steps // 20))
+    if out.precision == "auto":
+        out.precision = "bf16" if (kind == "cuda" and dev.bf16_supported) else "fp32"
+    if out.precision == "bf16" and kind != "cuda":
+        raise HydraTrainError("--precision bf16 needs a CUDA device; use --precision fp32 on the CPU")
+    if out.fsdp and out.compile:
+        # both work alone; together they need per-block compilation, which this runner does not do
+        raise HydraTrainError("--fsdp and --compile cannot be combined yet; drop one of them")
+    return out
+
+
+def model_id_for(size: str) -> str:
+    """The id a model size has in the metrics database and in checkpoint names (lower case)."""
+    return size.lower()

@@ -1,0 +1,168 @@
+"""Turn ``--dataset`` into train and validation datasets.
+
+``--dataset`` is one of
+
+* ``stdlib`` / ``stdlib-full``: the embedded corpus (:mod:`hydra_train.corpus`), tokenized with its
+  cached BPE; the token ids are cached too, as ``.bin`` shards under
+  ``<cache>/corpora/<corpus>-<fingerprint>-v<vocab>/{train,val}.bin``;
+* a name: the folder ``$HYDRA_DATA_ROOT/<name>/`` (e.g. ``finefineweb-sequential``);
+* a path to a folder of shards or to one shard file.
+
+Inside a folder: shards are the files ending in ``.bin``, ``.pt``, ``.jsonl`` or ``.txt``, in name
+order. Validation data is, in order of preference, the ``val/`` (or ``validation/``) subfolder
+beside a ``train/`` one; the shards whose name contains ``val``/``valid``/``validation`` as a word;
+otherwise the last 1% of the training windows (at least one). Text shards need a tokenizer:
+``--tokenizer`` or a ``tokenizer.json`` in the folder. The vocabulary is ``--vocab_size``, else the
+tokenizer's, else ``vocab_size`` from a ``meta.json`` in the folder, else the model preset's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra_train.config import EMBEDDED_CORPORA as EMBEDDED_NAMES
+from hydra_train.corpus import cache_dir, load_stdlib_corpus
+from hydra_train.dataset import TokenDataset, WindowView
+from hydra_train.errors import HydraDataError, short_error
+from hydra_train.shards import SHARD_SUFFIXES, Shard, open_shard, write_token_shard
+from hydra_train.tokenizer import cached_corpus_tokenizer, encode_documents, load_tokenizer
+
+VAL_FRACTION = 0.01
+_VAL_NAME = re.compile(r"(^|[^a-z])(val|valid|validation)([^a-z]|$)", re.IGNORECASE)
+
+
+@dataclass
+class DataBundle:
+    train: TokenDataset | WindowView
+    val: TokenDataset | WindowView
+    vocab_size: int
+    seq_len: int
+    description: str
+    tokenizer_path: Path | None = None
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in SHARD_SUFFIXES)
+
+
+def resolve_dataset_path(name: str) -> Path:
+    """A name under ``$HYDRA_DATA_ROOT`` first, then a path; the error lists what was tried."""
+    tried = []
+    root = os.environ.get("HYDRA_DATA_ROOT")
+    if root and "/" not in name and os.sep not in name:
+        cand = Path(root).expanduser() / name
+        if cand.exists():
+            return cand
+        tried.append(str(cand))
+    p = Path(name).expanduser()
+    if p.exists():
+        return p
+    tried.append(str(p))
+    hint = "" if root else " (HYDRA_DATA_ROOT is not set)"
+    raise HydraDataError(f"dataset {name!r} not found; looked for {' and '.join(tried)}{hint}")
+
+
+def _embedded(name: str, vocab_size: int, seq_len: int, log) -> DataBundle:
+    corpus = load_stdlib_corpus(name)
+    log(f"corpus {corpus.describe()}")
+    cache = cache_dir()
+    tok, tok_path, hit = cached_corpus_tokenizer(corpus, vocab_size, cache, log=log)
+    if hit:
+        log(f"tokenizer loaded from cache {tok_path}")
+    vocab = tok.get_vocab_size()
+    folder = cache / "corpora" / f"{corpus.name}-{corpus.fingerprint}-v{vocab_size}"
+    datasets = {}
+    for split, docs in (("train", corpus.train), ("val", corpus.val)):
+        path = folder / f"{split}.bin"
+        shard = None
+        if path.is_file():
+            try:
+                shard = open_shard(path)
+            except HydraDataError as exc:
+                log(f"cached corpus shard unusable ({exc}); tokenizing again")
+        if shard is None:
+            log(f"tokenizing the {split} split ({len(docs)} files) ...")
+            write_token_shard(path, encode_documents(tok, [d.text for d in docs]))
+            shard = open_shard(path)
+        datasets[split] = TokenDataset([shard], seq_len, vocab, name=f"{corpus.name}:{split}")
+    desc = (
+        f"{corpus.name} (embedded): {datasets['train'].num_tokens / 1e6:.2f}M train / "
+        f"{datasets['val'].num_tokens / 1e6:.2f}M val tokens, vocab {vocab}"
+    )
+    return DataBundle(datasets["train"], datasets["val"], vocab, seq_len, desc, tok_path)
+
+
+def _find_tokenizer(explicit: str | None, folder: Path):
+    if explicit:
+        return load_tokenizer(explicit), Path(explicit)
+    cand = folder / "tokenizer.json"
+    if cand.is_file():
+        return load_tokenizer(cand), cand
+    return None, None
+
+
+def _meta_vocab(folder: Path) -> int | None:
+    import json
+
+    meta = folder / "meta.json"
+    if not meta.is_file():
+        return None
+    try:
+        v = json.loads(meta.read_text()).get("vocab_size")
+    except Exception as exc:
+        raise HydraDataError(f"{meta}: unreadable ({short_error(exc)})") from None
+    return int(v) if v is not None else None
+
+
+def load_data(
+    dataset: str,
+    *,
+    seq_len: int,
+    vocab_size: int | None,
+    default_vocab: int,
+    tokenizer: str | None = None,
+    log=print,
+) -> DataBundle:
+    """Open ``dataset`` (see the module docstring) for sequences of ``seq_len`` tokens."""
+    if dataset in EMBEDDED_NAMES:
+        return _embedded(dataset, vocab_size or default_vocab, seq_len, log)
+    path = resolve_dataset_path(dataset)
+    folder = path if path.is_dir() else path.parent
+    tok, tok_path = _find_tokenizer(tokenizer, folder)
+    vocab = vocab_size or (tok.get_vocab_size() if tok is not None else None) or _meta_vocab(folder)
+    vocab = vocab or default_vocab
+
+    def open_all(files: list[Path]) -> list[Shard]:
+        return [open_shard(f, tok) for f in files]
+
+    if path.is_file():
+        train_files, val_files = [path], []
+    else:
+        sub_train = path / "train"
+        sub_val = next((path / s for s in ("val", "validation") if (path / s).is_dir()), None)
+        if sub_train.is_dir() and sub_val is not None:
+            train_files, val_files = _shard_files(sub_train), _shard_files(sub_val)
+        else:
+            files = _shard_files(path)
+            val_files = [f for f in files if _VAL_NAME.search(f.stem)]
+            train_files = [f for f in files if f not in val_files]
+        if not train_files:
+            raise HydraDataError(
+                f"{path}: empty dataset: no shard files ({', '.join(SHARD_SUFFIXES)}) found there"
+            )
+    train_ds = TokenDataset(open_all(train_files), seq_len, vocab, name=f"{dataset}:train")
+    if val_files:
+        val_ds = TokenDataset(open_all(val_files), train_ds.seq_len, vocab, name=f"{dataset}:val")
+        train, val = train_ds, val_ds
+        how = f"{len(val_files)} validation shard(s)"
+    else:
+        n_val = max(1, round(train_ds.num_windows * VAL_FRACTION))
+        train, val = train_ds.split_tail(n_val)
+        how = f"last {n_val} windows held out for validation"
+    desc = (
+        f"{path}: {len(train_files)} shard(s), {train_ds.num_tokens / 1e6:.2f}M tokens, {how}, vocab {vocab}"
+    )
+    return DataBundle(train, val, vocab, train_ds.seq_len, desc, tok_path)

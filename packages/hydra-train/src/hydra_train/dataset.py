@@ -1,0 +1,218 @@
+"""Windows over token shards, and the deterministic batch order that makes resume exact.
+
+A :class:`TokenDataset` is a list of shards cut into *windows* of ``seq_len + 1`` tokens
+(stream shards: consecutive, non-overlapping windows that never cross a shard boundary; row
+shards: one window per row). Window ``w`` gives ``input = tokens[:-1]``, ``target = tokens[1:]``.
+
+Batch order (:class:`BatchPlan`): training draws *sample positions* 0, 1, 2, ... ; position ``p``
+is window ``perm_e[p mod N]`` of epoch ``e = p div N``, where ``perm_e`` is a permutation seeded by
+``(seed, e)``. Batch ``k`` of the run covers positions ``[k·B·W, (k+1)·B·W)`` (micro-batch size
+``B``, world size ``W``) and rank ``r`` takes the ``r``-th slice of ``B``. So each rank sees
+different data, the ranks together see exactly what one process with batch ``B·W`` sees, and a
+checkpoint only needs ``k`` (the number of micro-batches consumed) to continue where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hydra_train.errors import HydraDataError, short_error
+from hydra_train.shards import Shard
+
+
+class TokenDataset:
+    """Shards cut into windows; ``window(i)`` returns ``seq_len + 1`` token ids as int64."""
+
+    def __init__(self, shards: list[Shard], seq_len: int, vocab_size: int, name: str = "dataset"):
+        if not shards:
+            raise HydraDataError(f"{name}: no shards (empty dataset)")
+        kinds = {s.is_rows for s in shards}
+        if len(kinds) > 1:
+            raise HydraDataError(f"{name}: mixes stream shards and row shards ({shards[0].path.parent})")
+        self.name = name
+        self.shards = shards
+        self.vocab_size = int(vocab_size)
+        self.is_rows = shards[0].is_rows
+        if self.is_rows:
+            lengths = {s.tokens.shape[1] for s in shards}
+            if len(lengths) > 1:
+                raise HydraDataError(f"{name}: row shards have different row lengths {sorted(lengths)}")
+            seq_len = lengths.pop() - 1  # rows fix the sequence length
+        self.seq_len = int(seq_len)
+        counts = []
+        for s in shards:
+            if s.max_token_id is not None and s.max_token_id >= self.vocab_size:
+                raise HydraDataError(
+                    f"{s.path}: token id {s.max_token_id} >= vocab size {self.vocab_size}; the data was "
+                    "tokenized with a larger vocabulary (pass --vocab_size or the matching --tokenizer)"
+                )
+            counts.append(s.tokens.shape[0] if self.is_rows else max(0, (s.num_tokens - 1) // self.seq_len))
+        self._cum = np.cumsum([0, *counts])
+        if self.num_windows == 0:
+            total = sum(s.num_tokens for s in shards)
+            raise HydraDataError(
+                f"{name}: empty dataset: {total} tokens in {len(shards)} shard(s) "
+                f"({shards[0].path}{', ...' if len(shards) > 1 else ''}) give no window of "
+                f"{self.seq_len + 1} tokens"
+            )
+
+    @property
+    def num_windows(self) -> int:
+        return int(self._cum[-1])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_windows * self.seq_len
+
+    def check_max_seq_len(self, max_seq_len: int) -> None:
+        if self.seq_len > max_seq_len:
+            where = self.shards[0].path if self.is_rows else self.name
+            raise HydraDataError(
+                f"{where}: sequences of {self.seq_len} tokens are longer than the model's max_seq_len "
+                f"{max_seq_len}"
+            )
+
+    def locate(self, i: int) -> tuple[Shard, int]:
+        k = int(np.searchsorted(self._cum, i, side="right")) - 1
+        return self.shards[k], i - int(self._cum[k])
+
+    def window(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.num_windows:
+            raise IndexError(f"window {i} out of range [0, {self.num_windows})")
+        shard, j = self.locate(i)
+        if self.is_rows:
+            arr = shard.tokens[j]
+        else:
+            arr = shard.tokens[j * self.seq_len : j * self.seq_len + self.seq_len + 1]
+        try:
+            return np.asarray(arr, dtype=np.int64)
+        except OSError as exc:  # a memory-mapped file that vanished or failed to read
+            raise HydraDataError(f"{shard.path}: unreadable shard ({short_error(exc)})") from None
+
+    def split_tail(self, n_tail: int) -> tuple[WindowView, WindowView]:
+        """(head, tail): the last ``n_tail`` windows held out (for validation)."""
+        n = self.num_windows
+        if not 0 < n_tail < n:
+            raise HydraDataError(f"{self.name}: {n} windows are too few to hold out {n_tail} for validation")
+        return WindowView(self, 0, n - n_tail), WindowView(self, n - n_tail, n)
+
+
+@dataclass
+class WindowView:
+    """A contiguous range of a dataset's windows, addressed from 0."""
+
+    base: TokenDataset
+    start: int
+    stop: int
+
+    @property
+    def num_windows(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def seq_len(self) -> int:
+        return self.base.seq_len
+
+    @property
+    def name(self) -> str:
+        return self.base.name
+
+    def window(self, i: int) -> np.ndarray:
+        return self.base.window(self.start + i)
+
+    def locate(self, i: int) -> tuple[Shard, int]:
+        return self.base.locate(self.start + i)
+
+    def check_max_seq_len(self, max_seq_len: int) -> None:
+        self.base.check_max_seq_len(max_seq_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base.vocab_size
+
+
+def as_view(ds: TokenDataset | WindowView) -> WindowView:
+    return ds if isinstance(ds, WindowView) else WindowView(ds, 0, ds.num_windows)
+
+
+class BatchPlan:
+    """Which windows micro-batch ``k`` of rank ``rank`` holds (see the module docstring)."""
+
+    def __init__(
+        self,
+        data: TokenDataset | WindowView,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ):
+        self.data = as_view(data)
+        self.batch_size = int(batch_size)
+        self.seed, self.rank, self.world_size, self.shuffle = int(seed), int(rank), int(world_size), shuffle
+        self._perms: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            perm = torch.randperm(self.data.num_windows, generator=g)
+            self._perms[epoch] = perm
+            while len(self._perms) > 2:  # a batch spans at most two epochs
+                self._perms.popitem(last=False)
+        return perm
+
+    def window_ids(self, k: int) -> list[int]:
+        n = self.data.num_windows
+        first = (k * self.world_size + self.rank) * self.batch_size
+        ids = []
+        for p in range(first, first + self.batch_size):
+            epoch, within = divmod(p, n)
+            ids.append(int(self._perm(epoch)[within]) if self.shuffle else within)
+        return ids
+
+    def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, targets)``, both ``[B, seq_len]`` int64 on the CPU, ids checked against vocab."""
+        ids = self.window_ids(k)
+        rows = np.stack([self.data.window(i) for i in ids])  # [B, S+1]
+        check_token_range(rows, self.data, ids)
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:]
+
+
+def check_token_range(rows: np.ndarray, data: WindowView, ids: list[int]) -> None:
+    """One cheap max per batch; on failure, name the shard and window that holds the bad id."""
+    vocab = data.vocab_size
+    if rows.size and (int(rows.max()) >= vocab or int(rows.min()) < 0):
+        bad_row = int(np.argmax((rows >= vocab).any(axis=1) | (rows < 0).any(axis=1)))
+        shard, j = data.locate(ids[bad_row])
+        bad = rows[bad_row][(rows[bad_row] >= vocab) | (rows[bad_row] < 0)][0]
+        raise HydraDataError(
+            f"{shard.path}: token id {int(bad)} (window {j}) is outside the vocabulary [0, {vocab}); the "
+            "data was tokenized with another vocabulary (pass --vocab_size or the matching --tokenizer)"
+        )
+
+
+def eval_batches(
+    data: TokenDataset | WindowView, batch_size: int, n_batches: int, *, rank: int = 0, world_size: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed validation batches: the first windows in order, split across ranks."""
+    view = as_view(data)
+    total = min(view.num_windows, batch_size * n_batches * world_size)
+    total -= total % world_size  # equal batch counts on every rank (FSDP forwards are collective)
+    if total == 0:
+        raise HydraDataError(f"{view.name}: the validation split has fewer windows than ranks")
+    mine = list(range(rank, total, world_size))
+    out = []
+    for i in range(0, len(mine), batch_size):
+        ids = mine[i : i + batch_size]
+        rows = np.stack([view.window(j) for j in ids])
+        check_token_range(rows, view, ids)
+        t = torch.from_numpy(rows)
+        out.append((t[:, :-1], t[:, 1:]))
+    return out

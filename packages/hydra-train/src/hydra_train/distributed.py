@@ -1,0 +1,177 @@
+"""torchrun integration: process group, DDP / FSDP2 wrapping, gradient-sync control, full state dicts.
+
+``torchrun --nproc_per_node=N -m hydra_train run ...`` sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``;
+:func:`init_distributed` then joins the group (NCCL on CUDA, gloo on the CPU) and each rank uses
+``cuda:LOCAL_RANK``. Without those variables everything here is a no-op single process.
+
+DDP: gradients are all-reduced (averaged) on the last micro-batch of an accumulation only; the
+others run under ``no_sync()``. FSDP2 (``--fsdp``): every block in the model's ``nn.ModuleList``
+children is ``fully_shard``-ed, then the root; ``set_requires_gradient_sync(False)`` plays the part
+of ``no_sync``. Checkpoints always hold *full* state dicts (gathered with
+``torch.distributed.checkpoint.state_dict``), so a checkpoint from N GPUs loads on one and back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Join the process group when launched by torchrun with more than one process."""
+    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) <= 1:
+        return DistInfo()
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend)
+
+
+def shutdown_distributed(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def broadcast_object(info: DistInfo, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_sum(info: DistInfo, t: torch.Tensor) -> torch.Tensor:
+    if info.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def wrap_model(
+    model: nn.Module,
+    info: DistInfo,
+    *,
+    fsdp: bool,
+    device: torch.device,
+    find_unused_parameters: bool = False,
+) -> nn.Module:
+    """The module the training forward goes through: ``model`` itself, DDP(model), or FSDP2(model)."""
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = None
+        if info.enabled:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (info.world_size,))
+        for child in model.modules():
+            if isinstance(child, nn.ModuleList):
+                for block in child:
+                    fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    if not info.enabled:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=ids, find_unused_parameters=find_unused_parameters)
+
+
+def grad_sync(wrapped: nn.Module, enabled: bool):
+    """Context for one micro-batch: gradient all-reduce on (last micro-batch) or off (the others)."""
+    if enabled:
+        return contextlib.nullcontext()
+    if hasattr(wrapped, "no_sync"):  # DDP
+        return wrapped.no_sync()
+    if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(wrapped)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    return hasattr(module, "set_requires_gradient_sync") and hasattr(module, "reshard")
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return model.state_dict()
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    return optimizer.state_dict()
+
+
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    model_state: dict[str, Any],
+    optim_state: dict[str, Any] | None,
+) -> None:
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, model_state, options=opts)
+        if optimizer is not None and optim_state is not None:
+            set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+        return
+    model.load_state_dict(model_state)
+    if optimizer is not None and optim_state is not None:
+        optimizer.load_state_dict(optim_state)

@@ -1,0 +1,21 @@
+"""Errors the CLI turns into one line on stderr and exit status 1 (never a deep stack trace)."""
+
+
+class HydraTrainError(RuntimeError):
+    """Base class: something the user can fix (bad data, bad checkpoint, bad flag combination)."""
+
+
+class HydraDataError(HydraTrainError):
+    """A dataset, shard or tokenizer that cannot be used; the message names the file and the problem."""
+
+
+class HydraCheckpointError(HydraTrainError):
+    """A checkpoint that cannot be resumed from (unreadable, or saved for another model config)."""
+
+
+def short_error(exc: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters (for one-line errors)."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    out = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return out if len(out) <= limit else out[: limit - 3] + "..."

@@ -1,0 +1,175 @@
+"""Optimizer (fused AdamW, or bitsandbytes AdamW8bit) and learning-rate schedules.
+
+Weight decay applies to matrices (parameters with two or more dimensions, embeddings included) and
+not to norms' gains, biases or other vectors.
+
+Schedules (:class:`LRSchedule`, factor times the base learning rate of every group):
+
+``cosine``  linear warmup from 1/warmup to 1 over ``warmup_steps``, then a cosine from 1 down to
+            ``min_lr_ratio`` at ``max_steps``.
+``wsd``     warmup-stable-decay: the same warmup, 1 until the last ``wsd_decay_frac`` of the steps,
+            then a linear decay to ``min_lr_ratio`` at ``max_steps``.
+
+The schedule follows the optimizer-step counter, skipped (non-finite) steps included, so a skip
+does not shift the rest of the run. It writes ``group["lr"]`` in place when that is a tensor (a
+CUDA-graph-captured optimizer reads its lr from device memory) and assigns a float otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
+    """Fused AdamW runs on CUDA and (torch >= 2.4) CPU floating-point tensors."""
+    return all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params)
+
+
+@dataclass
+class OptimizerChoice:
+    optimizer: torch.optim.Optimizer
+    name: str  # "adamw_fused", "adamw", "adamw8bit"
+    note: str | None = None  # why the requested optimizer was not used
+
+
+def _probe_8bit(bnb, device: torch.device) -> None:
+    """One step of AdamW8bit on a throwaway parameter: catches builds that import but cannot run."""
+    p = torch.nn.Parameter(torch.randn(4096, device=device))
+    opt = bnb.optim.AdamW8bit([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eight_bit: bool = False,
+    log: Callable[[str], None] = print,
+) -> OptimizerChoice:
+    groups = param_groups(model, weight_decay)
+    params = [p for g in groups for p in g["params"]]
+    note = None
+    if eight_bit:
+        device = params[0].device if params else torch.device("cpu")
+        try:
+            import bitsandbytes as bnb
+
+            if device.type != "cuda":
+                raise RuntimeError(f"its 8-bit optimizers need CUDA parameters, these are on {device.type}")
+            _probe_8bit(bnb, device)
+            return OptimizerChoice(bnb.optim.AdamW8bit(groups, lr=lr, betas=betas), "adamw8bit")
+        except Exception as exc:  # ImportError or a build that cannot run here
+            reason = (
+                "bitsandbytes is not installed (pip install 'hydra-train[8bit]')"
+                if isinstance(exc, ImportError)
+                else f"bitsandbytes is unusable here: {type(exc).__name__}: {exc}"
+            )
+            note = f"--8bit_adam: {reason}; using fused AdamW instead"
+            log(note)
+    fused = fused_adamw_supported(params)
+    kw: dict[str, Any] = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, **kw)
+    return OptimizerChoice(opt, "adamw_fused" if fused else "adamw", note)
+
+
+class LRSchedule:
+    """Sets every group's lr to ``base_lr * factor(step)``; ``state_dict`` is just the step."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        kind: str,
+        max_steps: int,
+        warmup_steps: int,
+        min_lr_ratio: float = 0.1,
+        decay_frac: float = 0.2,
+        step: int = 0,
+    ):
+        if kind not in ("cosine", "wsd"):
+            raise ValueError(f"unknown schedule {kind!r}")
+        self.kind, self.max_steps, self.warmup = kind, int(max_steps), int(warmup_steps)
+        self.min_ratio, self.decay_frac = float(min_lr_ratio), float(decay_frac)
+        self.step_count = int(step)
+        self.attach(optimizer)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drive ``optimizer`` (a replacement optimizer keeps the schedule's position)."""
+        self.optimizer = optimizer
+        for g in optimizer.param_groups:
+            g.setdefault("initial_lr", float(g["lr"]))
+        self._apply()
+
+    def factor(self, step: int) -> float:
+        if self.warmup and step < self.warmup:
+            return (step + 1) / self.warmup
+        span = max(1, self.max_steps - self.warmup)
+        if self.kind == "cosine":
+            t = min(1.0, (step - self.warmup) / span)
+            return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+        decay_start = self.max_steps - max(1, round(self.decay_frac * self.max_steps))
+        if step < decay_start:
+            return 1.0
+        t = min(1.0, (step - decay_start) / max(1, self.max_steps - decay_start))
+        return 1.0 - (1 - self.min_ratio) * t
+
+    def phase(self, step: int | None = None) -> str:
+        step = self.step_count if step is None else step
+        if self.warmup and step < self.warmup:
+            return "warmup"
+        if self.kind == "cosine":
+            return "cosine"
+        decay_start = self.max_steps - max(1, round(self.decay_frac * self.max_steps))
+        return "stable" if step < decay_start else "decay"
+
+    def _apply(self) -> None:
+        f = self.factor(self.step_count)
+        self._last_lr = []
+        for g in self.optimizer.param_groups:
+            lr = float(g["initial_lr"]) * f
+            self._last_lr.append(lr)  # kept as floats: reading a tensor lr back would sync
+            if isinstance(g["lr"], torch.Tensor):
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
+
+    def step(self) -> None:
+        self.step_count += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def base_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["initial_lr"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step_count,
+            "kind": self.kind,
+            "max_steps": self.max_steps,
+            "warmup": self.warmup,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step"])
+        self._apply()

@@ -1,0 +1,194 @@
+"""Token shard formats: reading (``.bin``, ``.pt``, ``.jsonl``, ``.txt``) and writing (``.bin``).
+
+A shard is either a **stream** (a 1-D run of token ids; training cuts it into windows of
+``seq_len + 1``) or **rows** (a 2-D ``[N, L]`` tensor; each row is one sequence of ``L`` tokens,
+input ``row[:-1]``, target ``row[1:]``).
+
+``.bin`` (a memory map; written by :func:`write_token_shard`)::
+
+    offset  size  field
+    0       8     magic  b"HYDRATOK"
+    8       4     version (uint32, little-endian) = 1
+    12      4     bytes per token (uint32): 2 for uint16, 4 for uint32
+    16      8     number of tokens (uint64)
+    24      8     largest token id in the shard (int64), -1 when unknown
+    32      ...   the tokens, little-endian
+
+    A headerless raw ``.bin`` (e.g. nanoGPT's uint16 files) is read when a JSON sidecar
+    ``<file>.json`` sits beside it: ``{"dtype": "uint16"|"uint32", "header_bytes": 0}``.
+
+``.pt`` (``torch.load(weights_only=True)``): a 1-D integer tensor (stream); or a dict with
+``"tokens"`` (1-D, stream) or ``"input_ids"`` (2-D, rows).
+
+``.jsonl`` (one ``{"text": ...}`` object per line) and ``.txt`` (the whole file is one document):
+tokenized at load time with the dataset's tokenizer, every document followed by end-of-document.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hydra_train.errors import HydraDataError, short_error
+from hydra_train.tokenizer import atomic_write_bytes, encode_documents
+
+MAGIC = b"HYDRATOK"
+HEADER = struct.Struct("<8sIIQq")  # 32 bytes
+SHARD_SUFFIXES = (".bin", ".pt", ".jsonl", ".txt")
+
+
+@dataclass
+class Shard:
+    """One opened shard: ``tokens`` is 1-D (stream) or 2-D (rows), numpy or memmap."""
+
+    path: Path
+    tokens: np.ndarray
+    max_token_id: int | None  # None: not known without a scan (checked per batch instead)
+
+    @property
+    def is_rows(self) -> bool:
+        return self.tokens.ndim == 2
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+
+def write_token_shard(path: str | Path, tokens, max_token_id: int | None = None) -> Path:
+    """Write a 1-D token sequence as a ``.bin`` shard (uint16 when ids fit, else uint32), atomically."""
+    arr = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"write_token_shard wants a 1-D token sequence, got shape {arr.shape}")
+    if arr.size and arr.min() < 0:
+        raise ValueError("token ids must be >= 0")
+    top = int(arr.max()) if arr.size else -1
+    if max_token_id is not None and top > max_token_id:
+        raise ValueError(f"token id {top} exceeds the declared max_token_id {max_token_id}")
+    width = 2 if top < 2**16 else 4
+    body = arr.astype(np.uint16 if width == 2 else np.uint32).astype("<u" + str(width)).tobytes()
+    header = HEADER.pack(MAGIC, 1, width, arr.size, top)
+    p = Path(path)
+    atomic_write_bytes(p, header + body)
+    return p
+
+
+def _open_bin(path: Path) -> Shard:
+    sidecar = path.with_name(path.name + ".json")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(HEADER.size)
+    if head[:8] == MAGIC:
+        if len(head) < HEADER.size:
+            raise HydraDataError(f"{path}: truncated header ({size} bytes)")
+        _, version, width, n, top = HEADER.unpack(head)
+        if version != 1 or width not in (2, 4):
+            raise HydraDataError(f"{path}: unsupported .bin header (version {version}, {width} bytes/token)")
+        if HEADER.size + n * width != size:
+            raise HydraDataError(
+                f"{path}: header says {n} tokens ({HEADER.size + n * width} bytes) but the file has "
+                f"{size} bytes (truncated or corrupt shard)"
+            )
+        arr = (
+            np.memmap(path, dtype=f"<u{width}", mode="r", offset=HEADER.size, shape=(n,))
+            if n
+            else (np.zeros(0, dtype=np.uint32))
+        )
+        return Shard(path, arr, None if top < 0 else int(top))
+    if not sidecar.is_file():
+        raise HydraDataError(
+            f"{path}: not a HYDRA .bin shard (no {MAGIC.decode()} header) and no sidecar {sidecar.name} "
+            'saying its layout, e.g. {"dtype": "uint16", "header_bytes": 0}'
+        )
+    try:
+        meta = json.loads(sidecar.read_text())
+        dtype = np.dtype(meta.get("dtype", "uint16")).newbyteorder("<")
+        offset = int(meta.get("header_bytes", 0))
+    except Exception as exc:
+        raise HydraDataError(f"{sidecar}: unreadable sidecar ({short_error(exc)})") from None
+    if dtype.kind != "u" or dtype.itemsize not in (2, 4):
+        raise HydraDataError(f"{sidecar}: dtype must be uint16 or uint32, got {dtype}")
+    if (size - offset) % dtype.itemsize:
+        raise HydraDataError(f"{path}: {size - offset} data bytes is not a whole number of {dtype} tokens")
+    n = (size - offset) // dtype.itemsize
+    arr = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(n,)) if n else np.zeros(0, np.uint32)
+    return Shard(path, arr, None)
+
+
+def _from_tensor(path: Path, t: object) -> Shard:
+    if isinstance(t, dict):
+        if "tokens" in t:
+            t = t["tokens"]
+        elif "input_ids" in t:
+            t = t["input_ids"]
+            if not (isinstance(t, torch.Tensor) and t.ndim == 2):
+                raise HydraDataError(f"{path}: 'input_ids' must be a 2-D tensor [rows, length]")
+        else:
+            raise HydraDataError(f"{path}: a dict shard needs a 'tokens' (1-D) or 'input_ids' (2-D) tensor")
+    if not isinstance(t, torch.Tensor):
+        raise HydraDataError(f"{path}: expected a token tensor or a dict of one, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise HydraDataError(f"{path}: token tensors must be integer, got {t.dtype}")
+    if t.ndim not in (1, 2):
+        raise HydraDataError(
+            f"{path}: token tensor must be 1-D (stream) or 2-D (rows), got shape {tuple(t.shape)}"
+        )
+    arr = t.contiguous().numpy()
+    if arr.size and int(arr.min()) < 0:
+        raise HydraDataError(f"{path}: negative token id {int(arr.min())}")
+    return Shard(path, arr, int(arr.max()) if arr.size else None)
+
+
+def _read_texts(path: Path) -> list[str]:
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8", errors="replace")]
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise HydraDataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise HydraDataError(f'{path}:{lineno}: each line must be an object with a "text" string')
+            texts.append(obj["text"])
+    return texts
+
+
+def open_shard(path: str | Path, tokenizer=None) -> Shard:
+    """Open one shard by its suffix; every failure is a :class:`HydraDataError` naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise HydraDataError(f"{p}: no such file")
+    if not os.access(p, os.R_OK):
+        raise HydraDataError(f"{p}: not readable (permissions)")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".bin":
+            return _open_bin(p)
+        if suffix == ".pt":
+            try:
+                obj = torch.load(p, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise HydraDataError(f"{p}: unreadable .pt shard ({short_error(exc)})") from None
+            return _from_tensor(p, obj)
+        if suffix in (".jsonl", ".txt"):
+            if tokenizer is None:
+                raise HydraDataError(
+                    f"{p}: text data needs a tokenizer; pass --tokenizer path/to/tokenizer.json or put a "
+                    "tokenizer.json beside the data"
+                )
+            arr = encode_documents(tokenizer, _read_texts(p))
+            return Shard(p, arr, int(arr.max()) if arr.size else None)
+    except HydraDataError:
+        raise
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise HydraDataError(f"{p}: unreadable shard ({short_error(exc)})") from None
+    raise HydraDataError(f"{p}: unknown shard type {suffix!r}; expected one of {', '.join(SHARD_SUFFIXES)}")

@@ -1,0 +1,114 @@
+"""Byte-level BPE tokenizers: built for the embedded corpus (and cached), or loaded from a file.
+
+The tokenizer of the embedded corpus is trained with the ``tokenizers`` package on a deterministic
+subset of the corpus's *train* split (files in path order until ``TRAIN_SUBSET_CHARS`` characters),
+so validation text never shapes the vocabulary. It is cached as
+``<cache>/tokenizers/<corpus>-<fingerprint>-v<vocab>.json``; a second run with the same corpus and
+vocabulary size loads it instead of training again. Id 0 is ``<|endoftext|>``, appended after every
+document so that the model sees where one file ends and the next begins.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from hydra_train.errors import HydraDataError
+
+EOS_TOKEN = "<|endoftext|>"
+TRAIN_SUBSET_CHARS = 4_000_000
+MIN_VOCAB = 300  # 256 byte symbols, the special token and a few merges
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def train_bpe(texts: list[str], vocab_size: int):
+    """A byte-level BPE with ``vocab_size`` entries (or fewer when the text has fewer merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < MIN_VOCAB:
+        raise HydraDataError(f"--vocab_size {vocab_size} is too small for a byte-level BPE (min {MIN_VOCAB})")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def load_tokenizer(path: str | Path):
+    """Load a ``tokenizer.json`` (Hugging Face ``tokenizers`` format); errors name the file."""
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    if not p.is_file():
+        raise HydraDataError(f"tokenizer file {p} does not exist")
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as exc:
+        raise HydraDataError(f"tokenizer file {p} could not be read: {exc}") from None
+
+
+def eos_id(tok) -> int:
+    """The id appended after each document: ``<|endoftext|>`` or the tokenizer's ``</s>``-like token."""
+    for name in (EOS_TOKEN, "</s>", "<eos>", "[SEP]"):
+        tid = tok.token_to_id(name)
+        if tid is not None:
+            return int(tid)
+    raise HydraDataError(
+        f"the tokenizer has none of the end-of-document tokens {EOS_TOKEN!r}, '</s>', '<eos>', '[SEP]'"
+    )
+
+
+def encode_documents(tok, texts: list[str], batch: int = 256) -> np.ndarray:
+    """Token ids of all ``texts``, each followed by the end-of-document id, as one uint32 array."""
+    eos = eos_id(tok)
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: skips offsets
+    parts: list[np.ndarray] = []
+    for i in range(0, len(texts), batch):
+        for enc in encode(texts[i : i + batch], add_special_tokens=False):
+            parts.append(np.asarray(enc.ids, dtype=np.uint32))
+            parts.append(np.asarray([eos], dtype=np.uint32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+
+
+def cached_corpus_tokenizer(corpus, vocab_size: int, cache: Path, log=print):
+    """The corpus's tokenizer from the cache, trained and stored there on first use."""
+    path = cache / "tokenizers" / f"{corpus.name}-{corpus.fingerprint}-v{vocab_size}.json"
+    if path.is_file():
+        try:
+            return load_tokenizer(path), path, True
+        except HydraDataError:
+            log(f"cached tokenizer {path} is unreadable; training it again")
+    subset: list[str] = []
+    n = 0
+    for doc in corpus.train:
+        subset.append(doc.text)
+        n += len(doc.text)
+        if n >= TRAIN_SUBSET_CHARS:
+            break
+    log(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {n / 1e6:.1f}M characters ...")
+    tok = train_bpe(subset, vocab_size)
+    atomic_write_bytes(path, tok.to_str().encode("utf-8"))
+    return tok, path, False

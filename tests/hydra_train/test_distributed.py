@@ -1,0 +1,106 @@
+"""Two processes (torchrun, gloo, CPU) train the same model as one process on the combined batch."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hydra_train.metrics_db import TrainingDB
+
+from .conftest import TINY_OVERRIDES, VOCAB
+
+
+def _cli_args(data, ckpt, batch_size: int) -> list[str]:
+    args = [
+        "run",
+        "--dataset",
+        str(data),
+        "--vocab-size",
+        str(VOCAB),
+        "--seq_len",
+        "32",
+        "--batch-size",
+        str(batch_size),
+        "--grad_accum",
+        "2",
+        "--max_steps",
+        "3",
+        "--log_every",
+        "1",
+        "--eval_every",
+        "3",
+        "--eval_batches",
+        "1",
+        "--save_every",
+        "0",
+        "--checkpoint_dir",
+        str(ckpt),
+        "--device",
+        "cpu",
+        "--cpu_threads",
+        "1",
+        "--experimental_prefetch_threads",
+        "0",
+        "--lr",
+        "3e-3",
+        "--warmup_steps",
+        "1",
+        "--model_size",
+        "tiny",
+        "--json",
+    ]
+    for k, v in TINY_OVERRIDES.items():
+        args += ["--model_override", f"{k}={v}"]
+    return args
+
+
+def _final_state(ckpt) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt / "hydra_tiny_final.pt", weights_only=True)["model"]
+
+
+def _losses(ckpt) -> list[float]:
+    with TrainingDB(ckpt / "training.db") as db:
+        return [r["loss"] for r in db.query("SELECT loss FROM steps ORDER BY step")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_gloo_processes_match_one_process(bin_dataset, tmp_path, mode):
+    single = tmp_path / "single"
+    multi = tmp_path / "multi"
+    extra = ["--fsdp"] if mode == "fsdp" else []
+    # the reference is one plain process (FSDP needs a process group of two or more)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hydra_train", *_cli_args(bin_dataset, single, 4)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*torchrun, "-m", "hydra_train", *_cli_args(bin_dataset, multi, 2), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '"world_size": 2' in proc.stdout  # rank 0's summary (the other rank prints nothing)
+    a, b = _final_state(single), _final_state(multi)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=2e-5, msg=lambda m, k=k: f"{k}: {m}")
+    la, lb = _losses(single), _losses(multi)
+    assert len(la) == len(lb) == 3 and la[2] < la[0]  # it trained
+    assert lb == pytest.approx(la, rel=1e-4)
+    runs_dirs = list((multi / "runs").iterdir())
+    assert len(runs_dirs) == 1  # one run id shared by both ranks
+    assert sorted(p.name for p in runs_dirs[0].glob("heartbeat_rank*.jsonl")) == [
+        "heartbeat_rank0.jsonl",
+        "heartbeat_rank1.jsonl",
+    ]
+    shutil.rmtree(tmp_path)
