@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import hydra_model.routing as routing_mod
+import hydra_model.blocks as blocks_mod
 from hydra_model import CCGQAMoDBlockWrapper
 from hydra_model.blocks import RunContext, router_input
 
@@ -61,14 +61,14 @@ def test_mor_expert_choice_follows_the_capacity_schedule_and_nests(monkeypatch):
     torch.manual_seed(2)
     wrapper = CCGQAMoDBlockWrapper(cfg, 0).train()
     picked = []
-    real = routing_mod.SubSequence.top_k.__func__
+    real = blocks_mod.expert_choice_select
 
-    def spy(cls, scores, k, pos):
-        view = real(cls, scores, k, pos)
-        picked.append(set(view.idx[0].tolist()))
-        return view
+    def spy(*args):
+        out = real(*args)
+        picked.append(set(out[1][0].tolist()))  # idx [B, k] of the chosen tokens
+        return out
 
-    monkeypatch.setattr(routing_mod.SubSequence, "top_k", classmethod(spy))
+    monkeypatch.setattr(blocks_mod, "expert_choice_select", spy)
     n = 17
     wrapper(torch.randn(1, n, cfg.dim), None, _ctx(cfg))
     sizes = [math.ceil(c * n) for c in cfg.mor_capacity_schedule]

@@ -198,3 +198,42 @@ def test_decoding_with_cache_equals_full_forward_of_the_member_tokens():
                 torch.testing.assert_close(out[i, 0], full[0, -1], atol=1e-10, rtol=1e-10)
         next_pos = next_pos + 1
     assert slot.entry.length.tolist() == [len(h) for h in held]
+
+
+@pytest.mark.parametrize(
+    ("heads", "d", "k_seq", "k_ch"), [(3, 5, 2, 2), (5, 4, 3, 2), (2, 6, 1, 3), (4, 3, 2, 1)]
+)
+def test_folded_conv_weight_equals_the_two_convolutions(heads, d, k_seq, k_ch):
+    """folded_qk_weight against F.conv1d (depthwise, then head-wise grouped) in fp64, mean-mix
+    zero, on unpadded windows; gradients of the conv parameters flow through the folding."""
+    g = torch.Generator().manual_seed(heads * 10 + d)
+    c, k_total = heads * d, k_seq + k_ch - 1
+    w1 = torch.randn(c, 1, k_seq, generator=g, dtype=torch.float64, requires_grad=True)
+    b1 = torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(c, d, k_ch, generator=g, dtype=torch.float64, requires_grad=True)
+    b2 = torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True)
+    win = torch.randn(2, 9 + k_total - 1, c, generator=g, dtype=torch.float64)  # [B, n + K−1, C]
+    ref = torch.nn.functional.conv1d(
+        torch.nn.functional.conv1d(win.transpose(1, 2), w1, b1, groups=c), w2, b2, groups=heads
+    ).transpose(1, 2)
+    weight, bias = ccgqa_mod.folded_qk_weight(w1, b1, w2, b2, torch.zeros(c, c, dtype=torch.float64))
+    taps = win.unfold(1, k_total, 1).reshape(2, 9, c * k_total)
+    got = torch.nn.functional.linear(taps, weight, bias)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    params = (w1, b1, w2, b2)
+    want = torch.autograd.grad(ref, params, grad)
+    have = torch.autograd.grad(got, params, grad)
+    for a, b in zip(have, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_qk_mean_matrix_matches_the_head_formula():
+    hq, hkv, d = 6, 2, 3
+    m = ccgqa_mod.qk_mean_matrix(hq, hkv, d).double()
+    u = torch.randn(4, (hq + hkv) * d, dtype=torch.float64)
+    q_pre, k_pre = u[:, : hq * d].reshape(4, hq, d), u[:, hq * d :].reshape(4, hkv, d)
+    groups = hq // hkv
+    want_q = torch.stack([(q_pre[:, h] + k_pre[:, h // groups]) / 2 for h in range(hq)], 1)
+    want_k = torch.stack([want_q[:, g * groups : (g + 1) * groups].mean(1) for g in range(hkv)], 1)
+    torch.testing.assert_close(u @ m.t(), torch.cat([want_q.reshape(4, -1), want_k.reshape(4, -1)], -1))

@@ -63,3 +63,34 @@ def test_rotary_table_grows_and_stays_fp32():
         assert "max_seq_len" in str(exc)
     else:
         raise AssertionError("a length beyond the table must raise")
+
+
+def test_swiglu_down_recompute_matches_fp64_gradients():
+    """The memory-saving SwiGLU → down-projection Function: values and gradients of both inputs
+    against an fp64 autograd composition, on odd widths, and gradcheck in fp64."""
+    from hydra_model.layers import _SwiGLUDown
+
+    g = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(3, 5, 2 * 19, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 19, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(_SwiGLUDown.apply, (gate_up, w))
+    x32, w32 = gate_up.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    out = _SwiGLUDown.apply(x32, w32)
+    gu, wr = gate_up.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = (F.silu(gu[..., :19]) * gu[..., 19:]) @ wr.t()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    dy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    out.backward(dy.float())
+    ref.backward(dy)
+    torch.testing.assert_close(x32.grad.double(), gu.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w32.grad.double(), wr.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_swiglu_mlp_uses_recompute_only_when_training():
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(24, 40)
+    x = torch.randn(2, 7, 24, requires_grad=True)
+    out = mlp(x)
+    assert type(out.grad_fn).__name__.startswith("_SwiGLUDown")
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), out.detach(), atol=1e-6, rtol=1e-6)

@@ -68,3 +68,34 @@ def test_membership_bce_averages_over_candidates_only():
     cand = torch.tensor([[True, True, False]])
     expected = (torch.log(torch.tensor(2.0)) + torch.nn.functional.softplus(torch.tensor(2.0))) / 2
     torch.testing.assert_close(membership_bce(logits, target, cand), expected)
+
+
+def test_gather_rows_backward_is_a_plain_scatter_and_gradchecks():
+    from hydra_model.routing import gather_rows
+
+    g = torch.Generator().manual_seed(2)
+    src = torch.randn(13, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    idx = torch.randperm(13, generator=g)[:6]
+    torch.autograd.gradcheck(gather_rows, (src, idx))
+    out = gather_rows(src, idx)
+    assert torch.equal(out, src.detach()[idx])
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(grad)
+    ref = torch.zeros_like(src)
+    for j, i in enumerate(idx.tolist()):
+        ref[i] += grad[j]
+    assert torch.equal(src.grad, ref)
+
+
+def test_masked_means_with_known_count_and_per_channel():
+    from hydra_model.routing import masked_mean, masked_mean_last
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 7, generator=g)
+    mask = torch.rand(3, 7, generator=g) > 0.4
+    ref = x[mask].mean()
+    torch.testing.assert_close(masked_mean(x, mask), ref)
+    torch.testing.assert_close(masked_mean(x, mask, int(mask.sum())), ref)
+    y = torch.randn(3, 7, 4, generator=g)
+    torch.testing.assert_close(masked_mean_last(y, mask), y[mask].mean(0))
+    torch.testing.assert_close(masked_mean_last(y, None), y.reshape(-1, 4).mean(0))

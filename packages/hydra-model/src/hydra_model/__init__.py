@@ -17,6 +17,7 @@ from hydra_model.cache import ModelCache
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.checkpointing import GradientCheckpointMixin
 from hydra_model.config import MODEL_PRESETS, SEED_PARAM_COUNTS, HydraConfig, preset_config
+from hydra_model.cuda_graph import CUDAGraphStep
 from hydra_model.footprint import compute_memory_footprint, flops_breakdown, flops_per_token
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import FUSED_KERNELS_AVAILABLE, RMSNorm, RotaryEmbedding, SwiGLUMLP
@@ -35,6 +36,7 @@ __all__ = [
     "CCGQAMoDBlockWrapper",
     "CCGQAMoDMoRModel",
     "CCGQAMoRBlock",
+    "CUDAGraphStep",
     "GQAAttention",
     "GradientCheckpointMixin",
     "HydraConfig",

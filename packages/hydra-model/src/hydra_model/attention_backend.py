@@ -286,14 +286,18 @@ def _auto_impl(q, k, v, causal, mask, scale) -> tuple[str, _Impl]:
         bool(causal),
         needs_grad,
     )
+    static = all(type(x) is int for x in (*q.shape, *k.shape))  # False for symbolic compile shapes
+    sig = (str(q.device), family[0], q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+           bool(causal), needs_grad) if static else None  # fmt: skip
     if torch.compiler.is_compiling() or _capturing(q.device):
-        choice = _family_choice(family)
+        # nothing can be measured here: the exact shape's measured pick (a CUDA graph or a
+        # static-shape compile of an eager-warmed step has one), else the family's usual pick
+        choice = _auto_choice.get(sig) if sig is not None else None
+        choice = choice if choice is not None else _family_choice(family)
         if choice is None:
             _count("auto->sdpa: signature not measured before compile/capture")
             return "sdpa", _run_sdpa
         return choice, _candidates(q, k).get(choice, _run_sdpa)
-    sig = (str(q.device), family[0], q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
-           bool(causal), needs_grad)  # fmt: skip
     choice = _auto_choice.get(sig)
     if choice is None:
         choice = _measure(sig, q, k, v, causal, scale, needs_grad)

@@ -29,10 +29,23 @@ from torch import nn
 from hydra_model.cache import ModelCache
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.config import HydraConfig
+from hydra_model.fused_routing import (
+    expert_choice_select,
+    gated_mix,
+    gated_residual,
+    gated_scatter,
+    router_logits,
+)
 from hydra_model.gqa import GQAAttention
-from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, autocast_dtype_for
 from hydra_model.moe import MoEFFN
-from hydra_model.routing import SubSequence, masked_mean, membership_bce, positions_or_arange
+from hydra_model.routing import (
+    SubSequence,
+    masked_mean,
+    masked_mean_last,
+    membership_bce,
+    positions_or_arange,
+)
 
 AuxLists = dict[str, list[torch.Tensor]]
 
@@ -103,8 +116,12 @@ class CCGQABlock(nn.Module):
 
     def forward(self, h, cos, sin, *, slot=None, member=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h [B, n, E] → (update [B, n, E], MoE balance loss or None)."""
-        a = self.attn(self.norm1(h), cos, sin, slot=slot, member=member)
-        x2 = self.norm2.forward_add(a, h)
+        # under autocast the norms read and write the matmul dtype: the fp32 residual stream is
+        # rounded once here instead of each norm's fp32 output being cast before its matmul
+        # (half the bytes through both norms, forward and backward); statistics stay fp32
+        x = h.to(autocast_dtype_for(h))
+        a = self.attn(self.norm1(x), cos, sin, slot=slot, member=member)
+        x2 = self.norm2.forward_add(a, x)
         if isinstance(self.ffn, MoEFFN):
             m, moe_loss = self.ffn(x2, member)
         else:
@@ -131,10 +148,10 @@ class CCGQAMoRBlock(nn.Module):
         self.register_buffer("stat_depth", torch.zeros(2), persistent=False)  # [avg, expected]
         self.register_buffer("stat_depth_hist", torch.zeros(self.recursions + 1), persistent=False)
 
-    def _logit(self, rin: torch.Tensor, r: int) -> torch.Tensor:
-        """Recursion r's router logit [B, n] from the normalised input ``rin`` = router_input(h)."""
-        w, b = self.router.weight[r : r + 1], self.router.bias[r : r + 1]
-        return F.linear(rin, w, b).squeeze(-1).float()
+    def _logits(self, h: torch.Tensor, r: int, bce: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Recursion r's router logit [B, n] on the normalised stream, and (``bce``) the same value
+        for the membership BCE (gradient to the router only); see :func:`router_logits`."""
+        return router_logits(h, self.router.weight[r], self.router.bias[r], with_detached=bce)
 
     def _run_block(self, h, r, ctx, pos, gate, view=None, member=None):
         """Add gate·update of the shared block to h, on all rows (view None) or a routed view."""
@@ -142,12 +159,14 @@ class CCGQAMoRBlock(nn.Module):
         if view is None:
             cos, sin = ctx.tables(h.shape[1], pos)
             delta, moe_loss = self.block(h, cos, sin, slot=slot, member=member)
-            if gate is not None:
-                delta = gate.unsqueeze(-1) * delta
-            return h + delta.to(h.dtype), moe_loss
+            if gate is None:
+                return h + delta, moe_loss  # promotes to h's dtype in the same pass
+            return gated_residual(h, gate, delta), moe_loss
         hs = view.gather(h)
         cos, sin = ctx.tables(hs.shape[1], view.pos)
         delta, moe_loss = self.block(hs, cos, sin, slot=slot, member=view.member)
+        if view.member is None:  # top-k view: every gathered row is real
+            return gated_scatter(h, view.flat, view.idx, gate, delta), moe_loss
         return view.scatter_add(h, view.gather_values(gate).unsqueeze(-1) * delta), moe_loss
 
     def forward(self, h, pos, member, ctx: RunContext) -> tuple[torch.Tensor, AuxLists]:
@@ -165,7 +184,7 @@ class CCGQAMoRBlock(nn.Module):
         elif self.mode == "static":
             reach, expected = ones, torch.zeros_like(ones)
             for r in range(big_r):
-                logit = self._logit(router_input(h), r)
+                logit = self._logits(h, r, bce=False)[0]
                 h, moe_loss = self._run_block(
                     h, r, ctx, pos, self.alpha * torch.sigmoid(logit), member=member
                 )
@@ -182,12 +201,9 @@ class CCGQAMoRBlock(nn.Module):
             _add(aux, "ponder", masked_mean(expected, member) / big_r)
         with torch.no_grad():
             hist = F.one_hot(depth.detach().round().long().clamp(0, big_r), big_r + 1).float()
-            self.stat_depth.copy_(
-                torch.stack([masked_mean(depth.detach(), member), masked_mean(expected.detach(), member)])
-            )
-            self.stat_depth_hist.copy_(
-                torch.stack([masked_mean(hist[..., j], member) for j in range(big_r + 1)])
-            )
+            both = torch.stack([depth.detach(), expected.detach()], -1)  # [B, n, 2]
+            self.stat_depth.copy_(masked_mean_last(both, member))
+            self.stat_depth_hist.copy_(masked_mean_last(hist, member))
         return h, aux
 
     def _expert_choice(self, h, pos, member, ctx, aux):
@@ -198,28 +214,36 @@ class CCGQAMoRBlock(nn.Module):
         reach = torch.ones(b, n, device=h.device)  # P(token reaches recursion r), for expected depth
         all_pos = None
         for r, cap in enumerate(self.capacities):
-            rin = router_input(h)
-            logit = self._logit(rin, r)
-            gate = self.alpha * torch.sigmoid(logit)
+            routed_training = self.training and cap < 1.0
+            logit, bce_logit = self._logits(h, r, bce=routed_training)
+            if routed_training:
+                # top-k among the active tokens, gates, aux terms and running statistics in one
+                # fused call; the router learns membership from the token alone (bce_logit)
+                all_pos = positions_or_arange(pos, b, n, h.device) if all_pos is None else all_pos
+                k = math.ceil(cap * n)
+                picked = expert_choice_select(
+                    logit, bce_logit, active, all_pos, reach, depth, expected, k, self.alpha
+                )
+                gate, idx, flat, sel_pos, selected, z_loss, bce, reach, depth, expected = picked
+                _add(aux, "router_z", z_loss)
+                _add(aux, "mor_router", bce)
+                view = SubSequence(idx, sel_pos, None, flat)
+                h, moe_loss = self._run_block(h, r, ctx, pos, gate, view=view)
+                _add(aux, "moe_balance", moe_loss)
+                active = selected
+                continue
+            prob = torch.sigmoid(logit)
+            gate = self.alpha * prob
             _add(aux, "router_z", masked_mean(logit.pow(2), active))
             if cap >= 1.0:
                 h, moe_loss = self._run_block(h, r, ctx, pos, gate, member=active)
                 selected = active
             else:
+                # eval: causal threshold routing over the selected-first permutation
                 all_pos = positions_or_arange(pos, b, n, h.device) if all_pos is None else all_pos
-                reach = reach * torch.sigmoid(logit)
-                if self.training:
-                    k = math.ceil(cap * n)
-                    scores = (
-                        logit.detach() if active is None else logit.detach().masked_fill(~active, -math.inf)
-                    )
-                    view = SubSequence.top_k(scores, k, all_pos)
-                    selected = torch.zeros(b, n, dtype=torch.bool, device=h.device).scatter(1, view.idx, True)
-                    # the router learns to predict membership from the token alone (detached input)
-                    _add(aux, "mor_router", membership_bce(self._logit(rin.detach(), r), selected, active))
-                else:
-                    selected = logit > 0 if active is None else (logit > 0) & active
-                    view = SubSequence.permuted(selected, all_pos)
+                reach = reach * prob
+                selected = logit > 0 if active is None else (logit > 0) & active
+                view = SubSequence.permuted(selected, all_pos)
                 h, moe_loss = self._run_block(h, r, ctx, pos, gate, view=view)
             _add(aux, "moe_balance", moe_loss)
             depth = depth + (1.0 if selected is None else selected.float())
@@ -274,20 +298,19 @@ class CCGQAMoDBlockWrapper(nn.Module):
         if not self.routed:
             return self.mor(h, pos, None, ctx)
         b, s, _ = h.shape
-        rin = router_input(h)
-        logit = self.router(rin).squeeze(-1).float()  # [B, S]
+        bce = self.training and not (self.static or self.capacity >= 1.0)
+        logit, bce_logit = router_logits(h, self.router.weight[0], self.router.bias[0], with_detached=bce)
         weight = torch.sigmoid(logit)
         aux: AuxLists = {}
         if self.static or self.capacity >= 1.0:
             h_out, aux = self.mor(h, pos, None, ctx)
-            new_h = h + weight.unsqueeze(-1).to(h.dtype) * (h_out - h)
+            new_h = gated_mix(h, weight, h_out)
             selected_frac = torch.ones((), device=h.device)
         else:
             all_pos = positions_or_arange(pos, b, s, h.device)
             if self.training:
                 view = SubSequence.top_k(logit.detach(), math.ceil(self.capacity * s), all_pos)
                 selected = torch.zeros(b, s, dtype=torch.bool, device=h.device).scatter(1, view.idx, True)
-                bce_logit = self.router(rin.detach()).squeeze(-1).float()
                 _add(aux, "mod_router", membership_bce(bce_logit, selected, None))
             else:
                 selected = logit > 0  # σ(logit) > ½, decided by the token alone: causal
@@ -295,7 +318,10 @@ class CCGQAMoDBlockWrapper(nn.Module):
             hs = view.gather(h)
             hs_out, inner = self.mor(hs, view.pos, view.member, ctx)
             merge_aux(aux, inner)
-            new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
+            if view.member is None:
+                new_h = gated_scatter(h, view.flat, view.idx, weight, hs_out, hs)
+            else:
+                new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
             selected_frac = selected.float().mean()
         with torch.no_grad():
             self.stat_mod.copy_(torch.stack([selected_frac, weight.detach().mean()]))

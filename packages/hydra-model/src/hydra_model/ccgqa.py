@@ -9,6 +9,16 @@ scale 1/√d; output projection.
 The three down-projections share one matmul (W_q | W_k | W_v1 | W_v2 stacked by rows). The value
 shift moves the x·W_v2 projection one step instead of x itself: the projection is linear without
 bias, so this is the same value and it lets the decoding cache keep n_kv·d/2 numbers, not E.
+
+The two convolutions and the q-k mean are all linear in the packed pre-conv inputs u of the last
+K = k_seq + k_ch − 1 tokens, so they run as ONE matmul: the window of those inputs [B, n, C·K]
+(a strided unfold of the left-padded u, copied once) times a folded weight [C, C·K] built from the
+conv weights each call (``folded_qk_weight``; the head-wise conv becomes block-diagonal, the
+depthwise conv scales its columns, the q-k mean is a constant matrix added on the current
+token's slot). On the GPU this replaces two cuDNN depthwise/grouped conv1d calls (and their
+slow weight-gradient kernels), two layout transposes and five elementwise q-k-mean passes with
+one GEMM whose cost is C·K/(E + …) of a projection. The block-diagonal weight spends
+(heads − 1)/heads of that GEMM on zeros: cheap next to the MLP, and cuBLAS runs it at full rate.
 """
 
 from __future__ import annotations
@@ -22,6 +32,56 @@ from torch import nn
 from hydra_kernels import qk_norm, rope
 from hydra_model.attention_backend import flexible_attention
 from hydra_model.cache import AttentionCache, CacheSlot, decode_attend, prefill_kv, valid_length
+
+
+def qk_mean_matrix(n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """[C, C] matrix M with (M·u)[query h] = (q_pre[h] + k_pre[h//G])/2 and (M·u)[kv g] = the mean
+    of those over g's G query heads, for packed u = [q_pre (n_heads·d) ; k_pre (n_kv_heads·d)]."""
+    groups = n_heads // n_kv_heads
+    q_dim, c = n_heads * head_dim, (n_heads + n_kv_heads) * head_dim
+    eye = torch.eye(head_dim)
+    m = torch.zeros(c, c)
+    for h in range(n_heads):
+        g = h // groups
+        qh = slice(h * head_dim, (h + 1) * head_dim)
+        kg = slice(q_dim + g * head_dim, q_dim + (g + 1) * head_dim)
+        m[qh, qh] += 0.5 * eye
+        m[qh, kg] += 0.5 * eye
+        m[kg, qh] += 0.5 / groups * eye  # kv head g: mean over its group of (q_pre[h] + k_pre[g]) / 2
+        m[kg, kg] += 0.5 / groups * eye
+    return m
+
+
+def folded_qk_weight(
+    seq_weight: torch.Tensor,
+    seq_bias: torch.Tensor,
+    ch_weight: torch.Tensor,
+    ch_bias: torch.Tensor,
+    mean_mix: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight [C, C·K], bias [C]) such that ``taps @ weight.T + bias`` equals depthwise conv
+    (``seq_weight`` [C, 1, k_seq]) → head-wise grouped conv (``ch_weight`` [C, d, k_ch], C/d
+    groups) → + q-k mean (``mean_mix`` applied to the newest input), where ``taps[c·K + s]`` is the
+    input at window offset s (s = K−1 is the current token, K = k_seq + k_ch − 1).
+
+    Built with elementwise ops only (no matmul), so autocast leaves it in the parameters' dtype;
+    differentiable, so the conv parameters get their gradients through it.
+    """
+    c, d, k_ch = ch_weight.shape
+    k_seq = seq_weight.shape[-1]
+    heads = c // d
+    k_total = k_seq + k_ch - 1
+    w_seq = seq_weight[:, 0, :]  # [C, k_seq]
+    eye = torch.eye(heads, device=ch_weight.device, dtype=ch_weight.dtype).view(heads, 1, heads, 1, 1)
+    # block diagonal [C_out, C_in, k_ch]: out channel (g, o) reads in channels (g, i) only
+    diag = (eye * ch_weight.view(heads, d, 1, d, k_ch)).reshape(c, c, k_ch)  # [g·o, h·i, tap]
+    # tap i of the grouped conv over tap j of the depthwise conv reads input offset s = i + j
+    per_pair = diag.unsqueeze(-1) * w_seq.view(1, c, 1, k_seq)  # [C_out, C_in, k_ch, k_seq]
+    folded = sum(F.pad(per_pair[:, :, i, :], (i, k_total - k_seq - i)) for i in range(k_ch))
+    newest = F.pad(mean_mix.to(folded.dtype).unsqueeze(-1), (k_total - 1, 0))  # [C, C, K]
+    weight = (folded + newest).reshape(c, c * k_total)
+    bias = ch_bias + (diag.sum(-1) * seq_bias.view(1, c)).sum(-1)
+    return weight, bias
 
 
 class CCGQAAttention(nn.Module):
@@ -61,11 +121,29 @@ class CCGQAAttention(nn.Module):
         #: per-kv-head key temperature, exp(0) = 1 at init
         self.temperature = nn.Parameter(torch.zeros(n_kv_heads))
         self.w_o = nn.Linear(self.q_dim, dim, bias=False)
+        #: the q-k mean as a constant [C, C] matrix on the current token's pre-conv inputs
+        self.register_buffer("qk_mean_mix", qk_mean_matrix(n_heads, n_kv_heads, head_dim), persistent=False)
 
-    def _convs(self, u_ch_first: torch.Tensor) -> torch.Tensor:
-        """Both convolutions without padding: [B, C, n + K−1] → [B, C, n]."""
-        z = F.conv1d(u_ch_first, self.conv_seq.weight, self.conv_seq.bias, groups=self.qk_channels)
-        return F.conv1d(z, self.conv_ch.weight, self.conv_ch.bias, groups=self.n_heads + self.n_kv_heads)
+    def rebuild_constants(self) -> None:
+        """Refill the constant q-k mean matrix (after a model was built on the meta device)."""
+        mix = qk_mean_matrix(self.n_heads, self.n_kv_heads, self.head_dim)
+        self.qk_mean_mix = mix.to(self.qk_mean_mix.device, self.qk_mean_mix.dtype)
+
+    def _conv_qk(self, window: torch.Tensor) -> torch.Tensor:
+        """Steps 2–3 on a time-major window [B, n + K−1, C] of packed pre-conv inputs (K−1 rows of
+        left context) → pre-norm [q;k] [B, n, C]: both convs and the q-k mean as one matmul."""
+        b, length, c = window.shape
+        k_total = self.conv_context + 1
+        n = length - self.conv_context
+        taps = window.unfold(1, k_total, 1).reshape(b, n, c * k_total)  # [B, n, C·K]: [c, s] = u[t+s, c]
+        weight, bias = folded_qk_weight(
+            self.conv_seq.weight,
+            self.conv_seq.bias,
+            self.conv_ch.weight,
+            self.conv_ch.bias,
+            self.qk_mean_mix,
+        )
+        return F.linear(taps, weight, bias)
 
     def forward(
         self,
@@ -87,32 +165,28 @@ class CCGQAAttention(nn.Module):
         hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         entry = slot.entry if slot is not None else None
         proj = self.w_qkv(x)  # [B, n, C + kv_dim]
-        u = proj[..., : self.qk_channels]  # packed pre-conv [q;k], [B, n, C]
-        v_raw = proj[..., self.qk_channels :]  # [B, n, kv_dim]: [x·W_v1 | x·W_v2]
         half = self.kv_dim // 2
+        # split, not slices: the backward then writes one [B, n, C + kv_dim] gradient (a cat)
+        # instead of a zero-filled copy per slice summed together
+        u, v_cur, shifted_src = proj.split([self.qk_channels, half, half], dim=-1)
+        # u: packed pre-conv [q;k] [B, n, C]; v_cur = x·W_v1, shifted_src = x·W_v2 [B, n, half]
 
-        # 2. causal convs over the sequence (left context: zeros, or the cached inputs)
+        # 2.–3. causal convs over the sequence (left context: zeros, or the cached inputs) and the
+        # q-k mean, folded into one matmul over the window of the last K pre-conv inputs
         if entry is None:
-            window = F.pad(u.transpose(1, 2), (self.conv_context, 0))  # [B, C, n + K−1]
+            window = F.pad(u, (0, 0, self.conv_context, 0))  # [B, n + K−1, C]
         else:
-            window = torch.cat([entry.conv_state.to(u.dtype), u], dim=1).transpose(1, 2)
-        z = self._convs(window).transpose(1, 2)  # [B, n, C]
-
-        # 3. q-k mean from the pre-conv projections
-        groups = hq // hkv
-        q_pre = u[..., : self.q_dim].reshape(b, n, hkv, groups, d)
-        k_pre = u[..., self.q_dim :].reshape(b, n, hkv, 1, d)
-        qk_mean = 0.5 * (q_pre + k_pre)  # [B, n, n_kv, G, d]
-        q = z[..., : self.q_dim].reshape(b, n, hq, d) + qk_mean.reshape(b, n, hq, d)
-        k = z[..., self.q_dim :].reshape(b, n, hkv, d) + qk_mean.mean(dim=3)
+            window = torch.cat([entry.conv_state.to(u.dtype), u], dim=1)
+        qk = self._conv_qk(window)  # [B, n, C]
+        q, k = qk.split([self.q_dim, self.kv_dim], dim=-1)
+        q, k = q.view(b, n, hq, d), k.view(b, n, hkv, d)
 
         # 4. value shift: channels [0, half) from x_t, [half, kv_dim) from x_{t−1} (zero at t=0)
-        shifted_src = v_raw[..., half:]  # [B, n, half]
         if entry is None:
-            v_prev = F.pad(shifted_src, (0, 0, 1, 0))[:, :n]
+            v_prev = F.pad(shifted_src[:, : n - 1], (0, 0, 1, 0))  # [B, n, half], row t = x_{t−1}·W_v2
         else:
-            v_prev = entry.prev_v.to(v_raw.dtype).unsqueeze(1)
-        v = torch.cat([v_raw[..., :half], v_prev], dim=-1).reshape(b, n, hkv, d)
+            v_prev = entry.prev_v.to(v_cur.dtype).unsqueeze(1)
+        v = torch.cat([v_cur, v_prev], dim=-1).reshape(b, n, hkv, d)
 
         # 5. QK norm, 6. RoPE on the normalised latent q, k
         scale = math.sqrt(d)

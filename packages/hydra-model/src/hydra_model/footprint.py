@@ -120,7 +120,9 @@ def _activation_elements_per_token(cfg: HydraConfig) -> float:
     q, kv = n_q * d, n_kv * d
     attn = 2 * e + (q + 2 * kv) + 4 * (q + kv) + kv + q + e  # norm in/out, proj, convs & norms, v, out
     hidden = cfg.moe_top_k * cfg.expert_hidden if cfg.moe_enabled else cfg.mlp_hidden
-    ffn = 2 * e + 3 * hidden + e  # norm in/out, gate+up, swiglu out, down out
+    # norm in/out, gate+up, down out; the dense MLP recomputes its SwiGLU output in the backward
+    # (layers._SwiGLUDown), MoE experts keep theirs
+    ffn = 2 * e + 2 * hidden + (hidden if cfg.moe_enabled else 0) + e
     routing = 2 * e  # gathered input and scattered output copies of the residual
     return float(attn + ffn + routing)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hydra_kernels import swiglu
+from hydra_kernels import swiglu, swiglu_packed
 
 _lock = threading.Lock()
 _dispatch_counts: Counter[str] = Counter()
@@ -186,7 +186,7 @@ class MoEFFN(nn.Module):
         if path == "grouped_mm":
             offs = counts.cumsum(0).to(torch.int32)
             gu = torch._grouped_mm(xs, w_gu, offs=offs)  # [T·k, 2H]
-            return torch._grouped_mm(swiglu(gu[:, :h], gu[:, h:]), w_dn, offs=offs)
+            return torch._grouped_mm(swiglu_packed(gu), w_dn, offs=offs)
         if path == "loop":
             outs = []
             for e, rows in enumerate(xs.split(counts.tolist(), dim=0)):  # host sync: slice sizes

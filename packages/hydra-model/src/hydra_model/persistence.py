@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.config import HydraConfig
 
 if TYPE_CHECKING:
@@ -105,4 +106,7 @@ def _materialise_buffers(model: CCGQAMoDMoRModel, device: torch.device) -> CCGQA
                 mod._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
     if model.rope is not None:
         model.rope._build(model.rope.max_seq_len)
+    for mod in model.modules():
+        if isinstance(mod, CCGQAAttention):
+            mod.rebuild_constants()
     return model
