@@ -323,6 +323,40 @@ def test_dw_backends_agree(backend):
     _assert_criterion(h, w, y, torch.bfloat16, "sum", 0.0)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "reduction", "z_loss", "triton"),
+    [
+        (torch.bfloat16, "mean", 1e-3, True),
+        (torch.float32, "sum", 0.0, True),
+        (torch.bfloat16, "none", 1e-3, True),
+        (torch.bfloat16, "mean", 0.0, False),
+    ],
+)
+def test_slab_scheme_meets_fp64_criterion(dtype, reduction, z_loss, triton):
+    """dw_accum="slab": dh from the chunk loop, dW per vocabulary slab (128 columns here: 3 slabs,
+    the last one partial) from a second logits pass — no accumulator, full precision."""
+    set_linear_ce_options(chunk_rows=CHUNK, dw_accum="slab")
+    assert chunks.slab_cols_for(N, V, CHUNK) == 128
+    controls.set_op_enabled(OP, triton)
+    h, w, y = _inputs(19 + int(triton))
+    _assert_criterion(h, w, y, dtype, reduction, z_loss)
+    assert controls.fallback_counts()[OP] == 0
+
+
+def test_slab_scheme_sizes_its_buffer_like_liger():
+    """Automatic chunk: Liger's chunk (next_power_of_2(N / ceil(V / D)) rows) less the rows that
+    pay for the per-token loss and log-sum-exp, so that everything fits Liger's workspace; the
+    vocabulary slab then fits the same buffer."""
+    opts = chunks.LinearCEOptions(dw_accum="slab")
+    for n, d, v in ((16384, 768, 50304), (16384, 2048, 128256), (1000, 64, 5000)):
+        rows = chunks.chunk_rows_for(n, d, v, torch.bfloat16, opts)
+        want = -(-n // -(-v // d))
+        liger_rows = 1 << (want - 1).bit_length()
+        assert rows * v * 2 + 8 * n <= liger_rows * v * 2 and rows > liger_rows // 2
+        cols = chunks.slab_cols_for(n, v, rows)
+        assert cols % 64 == 0 and n * cols <= rows * v
+
+
 def test_lean_dw_accumulation_stays_within_per_chunk_rounding():
     """dw_accum="input": dW rounded to bf16 after each chunk. Bound: the criterion, plus two bf16
     unit roundoffs (2⁻⁸: the chunk's product, then the sum) of every partial sum held."""

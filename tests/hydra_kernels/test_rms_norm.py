@@ -284,6 +284,45 @@ def test_no_input_or_incoming_gradient_is_overwritten(seed):
         torch.testing.assert_close(k.double(), r, rtol=1e-4, atol=1e-4, msg=f"seed={seed}")
 
 
+@pytest.mark.parametrize("leaves", ["both", "x only"])
+def test_fused_add_leaf_gradients_are_right_and_unaliased(leaves, seed):
+    """With leaves, the backward kernel writes the residual's gradient as a second copy (instead
+    of autograd cloning the shared one): both must hold the right values in separate memory, so
+    that accumulating into one (the next micro-batch, an in-place clip) leaves the other alone."""
+    x, res, w = _randn(11, 200, dtype=torch.bfloat16), _randn(11, 200, dtype=torch.bfloat16), _weight(200)
+    if leaves == "x only":
+        res = (res.detach() * 1.0).requires_grad_()  # a non-leaf: its gradient flows into the graph
+        res_leaf = res
+        res = res_leaf * 1.0
+    up = (
+        torch.randn(11, 200, device=DEVICE).to(torch.bfloat16),
+        torch.randn(11, 200, device=DEVICE).to(torch.bfloat16),
+    )
+    normed, summed = fused_add_rms_norm(x, res, w)
+    torch.autograd.backward((normed, summed), up)
+    g_res = (res_leaf if leaves == "x only" else res).grad
+    assert x.grad is not None and g_res is not None
+    assert x.grad.data_ptr() != g_res.data_ptr()
+    x64, r64, w64 = _as64((x, res, w))
+    n64, s64 = fused_add_rms_norm_ref(x64, r64, w64)
+    torch.autograd.backward((n64, s64), tuple(u.double() for u in up))
+    atol = 2 * float(x64.grad.abs().max()) * 2**-8  # bf16 results: two bf16 ulps at the largest value
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=0, atol=atol, msg=f"seed={seed}")
+    torch.testing.assert_close(g_res.double(), x64.grad, rtol=0, atol=atol, msg=f"seed={seed}")
+    before = g_res.clone()
+    x.grad.mul_(3.0)  # in place on one gradient
+    assert torch.equal(g_res, before)
+
+
+def test_double_backward_raises_instead_of_returning_wrong_values():
+    """The kernels' backward is first-order only: with create_graph=True the result must refuse
+    a second differentiation, not silently drop its terms."""
+    x, w = _randn(5, 96), _weight(96)
+    (dx,) = torch.autograd.grad(rms_norm(x, w).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.sum().backward()
+
+
 def test_empty_input():
     x, w = torch.empty(0, 96, device=DEVICE, requires_grad=True), _weight(96)
     y = rms_norm(x, w)
@@ -370,7 +409,7 @@ def _compile_for_sm90() -> None:
            "stride_res": "i32", "eps": "fp32"}  # fmt: skip
     consts = {"N_COLS": 768, "BLOCK_D": 1024, "BLOCK_ROWS": 4, "HAS_RESIDUAL": True}
     _build_sm90(rms._rms_norm_fwd_kernel, fwd, consts, 4, 2)
-    bwd = {"DY": bf, "X": bf, "W": f32, "DSUM": bf, "DX": bf, "DW_PARTIAL": f32, "n_rows": "i32",
+    bwd = {"DY": bf, "X": bf, "W": f32, "DSUM": bf, "DX": bf, "DRES": bf, "DW_PARTIAL": f32, "n_rows": "i32",
            "stride_dy": "i32", "stride_x": "i32", "stride_dsum": "i32", "eps": "fp32"}  # fmt: skip
     consts = {
         "N_COLS": 4096,
@@ -378,6 +417,7 @@ def _compile_for_sm90() -> None:
         "BLOCK_ROWS": 1,
         "ITERS": 16,
         "HAS_DSUM": True,
+        "HAS_DRES": True,
         "LOOP_STAGES": 3,
     }
     compiled = _build_sm90(rms._rms_norm_bwd_kernel, bwd, consts, 8, 3)

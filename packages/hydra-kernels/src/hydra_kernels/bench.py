@@ -28,11 +28,12 @@ from hydra_kernels.ops import rope as rope_mod
 from hydra_kernels.ops import swiglu as swiglu_mod
 from hydra_kernels.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from hydra_kernels.ops.qk_norm import qk_norm, qk_norm_ref
-from hydra_kernels.ops.rms_norm import rms_norm, rms_norm_ref
+from hydra_kernels.ops.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 
 #: Bench ops (``--op`` values) and the controls op each one exercises.
 BENCH_OPS: dict[str, str] = {
     "rms_norm": "rms_norm",
+    "fused_add_rms_norm": "rms_norm",
     "swiglu": "swiglu",
     "qk_norm": "qk_norm",
     "rope": "rope",
@@ -53,7 +54,9 @@ SWEEP_CONFIGS: dict[str, list[dict[str, int]]] = {
 }
 _SWEEP_DEFAULTS = {"swiglu": swiglu_mod.LAUNCH_DEFAULTS, "rope": rope_mod.LAUNCH_DEFAULTS}
 
-PRESET_HEAD_SHAPES = ((8, 2048, 6, 64), (8, 2048, 16, 128))  # [B, S, H, D] of q/k in the presets
+PRESET_HEAD_SHAPES = ((8, 2048, 6, 64), (8, 2048, 16, 128))
+#: Implementations also timed as a CUDA-graph replay (``graph_ms``: GPU time without host work).
+GRAPH_IMPLS = ("hydra", "compile")  # [B, S, H, D] of q/k in the presets
 
 
 @dataclass
@@ -63,7 +66,7 @@ class Workload:
     op: str
     shape: str
     inputs: list[Any]
-    grad_out: torch.Tensor | None  # None: the output is a scalar loss
+    grad_out: torch.Tensor | tuple[torch.Tensor, ...] | None  # None: the output is a scalar loss
     impls: dict[str, Callable[..., Any]]
     notes: dict[str, str] = field(default_factory=dict)  # impl -> why it is not timed
     bytes_floor: int = 0
@@ -77,6 +80,7 @@ class Workload:
 def liger_peers() -> tuple[dict[str, Callable[..., Any]], str | None]:
     """Liger-Kernel's functions by op, and its version (or why it is not importable)."""
     try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
         from liger_kernel.ops.fused_linear_cross_entropy import (
             LigerFusedLinearCrossEntropyFunction,
         )
@@ -86,6 +90,9 @@ def liger_peers() -> tuple[dict[str, Callable[..., Any]], str | None]:
         return {}, f"Liger-Kernel not importable ({type(exc).__name__}: {str(exc)[:120]})"
     return {
         "rms_norm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False),
+        "fused_add_rms_norm": lambda x, r, w: LigerFusedAddRMSNormFunction.apply(
+            x, r, w, 1e-6, 0.0, "llama", False
+        ),
         "swiglu": LigerSiLUMulFunction.apply,
         "linear_ce": LigerFusedLinearCrossEntropyFunction.apply,
     }, importlib.metadata.version("liger-kernel")
@@ -107,6 +114,23 @@ def _peers(op: str, ref: Callable[..., Any], liger: dict[str, Callable[..., Any]
 
 # --- workloads -------------------------------------------------------------------------------
 
+#: linear+CE dW schemes timed beside the default (``dw_accum``): see ops/_linear_ce_chunks.
+LINEAR_CE_MODES = ("slab", "input")
+
+
+def _with_dw_accum(mode: str) -> Callable[..., Any]:
+    """linear_cross_entropy with ``dw_accum=mode`` (the option is read when the call is made)."""
+    from hydra_kernels.ops.linear_cross_entropy import reset_linear_ce_options, set_linear_ce_options
+
+    def call(*args: Any) -> Any:
+        set_linear_ce_options(dw_accum=mode)
+        try:
+            return linear_cross_entropy(*args)
+        finally:
+            reset_linear_ce_options()
+
+    return call
+
 
 def _randn(*shape: int, dev: torch.device, dt: torch.dtype, grad: bool = True) -> torch.Tensor:
     return torch.randn(*shape, device=dev, dtype=dt).requires_grad_(grad)
@@ -121,6 +145,15 @@ def _workloads(op: str, dev: torch.device, dt: torch.dtype, liger, why) -> Itera
             impls["hydra"] = rms_norm
             x, w = _randn(n, d, dev=dev, dt=dt), _randn(d, dev=dev, dt=dt)
             yield Workload(op, f"{n}x{d}", [x, w], torch.randn_like(x), impls, notes, 5 * n * d * es)
+    elif op == "fused_add_rms_norm":
+        for d in (768, 2048, 4096):
+            impls, notes = _peers(op, fused_add_rms_norm_ref, liger, why)
+            impls["hydra"] = fused_add_rms_norm
+            x, r, w = _randn(n, d, dev=dev, dt=dt), _randn(n, d, dev=dev, dt=dt), _randn(d, dev=dev, dt=dt)
+            grads = (torch.randn_like(x), torch.randn_like(x))
+            # fwd reads x, r and writes normed, summed; bwd reads both upstream grads and summed and
+            # writes dx (the residual's gradient is the same values: counted once)
+            yield Workload(op, f"{n}x{d}", [x, r, w], grads, impls, notes, 8 * n * d * es)
     elif op == "swiglu":
         for d in (768, 2048, 4096):
             h = int(8 * d / 3 / 64) * 64  # PERF.md's widths: 2048, 5440, 10880
@@ -166,6 +199,8 @@ def _workloads(op: str, dev: torch.device, dt: torch.dtype, liger, why) -> Itera
         for d, v in ((768, 50304), (2048, 128256)):
             impls, notes = _peers(op, linear_cross_entropy_ref, liger, why)
             impls["hydra"] = linear_cross_entropy
+            for mode in LINEAR_CE_MODES:  # the other dW schemes: the memory/precision trade-off
+                impls[f"hydra {mode}"] = _with_dw_accum(mode)
             hid = _randn(n, d, dev=dev, dt=dt)
             w = (torch.randn(v, d, device=dev, dtype=dt) * 0.02).requires_grad_()
             y = torch.randint(0, v, (n,), device=dev)
@@ -180,14 +215,20 @@ def _workloads(op: str, dev: torch.device, dt: torch.dtype, liger, why) -> Itera
 # --- measurement -----------------------------------------------------------------------------
 
 
-def fwd_bwd_step(fn: Callable[..., Any], inputs: list[Any], grad_out: torch.Tensor | None):
-    """A closure running ``fn(*inputs)`` forward and backward, clearing gradients first."""
+def fwd_bwd_step(
+    fn: Callable[..., Any], inputs: list[Any], grad_out: torch.Tensor | tuple[torch.Tensor, ...] | None
+):
+    """A closure running ``fn(*inputs)`` forward and backward, clearing gradients first. A tuple
+    ``grad_out`` goes to the outputs of an op with several (fused add: normed and summed)."""
     params = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def step() -> None:
         for t in params:
             t.grad = None
         out = fn(*inputs)
+        if isinstance(grad_out, tuple):
+            torch.autograd.backward(out[: len(grad_out)], grad_out)
+            return
         if isinstance(out, tuple):  # e.g. Liger's fused CE returns (loss, extras...)
             out = out[0]
         out.backward() if grad_out is None else out.backward(grad_out)
@@ -202,6 +243,30 @@ def time_ms(step: Callable[[], None], rep: int = 100) -> float:
     step()
     torch.cuda.synchronize()
     return float(do_bench(step, warmup=25, rep=rep, return_mode="median"))
+
+
+def graph_ms(step: Callable[[], None], rep: int = 100) -> float | None:
+    """Median milliseconds of one replay of ``step`` captured in a CUDA graph: the GPU's time for
+    the call (gaps between kernels included) with the host's Python and launch work taken out.
+    None when the step cannot be captured."""
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator pools
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except Exception:
+        return None
+    try:
+        return float(do_bench(graph.replay, warmup=25, rep=rep, return_mode="median"))
+    finally:
+        del graph
 
 
 def peak_extra_mib(step: Callable[[], None]) -> float:
@@ -234,6 +299,8 @@ def _measure(w: Workload, copy_tbps: float, rep: int) -> list[dict[str, Any]]:
             if w.measure_memory:
                 row["peak_extra_mib"] = round(peak_extra_mib(step), 1)
             row["ms"] = time_ms(step, rep)
+            if impl in GRAPH_IMPLS and not w.measure_memory:
+                row["graph_ms"] = graph_ms(step, rep)
         except Exception as exc:  # a failing peer is a finding, not a crash
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if impl == "hydra" and controls.fallback_counts()[BENCH_OPS[w.op]] > before:
@@ -272,6 +339,11 @@ def summarize(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("gbps", "pct_copy", "tflops", "peak_extra_mib"):
         if key in hyd:
             s[key] = hyd[key]
+    for impl in GRAPH_IMPLS:
+        if by.get(impl, {}).get("graph_ms"):
+            s[f"{impl}_graph_ms"] = by[impl]["graph_ms"]
+    if s.get("hydra_graph_ms") and w.bytes_floor and hyd.get("pct_copy"):
+        s["graph_pct_copy"] = hyd["pct_copy"] * hyd["ms"] / s["hydra_graph_ms"]
     pct = hyd.get("pct_copy")
     if w.bytes_floor >= BANDWIDTH_TARGET_BYTES and pct is not None and pct < 100 * BANDWIDTH_TARGET_FRACTION:
         misses.append(f"{pct:.0f}% of copy bandwidth (< 80%)")
@@ -279,6 +351,19 @@ def summarize(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
     if w.measure_memory and liger_mib is not None and hyd.get("peak_extra_mib", 0) > liger_mib:
         misses.append(f"+{hyd['peak_extra_mib']:.0f} MiB > Liger's +{liger_mib:.0f} MiB")
     s["target"] = "met" if not misses else "MISS: " + "; ".join(misses)
+    if w.op == "linear_ce":  # the other dW schemes against the same two targets
+        s["modes"] = {}
+        for impl, r in by.items():
+            if impl.startswith("hydra ") and r.get("ms"):
+                mib = r.get("peak_extra_mib")
+                time_ok = r["ms"] <= ms.get("compile", math.inf)
+                mem_ok = mib is not None and liger_mib is not None and mib <= liger_mib
+                s["modes"][impl] = {
+                    "ms": r["ms"],
+                    "peak_extra_mib": mib,
+                    "time_ok": time_ok,
+                    "memory_ok": mem_ok,
+                }
     return s
 
 

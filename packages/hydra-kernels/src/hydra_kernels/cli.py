@@ -114,6 +114,11 @@ def status(json_output: JsonFlag = False) -> None:
         f"interpreter {'on' if st['interpreter'] else 'off'}; device {st['device']} "
         f"({st['device_name']}{arch})"
     )
+    fast = st["fast_launch"]
+    why = f" ({fast['error']})" if fast["error"] else ""
+    console.print(
+        f"direct launches of compiled kernels (HYDRA_FAST_LAUNCH): {'on' if fast['enabled'] else 'off'}{why}"
+    )
     ops = Table(title="ops")
     for col in ("op", "enabled", "fused backward", "backend", "backward backend", "fallbacks", "last error"):
         ops.add_column(col)
@@ -219,7 +224,20 @@ def render_bench_report(report: dict[str, Any], console: Any) -> None:
         f"copy {report['copy_tbps']:.2f} TB/s; fwd+bwd median ms"
     )
     table = Table(title=title, title_justify="left")
-    for col in ("op", "shape", "hydra", "eager", "compile", "liger", "peer/hydra", "rate", "% copy"):
+    cols = (
+        "op",
+        "shape",
+        "hydra",
+        "hydra GPU",
+        "eager",
+        "compile",
+        "compile GPU",
+        "liger",
+        "peer/hydra",
+        "rate",
+        "% copy",
+    )
+    for col in cols:
         table.add_column(col, justify="left" if col in ("op", "shape") else "right")
     table.add_column("target")
     for s in report["summary"]:
@@ -229,14 +247,27 @@ def render_bench_report(report: dict[str, Any], console: Any) -> None:
             rate = f"{s['gbps']:.0f} GB/s" if "gbps" in s else "-"
         ratio = f"{s['vs_best_peer']:.2f}x ({s['best_peer']})" if "vs_best_peer" in s else "-"
         pct = f"{s['pct_copy']:.0f}%" if "pct_copy" in s else "-"
+        gpct = f"{s['graph_pct_copy']:.0f}%" if "graph_pct_copy" in s else "-"
         style = "green" if s["target"] == "met" else "red"
         table.add_row(
-            s["op"], s["shape"], _ms(s.get("hydra")), _ms(s.get("eager")), _ms(s.get("compile")),
-            _ms(s.get("liger")), ratio, rate, pct, f"[{style}]{s['target']}[/]",
+            s["op"], s["shape"], _ms(s.get("hydra")), _ms(s.get("hydra_graph_ms")), _ms(s.get("eager")),
+            _ms(s.get("compile")), _ms(s.get("compile_graph_ms")), _ms(s.get("liger")), ratio, rate, pct,
+            gpct, f"[{style}]{s['target']}[/]",
         )  # fmt: skip
+    if console.width < 200:  # a pipe or a narrow terminal would squeeze the columns into rows
+        from rich.console import Console
+
+        console = Console(width=200, file=console.file)
     if report["summary"]:
         console.print(table)
-    mem = [r for r in report["rows"] if "peak_extra_mib" in r and r["impl"] != "hydra"]
+    for s in report["summary"]:
+        for impl, m in s.get("modes", {}).items():
+            time_cmp, mem_cmp = ("≤" if m["time_ok"] else ">"), ("≤" if m["memory_ok"] else ">")
+            console.print(
+                f"{s['op']} {s['shape']} {impl}: {m['ms']:.2f} ms, +{m['peak_extra_mib']:.0f} MiB "
+                f"(time {time_cmp} compile's, memory {mem_cmp} Liger's)"
+            )
+    mem = [r for r in report["rows"] if "peak_extra_mib" in r and not r["impl"].startswith("hydra")]
     if mem:
         console.print(
             "peak extra memory of peers: "

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from hydra_kernels import launch_config
+
 #: The five ops, in the order status tables list them.
 OPS: tuple[str, ...] = ("rms_norm", "swiglu", "qk_norm", "rope", "linear_cross_entropy")
 
@@ -104,6 +106,7 @@ _states: dict[str, _OpState] = {op: _OpState() for op in OPS}
 def reload_env() -> None:
     """Re-read the ``HYDRA_*`` switches (fallback counts are kept)."""
     global _global_enabled, _liger_ce
+    launch_config.reload_env()
     with _lock:
         _global_enabled = not _env_flag("HYDRA_DISABLE_TRITON")
         _liger_ce = bool(_env_flag("HYDRA_ENABLE_LIGER_CE"))
@@ -162,10 +165,16 @@ def device_supports_triton(device: torch.device) -> bool:
 
 def triton_path(op: str, *tensors: torch.Tensor, backward: bool = False) -> bool:
     """Whether ``op`` (its backward when ``backward``) should run its Triton kernel on ``tensors``."""
-    st = _check_op(op)
-    if not (_global_enabled and (st.backward if backward else st.forward)):
+    st = _states.get(op) or _check_op(op)
+    if not (_global_enabled and TRITON_AVAILABLE and (st.backward if backward else st.forward)):
         return False
-    return all(device_supports_triton(t.device) for t in tensors)
+    for t in tensors:  # device_supports_triton, unrolled: this runs on every call of every op
+        if t.is_cuda:
+            if INTERPRETER_ACTIVE:  # the interpreter wants host memory
+                return False
+        elif not (INTERPRETER_ACTIVE and t.device.type == "cpu"):
+            return False
+    return True
 
 
 def record_fallback(op: str, exc: BaseException) -> None:
@@ -222,6 +231,9 @@ def get_kernel_status() -> dict[str, Any]:
         "liger_ce": _liger_ce,
         "ops": {},
     }
+    from hydra_kernels.ops import _launch  # imports this module: not at the top
+
+    status["fast_launch"] = {"enabled": _launch.FAST_LAUNCH, "error": _launch.fast_launch_error}
     runs_here = _global_enabled and device_supports_triton(dev)
     for op, st in _states.items():
         status["ops"][op] = {

@@ -6,7 +6,15 @@ tensors' device. Overrides, from :func:`set_launch_overrides` or the environment
 fields on top of the table, so a user can try ``num_warps=8`` without knowing the rest.
 
 Environment overrides (all ops): ``HYDRA_TRITON_NUM_WARPS``, ``HYDRA_TRITON_NUM_STAGES``,
-``HYDRA_TRITON_BLOCK_ROWS``, ``HYDRA_TRITON_BLOCK_Q``, ``HYDRA_TRITON_BLOCK_KV``.
+``HYDRA_TRITON_BLOCK_ROWS``, ``HYDRA_TRITON_BLOCK_Q``, ``HYDRA_TRITON_BLOCK_KV``, read at import and
+by :func:`reload_env` (``controls.reload_env`` calls it).
+
+Resolved configurations are memoised per (op, generation, table): every kernel launch asks, and
+re-reading the environment and the device's compute capability each time cost tens of
+microseconds of host time per call. Changing overrides, the Blackwell switch or the environment
+(through :func:`reload_env`) empties the memo and every cache registered with
+:func:`register_dependent_cache` (the ops' launch plans); code that edits a table in place calls
+:func:`clear_resolved_cache`.
 
 The Blackwell entry follows the tuning table of the seed documents (BLOCK_Q 128, BLOCK_KV 64,
 8 warps, 3 stages); :func:`set_blackwell_tuning` switches it off (then Blackwell uses the op's
@@ -49,6 +57,25 @@ _ENV_FIELDS = {
 
 _overrides: dict[str | None, dict[str, int]] = {}
 _blackwell_tuning = True
+_env_patch: dict[str, int] = {}
+_env_error: ValueError | None = None  # a malformed variable: raised when a config is resolved
+# (op, generation, id(table)) -> resolved config; the table itself is kept to pin its id.
+_resolved: dict[tuple[str, str, int], tuple[LaunchConfig, Mapping[str, LaunchConfig]]] = {}
+_generations: dict[tuple[str, int | None], str] = {}
+# Caches derived from resolved configurations (the ops' per-shape launch plans): emptied with it.
+_dependent_caches: list[dict] = []
+
+
+def register_dependent_cache(cache: dict) -> dict:
+    """Empty ``cache`` whenever resolved configurations may change; returns it."""
+    _dependent_caches.append(cache)
+    return cache
+
+
+def _invalidate() -> None:
+    _resolved.clear()
+    for cache in _dependent_caches:
+        cache.clear()
 
 
 def gpu_generation(device: torch.device | None = None) -> str:
@@ -58,20 +85,20 @@ def gpu_generation(device: torch.device | None = None) -> str:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if device.type != "cuda":
         return "default"
-    major, _ = torch.cuda.get_device_capability(device)
-    if major >= 10:
-        return "blackwell"
-    if major == 9:
-        return "hopper"
-    if major == 8:
-        return "ampere"
-    return "default"
+    key = (device.type, device.index)
+    gen = _generations.get(key)
+    if gen is None:
+        major, _ = torch.cuda.get_device_capability(device)
+        gen = {10: "blackwell", 9: "hopper", 8: "ampere"}.get(min(major, 10), "default")
+        _generations[key] = gen
+    return gen
 
 
 def set_blackwell_tuning(enabled: bool) -> None:
     """Use (True, default) or ignore (False) the ``"blackwell"`` entries of the op tables."""
     global _blackwell_tuning
     _blackwell_tuning = bool(enabled)
+    _invalidate()
 
 
 def blackwell_tuning_enabled() -> bool:
@@ -88,10 +115,28 @@ def set_launch_overrides(op: str | None = None, **values: int) -> None:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"launch field {name} must be a positive int, got {value!r}")
     _overrides.setdefault(op, {}).update(values)
+    _invalidate()
 
 
 def clear_launch_overrides() -> None:
     _overrides.clear()
+    _invalidate()
+
+
+def clear_resolved_cache() -> None:
+    """Forget memoised configurations and the launch plans built on them (after editing a
+    launch table, or a per-generation setting such as programs per SM, in place)."""
+    _invalidate()
+
+
+def reload_env() -> None:
+    """Re-read the ``HYDRA_TRITON_*`` overrides from the environment."""
+    global _env_patch, _env_error
+    try:
+        _env_patch, _env_error = _env_overrides(), None
+    except ValueError as exc:  # raised at launch (a counted fallback), not at import
+        _env_patch, _env_error = {}, exc
+    _invalidate()
 
 
 def _env_overrides() -> dict[str, int]:
@@ -111,9 +156,19 @@ def resolve_launch_config(
 ) -> LaunchConfig:
     """The op's table entry for ``device``'s generation (falling back to ``"default"``), with the
     environment's and then :func:`set_launch_overrides`' fields applied on top."""
+    if _env_error is not None:
+        raise _env_error
     gen = gpu_generation(device)
-    if gen == "blackwell" and not _blackwell_tuning:
-        gen = "default"
-    cfg = defaults.get(gen) or defaults["default"]
-    patch = {**_env_overrides(), **_overrides.get(None, {}), **_overrides.get(op, {})}
-    return replace(cfg, **patch) if patch else cfg
+    key = (op, gen, id(defaults))
+    hit = _resolved.get(key)
+    if hit is not None and hit[1] is defaults:
+        return hit[0]
+    table_gen = "default" if gen == "blackwell" and not _blackwell_tuning else gen
+    cfg = defaults.get(table_gen) or defaults["default"]
+    patch = {**_env_patch, **_overrides.get(None, {}), **_overrides.get(op, {})}
+    cfg = replace(cfg, **patch) if patch else cfg
+    _resolved[key] = (cfg, defaults)
+    return cfg
+
+
+reload_env()

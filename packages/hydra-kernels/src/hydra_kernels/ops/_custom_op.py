@@ -20,7 +20,10 @@ the public function picks it when :func:`compiling` is false.
   GPU generation, with user overrides (``launch_config.resolve_launch_config``) applied.
 - :func:`persistent_grid` — (programs, row blocks per program) for a persistent-style grid.
 - :func:`device_guard` — makes a tensor's CUDA device current for a launch: Triton launches on
-  the current device, which need not be the one holding the tensors.
+  the current device, which need not be the one holding the tensors (a no-op when it already is).
+- :func:`cdiv`, :func:`next_power_of_2` — host-side integer helpers. Triton 3.6's functions of
+  those names are ``constexpr_function`` objects whose every call from Python goes through a
+  wrapper costing microseconds; a launcher calls them several times per op call.
 - :func:`to_output_dtype` (``@triton.jit``) — ``v.to(dtype)`` with round-to-nearest-even. GPUs
   round fp32 → bf16 that way natively; Triton 3.6's interpreter truncates instead, which would
   make CPU tests measure the interpreter rather than the kernel, so under the interpreter (only)
@@ -65,6 +68,15 @@ def to_output_dtype(v, dtype: tl.constexpr):
         return tl.where(v != v, v.to(dtype), rounded)  # keep NaN a NaN
     else:
         return v.to(dtype)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ≥ n (1 for n ≤ 1)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def run_with_fallback(op: str, launch: Callable[[], T], reference: Callable[[], T]) -> T:
@@ -120,13 +132,18 @@ def persistent_grid(
     of compiled variants small; the program count then lands between half the target and it."""
     per_sm = programs_per_sm.get(gpu_generation(device), programs_per_sm["default"])
     target = max(1, per_sm * multiprocessor_count(device))
-    iters = triton.next_power_of_2(triton.cdiv(n_blocks, target))
-    return triton.cdiv(n_blocks, iters), iters
+    iters = next_power_of_2(cdiv(n_blocks, target))
+    return cdiv(n_blocks, iters), iters
+
+
+_NO_GUARD = contextlib.nullcontext()
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """``torch.cuda.device(t.device)`` for CUDA tensors, a no-op otherwise."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """``torch.cuda.device(t.device)`` for a CUDA tensor off the current device, else a no-op."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_GUARD
 
 
 def eager_autograd_function(
@@ -145,8 +162,15 @@ def eager_autograd_function(
         setup_context(ctx, inputs, output)
         return output
 
-    @torch.autograd.function.once_differentiable  # the kernels' backward is not differentiable
+    # The kernels' backward is not differentiable: under create_graph=True it goes through
+    # once_differentiable (a double backward then raises instead of returning wrong second
+    # derivatives). The usual backward runs with grad mode off and skips that wrapper's
+    # no_grad() context, a few microseconds of every call.
+    once = torch.autograd.function.once_differentiable(backward)
+
     def _backward(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():
+            return once(ctx, *grads)
         return backward(ctx, *grads)
 
     return type(

@@ -4,6 +4,13 @@ PyTorch path (which runs the same chunks with PyTorch ops where the row kernel w
 Per chunk of C tokens: ``logits = h_c @ Wᵀ`` (cuBLAS, one reused ``[C, V]`` buffer), the row
 step (loss, and the logits' gradient in place), ``dh_c = dlogits @ W`` straight into rows of dh,
 and ``dW (+)= dlogitsᵀ @ h_c`` into the accumulator. Nothing ``[N, V]``-sized is allocated.
+
+``dw_accum="slab"`` adds no accumulator at all: the chunk loop computes the loss, each row's
+log-sum-exp and dh only; then a second loop over vocabulary slabs of S rows recomputes
+``logits_s = h @ W_sᵀ`` for every token (``[N, S]``, in the same buffer), turns it into the
+gradient from the stored log-sum-exps, and forms ``dW_s = dlogits_sᵀ @ h`` in one GEMM over all
+tokens, rounded once — the precision of one full GEMM with the memory of one chunk. Cost: a
+fourth matmul (the logits once more).
 """
 
 from __future__ import annotations
@@ -15,16 +22,18 @@ import torch
 
 from hydra_kernels.ops import _linear_ce_kernels as K
 
-DW_ACCUM_MODES = ("fp32", "input")
+DW_ACCUM_MODES = ("fp32", "input", "slab")
 DW_BACKENDS = ("auto", "cublas", "triton", "torch")
 
 
 @dataclass(frozen=True)
 class LinearCEOptions:
-    """``chunk_rows``: tokens per chunk, 0 = automatic. ``dw_accum``: ``"fp32"`` (default) or
-    ``"input"`` (the weight's dtype: less memory, rounding per chunk). ``dw_backend``: who adds
-    a chunk into an fp32 accumulator from 16-bit operands: ``"auto"``, ``"cublas"``,
-    ``"triton"`` or ``"torch"`` (widen the chunk to fp32 first)."""
+    """``chunk_rows``: tokens per chunk, 0 = automatic. ``dw_accum``: ``"fp32"`` (a running fp32
+    accumulator over token chunks), ``"input"`` (a running accumulator in the weight's dtype:
+    less memory, rounding per chunk) or ``"slab"`` (no accumulator: dW per vocabulary slab in one
+    GEMM after a second logits pass; see the module docstring). ``dw_backend``: who adds a chunk
+    into an fp32 accumulator from 16-bit operands: ``"auto"``, ``"cublas"``, ``"triton"`` or
+    ``"torch"`` (widen the chunk to fp32 first)."""
 
     chunk_rows: int = 0
     dw_accum: str = "fp32"
@@ -48,17 +57,28 @@ class LinearCEOptions:
 def acc_dtype_for(compute_dtype: torch.dtype, weight_dtype: torch.dtype, dw_accum: str) -> torch.dtype:
     """dtype of the dW accumulator: at least fp32 unless the lean mode asked for the weight's."""
     widest = torch.promote_types(compute_dtype, weight_dtype)
-    return widest if dw_accum == "input" else torch.promote_types(widest, torch.float32)
+    return widest if dw_accum in ("input", "slab") else torch.promote_types(widest, torch.float32)
 
 
 def chunk_rows_for(n: int, d: int, v: int, acc_dtype: torch.dtype, opts: LinearCEOptions) -> int:
     """Tokens per chunk. Set: as given. Automatic, with a 4-byte accumulator: 2²²/D rows, in
-    [1024, 4096], rounded up to 128: enough (C/128)·(D/128) output tiles for the dh GEMM (whose
-    reduction runs over V) to fill a 132-SM GPU twice without split-K, and ≥ 1024 so that the dW
-    GEMM, which reads and writes the accumulator once per chunk, stays compute-bound. In the lean
-    mode, Liger's rule: the chunk's logits hold as many elements as ``hidden``."""
+    [1024, 4096], rounded up to 128: the dW GEMM reads and writes the whole fp32 accumulator once
+    per chunk, so fewer, larger chunks win (measured on an H100 at D = 768, V = 50304: 4096 rows
+    7.2 ms, 2048 rows 7.9 ms, 1024 rows 8.9 ms; at D = 2048, V = 128256: 2048 rows 42.6-44.8 ms,
+    1024 rows 47.0 ms; see BENCHMARKS.md), and ≥ 1024 rows give the dh GEMM (whose reduction
+    runs over V) enough output tiles to fill the GPU without split-K. In the lean
+    mode, Liger's rule: the chunk's logits hold as many elements as ``hidden``. In the slab mode,
+    Liger's own sizing (``next_power_of_2(N / ceil(V / D))`` rows), so that the one buffer of the
+    call takes what Liger's chunk takes."""
     if opts.chunk_rows:
         rows = opts.chunk_rows
+    elif opts.dw_accum == "slab":
+        per_row = -(-v // d)
+        want = -(-n // per_row)
+        rows = 1 << (want - 1).bit_length() if want > 1 else 1
+        # Liger's chunk holds all its workspace; this call also keeps each token's loss and
+        # log-sum-exp (fp32): give those rows back so the total stays within Liger's.
+        rows = max(1, rows - -(-8 * n // (2 * v)))
     else:
         want = 2**22 // d if acc_dtype.itemsize >= 4 else -(-n * d // v)
         lo = 1024 if acc_dtype.itemsize >= 4 else 128
@@ -66,11 +86,19 @@ def chunk_rows_for(n: int, d: int, v: int, acc_dtype: torch.dtype, opts: LinearC
     return max(1, min(rows, n))
 
 
-def _ce_rows_torch(lg, targets, loss_out, scale, ignore_index, z_loss, write_grad) -> None:
+def slab_cols_for(n: int, v: int, rows: int) -> int:
+    """Vocabulary rows per slab of the slab mode: the ``[N, S]`` slab fits in the ``[C, V]``
+    chunk buffer (S = C·V/N), rounded down to a multiple of 64 (at least 64)."""
+    return min(v, max(64, rows * v // max(n, 1) // 64 * 64))
+
+
+def _ce_rows_torch(lg, targets, loss_out, scale, ignore_index, z_loss, write_grad, lse_out=None) -> None:
     """PyTorch twin of ``_ce_rows_kernel`` on one chunk (used when Triton does not run)."""
     sdt = torch.promote_types(lg.dtype, torch.float32)
     x = lg.to(sdt)
     lse = torch.logsumexp(x, dim=1)
+    if lse_out is not None:
+        lse_out.copy_(lse)
     valid = targets != ignore_index
     in_range = (targets >= 0) & (targets < lg.shape[1])
     hit = valid & in_range
@@ -88,6 +116,20 @@ def _ce_rows_torch(lg, targets, loss_out, scale, ignore_index, z_loss, write_gra
         x.scatter_add_(1, y[:, None], -(sc * hit)[:, None])
         if x is not lg:
             lg.copy_(x)
+
+
+def _ce_slab_grad_torch(slab, col0, lse, targets, scale, ignore_index, z_loss) -> None:
+    """PyTorch twin of ``_ce_slab_grad_kernel``: the slab's logits → their gradient, in place."""
+    sdt = torch.promote_types(slab.dtype, torch.float32)
+    x = slab.to(sdt)
+    lse = lse.to(sdt)
+    valid = targets != ignore_index
+    sc = torch.where(valid, scale.to(sdt), 0.0).expand(slab.shape[0])
+    coef = sc * (1.0 + 2.0 * z_loss * lse) if z_loss else sc
+    g = torch.exp(x - lse[:, None]) * coef[:, None]
+    cols = torch.arange(col0, col0 + slab.shape[1], device=slab.device)
+    g = torch.where(cols[None, :] == targets[:, None], g - sc[:, None], g)
+    slab.copy_(g)
 
 
 @functools.lru_cache(maxsize=8)
@@ -141,32 +183,40 @@ def chunked_pass(hidden, weight, targets, ignore_index, z_loss, scale, need_dh, 
     w = weight if weight.dtype == cdt else weight.to(cdt)  # [V, D] in the compute dtype
     acc_dtype = acc_dtype_for(cdt, weight.dtype, opts.dw_accum)
     rows = chunk_rows_for(n, d, v, acc_dtype, opts)
+    slabs = need_dw and opts.dw_accum == "slab"
     dev = hidden.device
     loss_rows = torch.empty(n, dtype=torch.promote_types(cdt, torch.float32), device=dev)
+    lse = torch.empty(n, dtype=torch.float32, device=dev) if slabs else None
     dh = torch.empty((n, d), dtype=cdt, device=dev) if need_dh else None
     dw = (torch.empty if n else torch.zeros)((v, d), dtype=acc_dtype, device=dev) if need_dw else None
-    logits = torch.empty((rows, v), dtype=cdt, device=dev) if n else None  # [C, V], reused
+    slab_cols = slab_cols_for(n, v, rows) if slabs else 0
+    buffer = torch.empty(max(rows * v, n * slab_cols), dtype=cdt, device=dev) if n else None
+    write_grad = need_dh or (need_dw and not slabs)
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         h_c = hidden[start:stop]  # [c, D]
-        lg = logits[: stop - start]  # [c, V]
+        lg = buffer[: (stop - start) * v].view(stop - start, v)  # [c, V]
         torch.mm(h_c, w.t(), out=lg)
         sc = scale[start:stop] if scale.dim() else scale
-        row_args = (
-            lg,
-            targets[start:stop],
-            loss_rows[start:stop],
-            sc,
-            ignore_index,
-            z_loss,
-            need_dh or need_dw,
-        )
+        row_args = (lg, targets[start:stop], loss_rows[start:stop], sc, ignore_index, z_loss, write_grad)
+        if slabs:  # the slab pass needs each row's log-sum-exp
+            row_args += (lse[start:stop],)
         if use_triton:
             K.launch_ce_rows(*row_args)
         else:
             _ce_rows_torch(*row_args)
         if need_dh:
             torch.mm(lg, w, out=dh[start:stop])
-        if need_dw:
+        if need_dw and not slabs:
             _accumulate_dw(dw, lg, h_c, start == 0, use_triton, opts.dw_backend, rows)
+    if slabs and n:
+        for v0 in range(0, v, slab_cols):
+            v1 = min(v0 + slab_cols, v)
+            sl = buffer[: n * (v1 - v0)].view(n, v1 - v0)  # [N, S]
+            torch.mm(hidden, w[v0:v1].t(), out=sl)
+            if use_triton:
+                K.launch_ce_slab_grad(sl, v0, lse, targets, scale, ignore_index, z_loss)
+            else:
+                _ce_slab_grad_torch(sl, v0, lse, targets, scale, ignore_index, z_loss)
+            _accumulate_dw(dw[v0:v1], sl, hidden, True, use_triton, opts.dw_backend, n)
     return loss_rows, dh, dw

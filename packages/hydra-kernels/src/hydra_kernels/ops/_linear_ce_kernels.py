@@ -9,6 +9,9 @@ lives here is the part cuBLAS cannot do:
   ``(softmax·(1 + 2z·lse) − onehot) · scale``. The grid is persistent (a few programs per SM,
   each walking its rows), so few rows are in flight and a row read by the first pass is still in
   L2 for the second.
+- ``_ce_slab_grad_kernel``: the slab scheme's second pass — a vocabulary slab's logits for all
+  tokens ``[N, S]`` overwritten by their gradient from each row's log-sum-exp, which the row
+  kernel stores when asked (``lse_out``).
 - ``_dw_accum_kernel``: ``acc[V, D] (+)= dlogitsᵀ[V, C] · h[C, D]`` with the fp32 accumulator in
   global memory: loaded once per tile, added to, stored. cuBLAS does this only when torch
   accepts an fp32 ``out`` for bf16/fp16 operands (``addmm(..., out_dtype=torch.float32)``), which
@@ -29,7 +32,7 @@ import triton.language as tl
 
 from hydra_kernels import controls
 from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
-from hydra_kernels.ops._custom_op import persistent_grid, to_output_dtype
+from hydra_kernels.ops._custom_op import cdiv, next_power_of_2, persistent_grid, to_output_dtype
 
 #: Row-kernel launch table: ``block_q`` = vocabulary block, ``block_rows`` = rows handled side by
 #: side (1 on GPUs, where a row of a large vocabulary is plenty of work; 16 under the CPU
@@ -76,8 +79,10 @@ def _ce_rows_kernel(
     n_cols,
     ignore_index,
     z_loss,
+    lse_ptr,
     WRITE_GRAD: tl.constexpr,
     HAS_Z: tl.constexpr,
+    STORE_LSE: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     N_BLOCKS: tl.constexpr,
@@ -114,6 +119,8 @@ def _ce_rows_kernel(
         # A target outside [0, V) that is not ignore_index gives NaN: visible, and no stray read.
         loss = tl.where(in_range, loss, float("nan"))
         tl.store(loss_ptr + rows, tl.where(valid, loss, 0.0), mask=row_ok)
+        if STORE_LSE:
+            tl.store(lse_ptr + rows, lse, mask=row_ok)
 
         if WRITE_GRAD:
             # d(lse)/dx = softmax; d(z·lse²)/dx = 2z·lse·softmax; d(−x_y)/dx = −onehot.
@@ -131,6 +138,45 @@ def _ce_rows_kernel(
                 g = tl.exp(x - lse[:, None]) * coef[:, None]
                 g = tl.where(cols[None, :] == y[:, None], g - scale[:, None], g)
                 tl.store(ptrs, to_output_dtype(g, logits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_slab_grad_kernel(
+    logits_ptr,
+    n_rows,
+    n_cols,
+    col0,
+    lse_ptr,
+    targets_ptr,
+    scale_ptr,
+    scale_stride,
+    ignore_index,
+    z_loss,
+    HAS_Z: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # One [BLOCK_R, BLOCK_C] tile of a vocabulary slab's logits [n_rows, n_cols] (contiguous,
+    # columns col0.. of the vocabulary), overwritten by their gradient from the row's stored lse.
+    # The arithmetic is _ce_rows_kernel's second pass, term for term, so both passes of the
+    # "slab" scheme produce the same gradient values from the same logits.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = rows < n_rows
+    y = tl.load(targets_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    valid = y != ignore_index
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    scale = tl.load(scale_ptr + rows * scale_stride, mask=row_ok, other=0.0).to(tl.float32)
+    scale = tl.where(valid, scale, 0.0)
+    coef = scale
+    if HAS_Z:
+        coef = scale * (1.0 + 2.0 * z_loss * lse)
+    mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    ptrs = logits_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.exp(x - lse[:, None]) * coef[:, None]
+    g = tl.where((cols + col0)[None, :] == y[:, None], g - scale[:, None], g)
+    tl.store(ptrs, to_output_dtype(g, logits_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -218,20 +264,22 @@ def launch_ce_rows(
     ignore_index: int,
     z_loss: float,
     write_grad: bool,
+    lse_out: torch.Tensor | None = None,
 ) -> None:
     """Loss per row of ``logits [rows, V]`` into ``loss_out [rows]`` (fp32); with ``write_grad``
-    the logits are overwritten by their gradient times ``scale`` (0-d, or one value per row)."""
+    the logits are overwritten by their gradient times ``scale`` (0-d, or one value per row);
+    with ``lse_out`` (fp32 [rows]) each row's log-sum-exp is stored too."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
     if logits.stride(1) != 1:
         raise ValueError("launch_ce_rows: the logits chunk must have a unit column stride")
     cfg = resolve_launch_config("linear_cross_entropy_rows", logits.device, ROW_LAUNCH)
-    block_v = min(cfg.block_q, triton.next_power_of_2(n_cols))
+    block_v = min(cfg.block_q, next_power_of_2(n_cols))
     for name, value in (("block_q", cfg.block_q), ("block_rows", cfg.block_rows)):
         if value & (value - 1):
             raise ValueError(f"linear_cross_entropy_rows: {name}={value} must be a power of two")
-    programs, iters = persistent_grid(triton.cdiv(n_rows, cfg.block_rows), logits.device, ROW_PROGRAMS_PER_SM)
+    programs, iters = persistent_grid(cdiv(n_rows, cfg.block_rows), logits.device, ROW_PROGRAMS_PER_SM)
     _ce_rows_kernel[(programs,)](
         logits,
         logits.stride(0),
@@ -243,13 +291,56 @@ def launch_ce_rows(
         n_cols,
         ignore_index,
         float(z_loss),
+        lse_out if lse_out is not None else loss_out,
         WRITE_GRAD=write_grad,
         HAS_Z=z_loss != 0.0,
+        STORE_LSE=lse_out is not None,
         ROW_BLOCK=cfg.block_rows,
         BLOCK_V=block_v,
-        N_BLOCKS=triton.cdiv(n_cols, block_v),
+        N_BLOCKS=cdiv(n_cols, block_v),
         ITERS=iters,
         num_warps=max(1, min(cfg.num_warps, cfg.block_rows * block_v // 64)),
+    )
+
+
+#: Tile of the slab-gradient kernel (rows × vocabulary columns); elementwise, 16 values a thread.
+SLAB_TILE = (16, 256)
+
+
+def launch_ce_slab_grad(
+    slab: torch.Tensor,
+    col0: int,
+    lse: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+) -> None:
+    """Overwrite ``slab`` (contiguous logits [N, c] of vocabulary columns ``col0..col0+c``) by the
+    logits' gradient times ``scale``, from each row's log-sum-exp ``lse`` (fp32 [N])."""
+    n_rows, n_cols = slab.shape
+    if n_rows == 0 or n_cols == 0:
+        return
+    if not slab.is_contiguous():
+        raise ValueError("launch_ce_slab_grad: the slab must be contiguous")
+    block_r, block_c = SLAB_TILE
+    if controls.INTERPRETER_ACTIVE:  # the interpreter's cost is per program: fewer, larger ones
+        block_r, block_c = 32, 128
+    _ce_slab_grad_kernel[(cdiv(n_rows, block_r), cdiv(n_cols, block_c))](
+        slab,
+        n_rows,
+        n_cols,
+        col0,
+        lse,
+        targets,
+        scale,
+        scale.stride(0) if scale.dim() else 0,
+        ignore_index,
+        float(z_loss),
+        HAS_Z=z_loss != 0.0,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=8 if block_r * block_c >= 4096 else 4,
     )
 
 
@@ -265,7 +356,7 @@ def launch_dw_accum(
         value = getattr(cfg, name)
         if value < 16 or value & (value - 1):
             raise ValueError(f"linear_cross_entropy dW tiles: {name}={value} must be a power of two ≥ 16")
-    grid = (triton.cdiv(n_vocab, cfg.block_q) * triton.cdiv(n_dim, cfg.block_kv),)
+    grid = (cdiv(n_vocab, cfg.block_q) * cdiv(n_dim, cfg.block_kv),)
     _dw_accum_kernel[grid](
         grad_logits,
         grad_logits.stride(0),
@@ -284,7 +375,7 @@ def launch_dw_accum(
         BLOCK_V=cfg.block_q,
         BLOCK_D=cfg.block_kv,
         BLOCK_C=cfg.block_rows,
-        K_BLOCKS=triton.cdiv(max(capacity, n_rows), cfg.block_rows),
+        K_BLOCKS=cdiv(max(capacity, n_rows), cfg.block_rows),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -299,4 +390,4 @@ def launch_scale(src: torch.Tensor, dst: torch.Tensor, g: torch.Tensor, skip_if_
     if n == 0:
         return
     block = 4096
-    _scale_kernel[(triton.cdiv(n, block),)](src, dst, n, g, SKIP_IF_ONE=skip_if_one, BLOCK=block, num_warps=8)
+    _scale_kernel[(cdiv(n, block),)](src, dst, n, g, SKIP_IF_ONE=skip_if_one, BLOCK=block, num_warps=8)

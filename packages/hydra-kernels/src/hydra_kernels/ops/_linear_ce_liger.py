@@ -105,7 +105,7 @@ def liger_linear_cross_entropy(
         _warn_once("liger_kernel is not importable")
         return None
     fn, names, version = found
-    wants_fp32 = dw_accum == "fp32" and weight.dtype in (torch.float16, torch.bfloat16)
+    wants_fp32 = dw_accum != "input" and weight.dtype in (torch.float16, torch.bfloat16)
     reason = unsupported_reason(hidden, weight, reduction, wants_fp32, names, version)
     if reason:
         _warn_once(reason)

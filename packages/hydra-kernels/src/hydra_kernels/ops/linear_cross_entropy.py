@@ -20,6 +20,9 @@ dW only if dW is rounded once, as torch's single GEMM does. Accumulating it in b
 chunks (Liger's default) rounds k times: at k = 16..64 the max error was 2.3-6.9× torch's (CPU
 simulation, see the README). ``HYDRA_LINEAR_CE_DW_ACCUM=input`` selects that memory-lean mode anyway
 (the accumulator in the weight's dtype, Liger-sized chunks): Liger's memory, Liger's precision.
+``HYDRA_LINEAR_CE_DW_ACCUM=slab`` keeps the precision in Liger's memory instead, at the price of a
+fourth matmul: no accumulator, dW per vocabulary slab in one GEMM after a second logits pass
+(``_linear_ce_chunks``).
 
 ``reduction="none"``: dW = Σ_n g_n·dlogits_nᵀ h_n needs the per-token gradient before the sum, so
 the forward computes only the loss and the backward recomputes the chunks (four matmuls).
@@ -29,7 +32,7 @@ skipped. The public function is a ``torch.library`` op (``hydra_kernels::linear_
 
 Options (``set_linear_ce_options`` or the environment; the bench script sweeps them):
 ``HYDRA_LINEAR_CE_CHUNK_ROWS`` (0 = automatic), ``HYDRA_LINEAR_CE_DW_ACCUM`` (``fp32`` |
-``input``), ``HYDRA_LINEAR_CE_DW_BACKEND`` (``auto`` | ``cublas`` | ``triton`` | ``torch``).
+``input`` | ``slab``), ``HYDRA_LINEAR_CE_DW_BACKEND`` (``auto`` | ``cublas`` | ``triton`` | ``torch``).
 """
 
 from __future__ import annotations

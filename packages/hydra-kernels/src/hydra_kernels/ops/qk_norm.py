@@ -29,14 +29,17 @@ from hydra_kernels import controls
 from hydra_kernels.launch_config import LaunchConfig
 from hydra_kernels.ops._custom_op import (
     WidthTables,
+    cdiv,
     compiling,
     device_guard,
     eager_autograd_function,
     launch_config_for,
+    next_power_of_2,
     persistent_grid,
     run_with_fallback,
     to_output_dtype,
 )
+from hydra_kernels.ops._launch import LaunchPlan, empty_like_contiguous, plan_cache
 
 # Guards the division for an all-zero head; far below any real norm.
 NORM_EPS = 1e-6
@@ -182,6 +185,15 @@ def _as_token_heads(t: torch.Tensor) -> torch.Tensor:
     return heads if heads.stride(-1) == 1 else heads.contiguous()
 
 
+def _token_head_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(``t`` or its [tokens, H, D] view/copy, token stride, head stride); no view is made for a
+    contiguous ``t`` (host time: see rms_norm's launchers)."""
+    if t.is_contiguous():
+        return t, t.shape[-2] * t.shape[-1], t.shape[-1]
+    t3 = _as_token_heads(t)
+    return t3, t3.stride(0), t3.stride(1)
+
+
 def _block_d(x: torch.Tensor, temperature: torch.Tensor | None, dy: torch.Tensor | None = None) -> int:
     """BLOCK_D for x's heads; raises (→ counted fallback) for what the kernels cannot take, which
     only a direct call of the custom ops can pass (the public function checks shapes first)."""
@@ -195,56 +207,94 @@ def _block_d(x: torch.Tensor, temperature: torch.Tensor | None, dy: torch.Tensor
             f"qk_norm: heads of {head_dim} elements exceed the {MAX_HEAD_DIM} the fused kernel holds "
             "in registers; the PyTorch reference runs instead"
         )
-    return triton.next_power_of_2(head_dim)
+    return next_power_of_2(head_dim)
+
+
+_FWD_PLANS = plan_cache()
+_BWD_PLANS = plan_cache()
+
+
+def _fwd_plan(x: torch.Tensor, temperature: torch.Tensor | None, key) -> tuple[LaunchPlan, int]:
+    n_heads, head_dim = x.shape[-2], x.shape[-1]
+    block_d = _block_d(x, temperature)
+    n_rows = x.numel() // head_dim
+    cfg = launch_config_for("qk_norm", x.device, block_d, TABLES)
+    block_rows = min(cfg.block_rows, next_power_of_2(n_rows))
+    consts = {"N_HEADS": n_heads, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_ROWS": block_rows,
+              "HAS_TEMP": temperature is not None}  # fmt: skip
+    plan = LaunchPlan(
+        _qk_norm_fwd_kernel,
+        (cdiv(n_rows, block_rows),),
+        consts,
+        cfg.num_warps,
+        cfg.num_stages,
+        x.get_device(),
+    )
+    _FWD_PLANS[key] = (plan, n_rows)
+    return _FWD_PLANS[key]
 
 
 def qk_norm_fwd_launch(x: torch.Tensor, scale: float, temperature: torch.Tensor | None) -> torch.Tensor:
     """Run the forward kernel; the output is contiguous with x's shape and dtype."""
-    n_heads, head_dim = x.shape[-2], x.shape[-1]
-    block_d = _block_d(x, temperature)
-    x3 = _as_token_heads(x)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n_rows = x3.shape[0] * n_heads
-    if n_rows == 0:
+    y = empty_like_contiguous(x)
+    if x.numel() == 0:
+        _block_d(x, temperature)
         return y
-    cfg = launch_config_for("qk_norm", x.device, block_d, TABLES)
-    block_rows = min(cfg.block_rows, triton.next_power_of_2(n_rows))
+    x3, stride_t, stride_h = _token_head_strides(x)
+    if temperature is not None and not temperature.is_contiguous():
+        temperature = temperature.contiguous()
+    key = (x.shape, stride_t, stride_h, x.dtype, None if temperature is None else (temperature.dtype,
+           temperature.numel()), x.get_device())  # fmt: skip
+    plan, n_rows = _FWD_PLANS.get(key) or _fwd_plan(x, temperature, key)
     with device_guard(x):
-        _qk_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x3, temperature.contiguous() if temperature is not None else x3, y,
-            n_rows, x3.stride(0), x3.stride(1), float(scale), NORM_EPS * NORM_EPS,
-            N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_ROWS=block_rows,
-            HAS_TEMP=temperature is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+        plan(x3, x3 if temperature is None else temperature, y, n_rows, stride_t, stride_h, float(scale),
+             NORM_EPS * NORM_EPS)  # fmt: skip
     return y
+
+
+def _bwd_plan(x: torch.Tensor, dy: torch.Tensor, temperature: torch.Tensor | None, key):
+    n_heads, head_dim = x.shape[-2], x.shape[-1]
+    block_d = _block_d(x, temperature, dy)
+    n_rows = x.numel() // head_dim
+    cfg = launch_config_for("qk_norm_bwd", x.device, block_d, BWD_TABLES)
+    block_rows = min(cfg.block_rows, next_power_of_2(n_rows))
+    n_programs, iters = persistent_grid(cdiv(n_rows, block_rows), x.device, BWD_PROGRAMS_PER_SM)
+    consts = {"N_HEADS": n_heads, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_ROWS": block_rows,
+              "BLOCK_H": next_power_of_2(n_heads), "ITERS": iters, "HAS_TEMP": temperature is not None,
+              "LOOP_STAGES": cfg.num_stages}  # fmt: skip
+    plan = LaunchPlan(
+        _qk_norm_bwd_kernel, (n_programs,), consts, cfg.num_warps, cfg.num_stages, x.get_device()
+    )
+    _BWD_PLANS[key] = (plan, n_programs, n_rows)
+    return _BWD_PLANS[key]
 
 
 def qk_norm_bwd_launch(
     dy: torch.Tensor, x: torch.Tensor, scale: float, temperature: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the backward kernel: (dx, dtemperature or None)."""
-    n_heads, head_dim = x.shape[-2], x.shape[-1]
-    block_d = _block_d(x, temperature, dy)
-    x3, dy3 = _as_token_heads(x), _as_token_heads(dy)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n_rows = x3.shape[0] * n_heads
-    if n_rows == 0:
+    dx = empty_like_contiguous(x)
+    if x.numel() == 0:
+        _block_d(x, temperature, dy)
         return dx, (torch.zeros_like(temperature) if temperature is not None else None)
-    cfg = launch_config_for("qk_norm_bwd", x.device, block_d, BWD_TABLES)
-    block_rows = min(cfg.block_rows, triton.next_power_of_2(n_rows))
-    n_programs, iters = persistent_grid(triton.cdiv(n_rows, block_rows), x.device, BWD_PROGRAMS_PER_SM)
+    x3, stride_xt, stride_xh = _token_head_strides(x)
+    dy3, stride_dyt, stride_dyh = _token_head_strides(dy)
     has_temp = temperature is not None
-    partial = torch.empty((n_programs, n_heads) if has_temp else (1,), dtype=torch.float32, device=x.device)
+    if has_temp and not temperature.is_contiguous():
+        temperature = temperature.contiguous()
+    key = (x.shape, dy.shape, stride_xt, stride_xh, stride_dyt, stride_dyh, x.dtype, dy.dtype,
+           (temperature.dtype, temperature.numel()) if has_temp else None, x.get_device())  # fmt: skip
+    plan, n_programs, n_rows = _BWD_PLANS.get(key) or _bwd_plan(x, dy, temperature, key)
+    partial = torch.empty(
+        (n_programs, x.shape[-2]) if has_temp else (1,), dtype=torch.float32, device=x.device
+    )
     with device_guard(x):
-        _qk_norm_bwd_kernel[(n_programs,)](
-            dy3, x3, temperature.contiguous() if has_temp else x3, dx, partial,
-            n_rows, dy3.stride(0), dy3.stride(1), x3.stride(0), x3.stride(1),
-            float(scale), NORM_EPS * NORM_EPS,
-            N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_ROWS=block_rows,
-            BLOCK_H=triton.next_power_of_2(n_heads), ITERS=iters, HAS_TEMP=has_temp,
-            LOOP_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-    return dx, (partial.sum(0).to(temperature.dtype) if has_temp else None)
+        plan(dy3, x3, temperature if has_temp else x3, dx, partial, n_rows, stride_dyt, stride_dyh, stride_xt,
+             stride_xh, float(scale), NORM_EPS * NORM_EPS)  # fmt: skip
+    if not has_temp:
+        return dx, None
+    dtemp = partial.sum(0)
+    return dx, (dtemp if dtemp.dtype == temperature.dtype else dtemp.to(temperature.dtype))
 
 
 # --- implementations behind the custom ops (Triton with a counted fallback) ---------------------

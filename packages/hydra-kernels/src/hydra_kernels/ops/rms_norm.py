@@ -11,8 +11,9 @@ variant: the promoted dtype of ``x + residual``). ``weight`` may have another fl
 ``x`` (fp32 weight with bf16 activations under autocast is the usual case): it is read as fp32
 and its gradient is returned in its own dtype.
 
-Kernels (whole rows live in registers, so widths up to :data:`MAX_FUSED_DIM`; wider rows make
-the launcher raise, which the caller counts as a fallback and answers with the reference):
+Kernels (in ``ops/_rms_norm_kernels.py``; whole rows live in registers, so widths up to
+:data:`MAX_FUSED_DIM`; wider rows make the launcher raise, which the caller counts as a fallback
+and answers with the reference):
 
 - ``_rms_norm_fwd_kernel``: ``BLOCK_ROWS`` rows per program. With ``HAS_RESIDUAL`` it forms
   ``s = x + residual``, stores ``s`` rounded to the output dtype and normalises that rounded
@@ -20,8 +21,9 @@ the launcher raise, which the caller counts as a fallback and answers with the r
   the backward recomputes rstd from x, which costs registers, not memory traffic.
 - ``_rms_norm_bwd_kernel``: persistent style, ~``BWD_PROGRAMS_PER_SM`` programs per SM, each
   walking ``ITERS`` consecutive row blocks: one pass over x and dy, dx into fresh memory (plus
-  the residual stream's own gradient with ``HAS_DSUM``), dy·x̂ summed in fp32 registers, one
-  fp32 partial row per program.
+  the residual stream's own gradient with ``HAS_DSUM``; with ``HAS_DRES`` a second copy of dx for
+  the residual, see ``_fused_add_setup``), dy·x̂ summed in fp32 registers, one fp32 partial row
+  per program.
 - ``_dw_reduce_kernel``: sums the ``[n_programs, D]`` partials once and writes dW in the
   weight's dtype.
 
@@ -33,21 +35,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import triton
-import triton.language as tl
 
 from hydra_kernels import controls
 from hydra_kernels.launch_config import BLACKWELL_TUNING, LaunchConfig
 from hydra_kernels.ops._custom_op import (
     WidthTables,
+    cdiv,
     compiling,
     device_guard,
     eager_autograd_function,
     launch_config_for,
+    next_power_of_2,
     persistent_grid,
     run_with_fallback,
-    to_output_dtype,
 )
+from hydra_kernels.ops._launch import LaunchPlan, empty_like_contiguous, plan_cache
+from hydra_kernels.ops._rms_norm_kernels import _dw_reduce_kernel, _rms_norm_bwd_kernel, _rms_norm_fwd_kernel
 
 #: Widest row the kernels hold in registers.
 MAX_FUSED_DIM = 16384
@@ -137,106 +140,65 @@ def rms_norm_backward_ref(
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 
-# --- Triton kernels ------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rms_norm_fwd_kernel(
-    X, RES, W, Y, SUM,
-    n_rows, stride_x, stride_res, eps,
-    N_COLS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows < n_rows)[:, None] & (cols < N_COLS)[None, :]
-    rows = rows.to(tl.int64)  # row offsets can pass 2**31 elements
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    out_offs = rows[:, None] * N_COLS + cols[None, :]
-    if HAS_RESIDUAL:
-        res = tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-        summed = to_output_dtype(x + res.to(tl.float32), SUM.dtype.element_ty)
-        tl.store(SUM + out_offs, summed, mask=mask)
-        x = summed.to(tl.float32)
-    w = tl.load(W + cols, mask=cols < N_COLS, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N_COLS + eps)
-    y = x * rstd[:, None] * w[None, :]
-    tl.store(Y + out_offs, to_output_dtype(y, Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rms_norm_bwd_kernel(
-    DY, X, W, DSUM, DX, DW_PARTIAL,
-    n_rows, stride_dy, stride_x, stride_dsum, eps,
-    N_COLS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ITERS: tl.constexpr,
-    HAS_DSUM: tl.constexpr, LOOP_STAGES: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < N_COLS
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros((BLOCK_ROWS, BLOCK_D), dtype=tl.float32)
-    # ITERS is a compile-time trip count (a power of two picked by the launcher): the Triton
-    # interpreter cannot loop to a run-time bound, and few distinct values keep compiles few.
-    # Naming the stages here makes Triton prefetch later row blocks into shared memory (cp.async);
-    # without it the loads are not pipelined and only occupancy hides their latency.
-    for it in tl.range(0, ITERS, num_stages=LOOP_STAGES):
-        rows = (pid * ITERS + it) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        mask = (rows < n_rows)[:, None] & col_mask[None, :]
-        rows = rows.to(tl.int64)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N_COLS + eps)
-        xhat = x * rstd[:, None]
-        g = dy * w[None, :]
-        proj = tl.sum(xhat * g, axis=1) / N_COLS
-        dx = (g - xhat * proj[:, None]) * rstd[:, None]
-        if HAS_DSUM:
-            ds = tl.load(DSUM + rows[:, None] * stride_dsum + cols[None, :], mask=mask, other=0.0)
-            dx += ds.to(tl.float32)
-        tl.store(
-            DX + rows[:, None] * N_COLS + cols[None, :], to_output_dtype(dx, DX.dtype.element_ty), mask=mask
-        )
-        dw_acc += dy * xhat
-    tl.store(DW_PARTIAL + pid * N_COLS + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-
-
-@triton.jit
-def _dw_reduce_kernel(
-    PARTIAL, DW, n_partials,
-    N_COLS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, P_ITERS: tl.constexpr,
-):  # fmt: skip
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < N_COLS
-    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
-    for it in tl.range(0, P_ITERS):
-        parts = it * BLOCK_P + tl.arange(0, BLOCK_P)
-        mask = (parts < n_partials)[:, None] & col_mask[None, :]
-        acc += tl.load(PARTIAL + parts[:, None] * N_COLS + cols[None, :], mask=mask, other=0.0)
-    tl.store(DW + cols, to_output_dtype(tl.sum(acc, axis=0), DW.dtype.element_ty), mask=col_mask)
+# --- Triton kernels: ops/_rms_norm_kernels.py ----------------------------------------------------
 
 
 # --- host launchers ------------------------------------------------------------------------------
+# Host time matters as much as kernel time here: at the sizes these ops see, one eager forward +
+# backward is a few tens of microseconds of GPU work, so the launchers avoid per-call work that
+# is not needed (views when the tensor is already contiguous, Triton's constexpr_function
+# helpers, re-resolving launch tables: see _custom_op).
 
 
-def _as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    """``t`` as [rows, width] with unit column stride: a view when strides allow, else a copy."""
+def _rows(t: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
+    """(``t`` or a [rows, width] view/copy of it with unit column stride, its row stride)."""
+    if t.is_contiguous():
+        return t, width
     rows = t.reshape(-1, width)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows, rows.stride(0)
 
 
-def _check_width(op: str, width: int, weight: torch.Tensor, *same_shape: torch.Tensor | None) -> int:
+def _block_d(op: str, width: int, weight: torch.Tensor, x: torch.Tensor, *same: torch.Tensor | None) -> int:
     """BLOCK_D for ``width``; raises (→ counted fallback) for what the kernels cannot take, which
     only a direct call of the custom ops can pass (the public functions check shapes first)."""
-    if weight.numel() != width or any(t is not None and t.shape != same_shape[0].shape for t in same_shape):
+    if weight.numel() != width or any(t is not None and t.shape != x.shape for t in same):
         raise ValueError(f"{op}: weight and tensors must match x's last dim {width} and shape")
+    if width == 0:
+        raise ValueError(f"{op}: rows of width 0")
     if width > MAX_FUSED_DIM:
         raise ValueError(
             f"{op}: rows of {width} elements exceed the {MAX_FUSED_DIM} the fused kernel holds in "
             "registers; the PyTorch reference runs instead"
         )
-    return triton.next_power_of_2(width)
+    return next_power_of_2(width)
+
+
+_FWD_PLANS = plan_cache()
+_BWD_PLANS = plan_cache()
+
+
+def _fwd_plan(
+    x2: torch.Tensor, stride_x: int, res2: torch.Tensor | None, stride_res: int, weight, width, key
+):
+    """(LaunchPlan, output dtype) for the forward at this layout (cached under ``key``)."""
+    block_d = _block_d("rms_norm", width, weight, x2, None)
+    out_dtype = x2.dtype if res2 is None else torch.promote_types(x2.dtype, res2.dtype)
+    n_rows = x2.numel() // width
+    cfg = launch_config_for("rms_norm", x2.device, block_d, FWD_TABLES)
+    block_rows = min(cfg.block_rows, next_power_of_2(n_rows))
+    consts = {"N_COLS": width, "BLOCK_D": block_d, "BLOCK_ROWS": block_rows, "HAS_RESIDUAL": res2 is not None}
+    plan = LaunchPlan(
+        _rms_norm_fwd_kernel,
+        (cdiv(n_rows, block_rows),),
+        consts,
+        cfg.num_warps,
+        cfg.num_stages,
+        x2.get_device(),
+    )
+    _FWD_PLANS[key] = (plan, out_dtype, n_rows)
+    return _FWD_PLANS[key]
 
 
 def rms_norm_fwd_launch(
@@ -244,57 +206,95 @@ def rms_norm_fwd_launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel: (y, summed) where summed is None without a residual."""
     width = x.shape[-1]
-    block_d = _check_width("rms_norm", width, weight, x, residual)
-    x2 = _as_rows(x, width)
-    res2 = _as_rows(residual, width) if residual is not None else None
-    out_dtype = x.dtype if residual is None else torch.result_type(x, residual)
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} must have x's shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        y = torch.empty(x.shape, dtype=dtype, device=x.device)
+        return y, (torch.empty_like(y) if residual is not None else None)
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    x2, stride_x = _rows(x, width)
+    res2, stride_res = _rows(residual, width) if residual is not None else (None, 0)
+    key = (x.shape, stride_x, stride_res, x.dtype, None if res2 is None else res2.dtype, weight.dtype,
+           weight.numel(), x.get_device())  # fmt: skip
+    plan, out_dtype, n_rows = _FWD_PLANS.get(key) or _fwd_plan(
+        x2, stride_x, res2, stride_res, weight, width, key
+    )
+    y = empty_like_contiguous(x, out_dtype)
     summed = torch.empty_like(y) if residual is not None else None
-    n_rows = x2.shape[0]
-    if n_rows == 0:
-        return y, summed
-    cfg = launch_config_for("rms_norm", x.device, block_d, FWD_TABLES)
-    block_rows = min(cfg.block_rows, triton.next_power_of_2(n_rows))
     with device_guard(x):
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x2, res2 if res2 is not None else x2, weight.contiguous(), y, summed if summed is not None else y,
-            n_rows, x2.stride(0), res2.stride(0) if res2 is not None else 0, eps,
-            N_COLS=width, BLOCK_D=block_d, BLOCK_ROWS=block_rows, HAS_RESIDUAL=residual is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+        plan(x2, x2 if res2 is None else res2, weight, y, y if summed is None else summed,
+             n_rows, stride_x, stride_res, eps)  # fmt: skip
     return y, summed
 
 
+def _bwd_plans(x2, weight, width, has_dsum, split, key):
+    """(bwd LaunchPlan, reduce LaunchPlan, programs, n_rows) for this layout (cached under key)."""
+    block_d = _block_d("rms_norm", width, weight, x2, None)
+    n_rows = x2.numel() // width
+    cfg = launch_config_for("rms_norm_bwd", x2.device, block_d, BWD_TABLES)
+    block_rows = min(cfg.block_rows, next_power_of_2(n_rows))
+    n_programs, iters = persistent_grid(cdiv(n_rows, block_rows), x2.device, BWD_PROGRAMS_PER_SM)
+    dev = x2.get_device()
+    consts = {"N_COLS": width, "BLOCK_D": block_d, "BLOCK_ROWS": block_rows, "ITERS": iters,
+              "HAS_DSUM": has_dsum, "HAS_DRES": split, "LOOP_STAGES": cfg.num_stages}  # fmt: skip
+    bwd = LaunchPlan(_rms_norm_bwd_kernel, (n_programs,), consts, cfg.num_warps, cfg.num_stages, dev)
+    consts = {"N_COLS": width, "BLOCK_P": _REDUCE_BLOCK_P, "BLOCK_C": _REDUCE_BLOCK_C,
+              "P_ITERS": cdiv(n_programs, _REDUCE_BLOCK_P)}  # fmt: skip
+    reduce = LaunchPlan(_dw_reduce_kernel, (cdiv(width, _REDUCE_BLOCK_C),), consts, 4, 2, dev)
+    _BWD_PLANS[key] = (bwd, reduce, n_programs, n_rows)
+    return _BWD_PLANS[key]
+
+
 def rms_norm_bwd_launch(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, dsum: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the backward kernels: (dx [+ dsum], dW)."""
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    dsum: torch.Tensor | None,
+    split_residual_grad: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Run the backward kernels: (dx [+ dsum], dW), or with ``split_residual_grad`` (dx, a second
+    copy of dx, dW) — written by the kernel in the same pass, cheaper than autograd's clone when
+    one tensor would otherwise be the gradient of two leaves."""
     width = x.shape[-1]
-    block_d = _check_width("rms_norm", width, weight, x, dy, dsum)
-    x2, dy2 = _as_rows(x, width), _as_rows(dy, width)
-    ds2 = _as_rows(dsum, width) if dsum is not None else None
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n_rows = x2.shape[0]
-    if n_rows == 0:
-        return dx, torch.zeros_like(weight)
-    cfg = launch_config_for("rms_norm_bwd", x.device, block_d, BWD_TABLES)
-    block_rows = min(cfg.block_rows, triton.next_power_of_2(n_rows))
-    n_programs, iters = persistent_grid(triton.cdiv(n_rows, block_rows), x.device, BWD_PROGRAMS_PER_SM)
+    if dy.shape != x.shape or (dsum is not None and dsum.shape != x.shape):
+        raise ValueError(f"rms_norm: incoming gradients must have x's shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        dx, dw0 = torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.zeros_like(weight)
+        return (dx, torch.empty_like(dx), dw0) if split_residual_grad else (dx, dw0)
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    x2, stride_x = _rows(x, width)
+    dy2, stride_dy = _rows(dy, width)
+    ds2, stride_ds = _rows(dsum, width) if dsum is not None else (dy2, 0)
+    key = (x.shape, stride_x, stride_dy, stride_ds, dsum is not None, split_residual_grad, x.dtype, dy.dtype,
+           weight.dtype, weight.numel(), x.get_device())  # fmt: skip
+    bwd, reduce, n_programs, n_rows = _BWD_PLANS.get(key) or _bwd_plans(
+        x2, weight, width, dsum is not None, split_residual_grad, key
+    )
+    dx = empty_like_contiguous(x)
+    dres = torch.empty_like(dx) if split_residual_grad else None
     partial = torch.empty((n_programs, width), dtype=torch.float32, device=x.device)
-    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    dw = torch.empty_like(weight)
     with device_guard(x):
-        _rms_norm_bwd_kernel[(n_programs,)](
-            dy2, x2, weight.contiguous(), ds2 if ds2 is not None else dy2, dx, partial,
-            n_rows, dy2.stride(0), x2.stride(0), ds2.stride(0) if ds2 is not None else 0, eps,
-            N_COLS=width, BLOCK_D=block_d, BLOCK_ROWS=block_rows, ITERS=iters, HAS_DSUM=dsum is not None,
-            LOOP_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-        _dw_reduce_kernel[(triton.cdiv(width, _REDUCE_BLOCK_C),)](
-            partial, dw, n_programs,
-            N_COLS=width, BLOCK_P=_REDUCE_BLOCK_P, BLOCK_C=_REDUCE_BLOCK_C,
-            P_ITERS=triton.cdiv(n_programs, _REDUCE_BLOCK_P), num_warps=4,
-        )  # fmt: skip
-    return dx, dw
+        bwd(
+            dy2,
+            x2,
+            weight,
+            ds2,
+            dx,
+            dx if dres is None else dres,
+            partial,
+            n_rows,
+            stride_dy,
+            stride_x,
+            stride_ds,
+            eps,
+        )
+        reduce(partial, dw, n_programs)
+    return (dx, dres, dw) if split_residual_grad else (dx, dw)
 
 
 # --- implementations behind the custom ops (Triton with a counted fallback) ---------------------
@@ -319,13 +319,23 @@ def _fused_add_forward(
 
 
 def _rms_norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, dsum: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    reference = lambda: rms_norm_backward_ref(dy, x, weight, eps, dsum)
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    dsum: torch.Tensor | None,
+    split_residual_grad: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    def reference() -> tuple[torch.Tensor, ...]:
+        dx, dw = rms_norm_backward_ref(dy, x, weight, eps, dsum)
+        return (dx, dx.clone(), dw) if split_residual_grad else (dx, dw)
+
     # The backward switch is read here, at run time, so it holds inside compiled graphs too.
     if not controls.triton_path("rms_norm", dy, x, weight, backward=True):
         return reference()
-    return run_with_fallback("rms_norm", lambda: rms_norm_bwd_launch(dy, x, weight, eps, dsum), reference)
+    return run_with_fallback(
+        "rms_norm", lambda: rms_norm_bwd_launch(dy, x, weight, eps, dsum, split_residual_grad), reference
+    )
 
 
 # --- torch.library registration ------------------------------------------------------------------
@@ -391,18 +401,33 @@ def _fused_add_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(output[1], weight)
     ctx.eps, ctx.x_dtype, ctx.residual_dtype = eps, x.dtype, residual.dtype
     ctx.set_materialize_grads(False)
+    # x + residual passes one gradient to both, as aten's add does. When that one tensor reaches a
+    # leaf (AccumulateGrad), autograd must clone it for .grad: a full extra read and write. In
+    # eager mode the backward kernel then writes a second copy itself (one extra write instead).
+    summed_dtype = output[1].dtype
+    ctx.split = (
+        getattr(ctx, "eager", False)
+        and x.requires_grad
+        and residual.requires_grad
+        and (x.is_leaf or residual.is_leaf)
+        and x.dtype == residual.dtype == summed_dtype
+    )
 
 
 def _fused_add_grads(ctx, d_normed, d_summed):
     summed, weight = ctx.saved_tensors
+    d_res = None
     if d_normed is None:  # only the sum was used downstream
         d_total, dw = d_summed, torch.zeros_like(weight)
+    elif ctx.split:
+        d_total, d_res, dw = _rms_norm_backward(d_normed, summed, weight, ctx.eps, d_summed, True)
     else:
         d_total, dw = _backward_impl(ctx)(d_normed, summed, weight, ctx.eps, d_summed)
     if d_total is None:
         return None, None, None, None
-    # x + residual passes the same gradient to both, as aten's add does.
-    return d_total.to(ctx.x_dtype), d_total.to(ctx.residual_dtype), dw, None
+    if d_res is None:
+        d_res = d_total.to(ctx.residual_dtype)
+    return d_total.to(ctx.x_dtype), d_res, dw, None
 
 
 _rms_norm_fwd_op.register_autograd(_rms_norm_grads, setup_context=_rms_norm_setup)

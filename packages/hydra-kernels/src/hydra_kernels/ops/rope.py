@@ -12,8 +12,6 @@ per program; each row's position indexes the cos/sin tables, which stay in cache
 that share them.
 """
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -21,11 +19,15 @@ import triton.language as tl
 from hydra_kernels.controls import triton_path
 from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
 from hydra_kernels.ops._custom_op import (
+    cdiv,
     compiling,
+    device_guard,
     eager_autograd_function,
+    next_power_of_2,
     run_with_fallback,
     to_output_dtype,
 )
+from hydra_kernels.ops._launch import LaunchPlan, empty_like_contiguous, plan_cache
 
 #: Per-generation launch table: ``block_rows`` head-rows per program, ``num_warps``. Blackwell
 #: takes the seed tuning's warps and stages (its BLOCK_Q/BLOCK_KV attention tiles do not apply).
@@ -115,56 +117,48 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
 # --- host launcher ---------------------------------------------------------------------------
 
 
-def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
+_PLANS = plan_cache()
 
 
-def _launch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """Rotate ``x`` (or undo the rotation when ``inverse``) into a new contiguous tensor."""
+def _plan(x: torch.Tensor, cos: torch.Tensor, inverse: bool, key) -> LaunchPlan:
     bsz, seq, heads, dim = x.shape
     half = cos.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
-        return out
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride() != sin.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()  # one stride set serves both tables
-    if cos.dim() == 2:
-        stride_tb, stride_ts = 0, cos.stride(0)
-    else:
-        stride_tb, stride_ts = cos.stride(0), cos.stride(1)
     cfg = resolve_launch_config("rope", x.device, LAUNCH_DEFAULTS)
     block_rows = cfg.block_rows
     if block_rows & (block_rows - 1):
         raise ValueError(f"rope block_rows must be a power of two, got {block_rows}")
     rest = dim - 2 * half
-    n_rows = bsz * seq * heads
-    with _device_guard(x):
-        _rope_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x,
-            cos,
-            sin,
-            out,
-            n_rows,
-            heads,
-            seq,
-            x.stride(0),
-            x.stride(1),
-            x.stride(2),
-            stride_tb,
-            stride_ts,
-            SIGN=-1.0 if inverse else 1.0,
-            HALF=half,
-            REST=rest,
-            BLOCK_ROWS=block_rows,
-            BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-            BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+    consts = {
+        "SIGN": -1.0 if inverse else 1.0,
+        "HALF": half,
+        "REST": rest,
+        "BLOCK_ROWS": block_rows,
+        "BLOCK_HALF": next_power_of_2(half),
+        "BLOCK_REST": next_power_of_2(rest),
+    }
+    grid = (cdiv(bsz * seq * heads, block_rows),)
+    _PLANS[key] = LaunchPlan(_rope_kernel, grid, consts, cfg.num_warps, cfg.num_stages, x.get_device())
+    return _PLANS[key]
+
+
+def _launch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Rotate ``x`` (or undo the rotation when ``inverse``) into a new contiguous tensor."""
+    out = empty_like_contiguous(x)
+    if x.numel() == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cs, ss = cos.stride(), sin.stride()
+    if cs[-1] != 1 or cs != ss:
+        cos, sin = cos.contiguous(), sin.contiguous()  # one stride set serves both tables
+        cs = cos.stride()
+    stride_tb, stride_ts = (0, cs[0]) if len(cs) == 2 else (cs[0], cs[1])
+    xs = x.stride()
+    key = (x.shape, xs, cos.shape, cs, x.dtype, cos.dtype, sin.dtype, inverse, x.get_device())
+    plan = _PLANS.get(key) or _plan(x, cos, inverse, key)
+    bsz, seq, heads, _ = x.shape
+    with device_guard(x):
+        plan(x, cos, sin, out, bsz * seq * heads, heads, seq, xs[0], xs[1], xs[2], stride_tb, stride_ts)
     return out
 
 

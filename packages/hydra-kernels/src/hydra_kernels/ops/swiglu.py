@@ -15,8 +15,6 @@ fp32. Kernels see every tensor as ``[rows, width]`` with a row stride. When all 
 are contiguous the whole tensor is one long row, so the grid is a flat 1-D walk over large blocks.
 """
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -25,11 +23,15 @@ import triton.language as tl
 from hydra_kernels.controls import triton_path
 from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
 from hydra_kernels.ops._custom_op import (
+    cdiv,
     compiling,
+    device_guard,
     eager_autograd_function,
+    next_power_of_2,
     run_with_fallback,
     to_output_dtype,
 )
+from hydra_kernels.ops._launch import LaunchPlan, empty_like_contiguous, plan_cache
 
 #: Per-generation launch table. ``block_q`` is the most elements one program handles (rows
 #: narrower or ragged get a smaller block, see :func:`row_block`);
@@ -152,13 +154,6 @@ def swiglu_bwd_ref(
 # --- host launchers --------------------------------------------------------------------------
 
 
-def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    # Triton launches on the current CUDA device; switch only when the tensors live elsewhere.
-    if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     """``t`` as ``[rows, width]`` with unit column stride: a view when one exists, else a copy."""
     t2 = t.reshape(-1, width)
@@ -169,45 +164,59 @@ def row_block(width: int, max_block: int) -> int:
     """Elements per program for rows of ``width``: the largest power of two ≤ ``max_block`` whose
     multiples pad the row by at most 15% (masked lanes still hold a program's slots), but not
     below 512 unless the row itself is shorter."""
-    block = min(max_block, max(16, triton.next_power_of_2(width)))
-    while block > 512 and triton.cdiv(width, block) * block > 1.15 * width:
+    block = min(max_block, max(16, next_power_of_2(width)))
+    while block > 512 and cdiv(width, block) * block > 1.15 * width:
         block //= 2
     return block
+
+
+_PLANS = plan_cache()
+
+
+def _plan(kernel, n_rows: int, n_cols: int, device: torch.device, key) -> LaunchPlan:
+    cfg = resolve_launch_config("swiglu", device, LAUNCH_DEFAULTS)
+    if cfg.block_q & (cfg.block_q - 1):
+        raise ValueError(f"swiglu block_q must be a power of two, got {cfg.block_q}")
+    block = row_block(n_cols, cfg.block_q)
+    num_warps = max(1, min(cfg.num_warps, block // 128))
+    col_blocks = cdiv(n_cols, block)
+    grid = (n_rows * col_blocks,)
+    plan = LaunchPlan(kernel, grid, {"BLOCK": block}, num_warps, cfg.num_stages, device.index or 0)
+    _PLANS[key] = (plan, col_blocks)
+    return _PLANS[key]
 
 
 def _launch(kernel, ins: list[torch.Tensor], outs: list[torch.Tensor], width: int) -> None:
     """Run an elementwise SwiGLU kernel over ``ins`` (read) and ``outs`` (written), all of the
     same shape ``[..., width]``. ``outs`` must be views the caller keeps (written in place)."""
-    tensors = ins + outs
     numel = ins[0].numel()
     if numel == 0:
         return
-    if all(t.is_contiguous() for t in tensors):
-        views = [t.view(1, numel) for t in tensors]  # one long row: no per-row tail
+    contiguous = True
+    for t in ins:
+        contiguous = contiguous and t.is_contiguous()
+    for t in outs:
+        contiguous = contiguous and t.is_contiguous()
+    if contiguous:
+        # One long row: no per-row tail, and the tensors go to the kernel as they are (making
+        # views costs host time that at these sizes is comparable to the kernel's).
+        tensors = [*ins, *outs]
+        n_rows, n_cols = 1, numel
+        strides = [numel] * len(tensors)
     else:
         # outs are allocated by the callers with a unit last stride: viewing them never copies
-        views = [_rows(t, width) for t in ins] + [o.view(-1, width) for o in outs]
-    n_rows, n_cols = views[0].shape
-    cfg = resolve_launch_config("swiglu", ins[0].device, LAUNCH_DEFAULTS)
-    if cfg.block_q & (cfg.block_q - 1):
-        raise ValueError(f"swiglu block_q must be a power of two, got {cfg.block_q}")
-    block = row_block(n_cols, cfg.block_q)
-    num_warps = max(1, min(cfg.num_warps, block // 128))
-    col_blocks = triton.cdiv(n_cols, block)
-    with _device_guard(ins[0]):
-        kernel[(n_rows * col_blocks,)](
-            *views,
-            n_cols,
-            col_blocks,
-            *(v.stride(0) for v in views),
-            BLOCK=block,
-            num_warps=num_warps,
-            num_stages=cfg.num_stages,
-        )
+        tensors = [_rows(t, width) for t in ins] + [o.view(-1, width) for o in outs]
+        n_rows, n_cols = tensors[0].shape
+        strides = [t.stride(0) for t in tensors]
+    dev = ins[0].device
+    key = (kernel, n_rows, n_cols, *strides, ins[0].dtype, dev)
+    plan, col_blocks = _PLANS.get(key) or _plan(kernel, n_rows, n_cols, dev, key)
+    with device_guard(ins[0]):
+        plan(*tensors, n_cols, col_blocks, *strides)
 
 
 def _launch_swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    out = empty_like_contiguous(gate)
     _launch(_swiglu_fwd_kernel, [gate, up], [out], gate.shape[-1])
     return out
 
@@ -215,8 +224,8 @@ def _launch_swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _launch_swiglu_bwd(
     gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    dgate = empty_like_contiguous(gate)
+    dup = empty_like_contiguous(up)
     _launch(_swiglu_bwd_kernel, [gate, up, grad_out], [dgate, dup], gate.shape[-1])
     return dgate, dup
 
@@ -230,7 +239,7 @@ def _launch_swiglu_packed_fwd(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _launch_swiglu_packed_bwd(gate_up: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     h = gate_up.shape[-1] // 2
-    grad = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+    grad = empty_like_contiguous(gate_up)
     ins = [gate_up[..., :h], gate_up[..., h:], grad_out]
     _launch(_swiglu_bwd_kernel, ins, [grad[..., :h], grad[..., h:]], h)
     return grad
