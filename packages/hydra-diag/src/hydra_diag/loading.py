@@ -1,0 +1,276 @@
+"""Where diagnostics get their model and data: a fresh preset, a checkpoint, or a run folder; and
+batches from a hydra-train dataset, a synthetic learnable stream, or uniform random tokens.
+
+Checkpoints are read through hydra-train (:func:`hydra_train.checkpoint.load_checkpoint`, which
+validates the format) and the model is rebuilt from the HydraConfig stored in them. A
+``save_pretrained`` folder goes through :meth:`CCGQAMoDMoRModel.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hydra_diag.output import DiagError
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """``["dim=64", "moe_enabled=true"]`` → ``{"dim": 64, "moe_enabled": True}`` (JSON values, else text)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise DiagError(f"--set {item!r}: expected FIELD=VALUE, e.g. dim=128")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def pick_device(pref: str = "auto") -> torch.device:
+    """hydra-train's device rule (``auto``: CUDA when present); errors become :class:`DiagError`."""
+    from hydra_train.errors import HydraTrainError
+    from hydra_train.run import pick_device as train_pick_device
+
+    try:
+        return train_pick_device(pref)
+    except HydraTrainError as exc:
+        raise DiagError(str(exc)) from None
+
+
+def require_cuda_device(tool: str) -> torch.device:
+    """The current CUDA device, or :class:`DiagError` naming the tool (library-level CUDA check)."""
+    if not torch.cuda.is_available():
+        raise DiagError(
+            f"{tool} needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False)."
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def build_model(model_size: str, overrides: dict[str, Any] | None = None, device: torch.device | str = "cpu"):
+    """A freshly initialised preset with ``overrides``; a bad preset or field is a DiagError."""
+    from hydra_model import create_ccgqa_mod_mor_model
+
+    try:
+        model = create_ccgqa_mod_mor_model(model_size, **(overrides or {}))
+    except ValueError as exc:
+        raise DiagError(f"model config: {exc}") from None
+    return model.to(device)
+
+
+@dataclass
+class LoadedModel:
+    """A model and where it came from (``train_config`` is the run's TrainConfig dict, if known)."""
+
+    model: Any
+    source: str
+    step: int | None = None
+    train_config: dict[str, Any] = field(default_factory=dict)
+    checkpoint_path: Path | None = None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file or save_pretrained folder; a run folder gives its newest checkpoint."""
+    from hydra_train.checkpoint import list_checkpoints
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DiagError(f"checkpoint {p} does not exist")
+    if p.is_file() or (p / "config.json").is_file():
+        return p
+    found = list_checkpoints(p)
+    if not found:
+        raise DiagError(
+            f"{p} holds no hydra-train checkpoint (hydra_<model>_step<N>.pt / _final.pt) and no "
+            "config.json of save_pretrained; pass a checkpoint file"
+        )
+    return max(found, key=lambda f: (f.stat().st_mtime, f.name))
+
+
+def _strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # torch.compile (_orig_mod.) and DDP (module.) prefix every key; the plain model has neither
+    out = {}
+    for key, value in state.items():
+        for prefix in ("_orig_mod.", "module."):
+            while key.startswith(prefix):
+                key = key[len(prefix) :]
+        out[key] = value
+    return out
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A hydra-train checkpoint dict (weights_only load, format checked); errors are DiagError."""
+    from hydra_train.checkpoint import load_checkpoint
+    from hydra_train.errors import HydraCheckpointError
+
+    try:
+        return load_checkpoint(path)
+    except HydraCheckpointError as exc:
+        raise DiagError(str(exc)) from None
+
+
+def model_config_of(ckpt: dict[str, Any]):
+    """The HydraConfig stored in a hydra-train checkpoint (``config.model``)."""
+    from hydra_model import HydraConfig
+
+    cfg = ckpt.get("config", {})
+    model_cfg = cfg.get("model", cfg) if isinstance(cfg, dict) else None
+    try:
+        return HydraConfig.from_dict(dict(model_cfg))
+    except (TypeError, ValueError) as exc:
+        raise DiagError(f"the checkpoint's model config cannot be read: {exc}") from None
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu") -> LoadedModel:
+    """The model of a checkpoint file, save_pretrained folder or run folder, on ``device``."""
+    from hydra_model import CCGQAMoDMoRModel
+
+    p = resolve_checkpoint(path)
+    if p.is_dir():
+        try:
+            model = CCGQAMoDMoRModel.from_pretrained(p, map_location=device)
+        except (ValueError, FileNotFoundError, RuntimeError) as exc:
+            raise DiagError(f"could not load {p}: {exc}") from None
+        return LoadedModel(model, f"save_pretrained folder {p}", checkpoint_path=p)
+    ckpt = read_checkpoint(p)
+    model = CCGQAMoDMoRModel(model_config_of(ckpt))
+    try:
+        model.load_state_dict(_strip_wrapper_prefixes(ckpt["model"]), strict=True)
+    except RuntimeError as exc:
+        raise DiagError(f"{p}: weights do not fit the stored config: {str(exc)[:300]}") from None
+    train_cfg = ckpt.get("config", {}).get("train", {}) or {}
+    step = int(ckpt.get("step", 0))
+    return LoadedModel(model.to(device), f"checkpoint {p} (step {step})", step, dict(train_cfg), p)
+
+
+def model_from_options(
+    model_size: str,
+    overrides: list[str] | dict[str, Any] | None,
+    checkpoint: str | None,
+    device: torch.device,
+) -> LoadedModel:
+    """``--checkpoint`` when given (``--set`` is then refused), else a fresh ``--model_size``."""
+    ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+    if checkpoint:
+        if ov:
+            raise DiagError("--set changes a fresh model's config; it cannot apply to --checkpoint")
+        return load_model(checkpoint, device)
+    model = build_model(model_size, ov, device)
+    desc = f"fresh {model_size} preset" + (f" with {ov}" if ov else "")
+    return LoadedModel(model, desc)
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def random_batches(
+    vocab: int, batch_size: int, seq_len: int, n: int, seed: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Uniform random tokens as (input_ids, targets) pairs: enough for shape and health checks."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
+        out.append((t[:, :-1].to(device), t[:, 1:].to(device)))
+    return out
+
+
+def dataset_batches(
+    dataset: str,
+    *,
+    vocab: int,
+    batch_size: int,
+    seq_len: int,
+    n: int,
+    device: torch.device,
+    split: str = "val",
+    tokenizer: str | None = None,
+    seed: int = 0,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str]:
+    """``n`` batches of ``split`` (val: the fixed first windows, as hydra-train evaluates; train:
+    hydra-train's shuffled order). ``dataset="synthetic"`` writes a bigram stream to a temp folder."""
+    from hydra_train.data_sources import load_data
+    from hydra_train.dataset import BatchPlan, eval_batches
+    from hydra_train.errors import HydraTrainError
+
+    tmp = None
+    if dataset == "synthetic":
+        from hydra_diag.synthetic import write_bigram_dataset
+
+        tmp = tempfile.TemporaryDirectory(prefix="hydra_diag_data_")
+        need = max(4000, (n * batch_size + 2) * (seq_len + 1) * 2)
+        dataset = str(write_bigram_dataset(Path(tmp.name), vocab, need, max(2000, need // 4), seed=seed))
+    try:
+        data = load_data(
+            dataset,
+            seq_len=seq_len,
+            vocab_size=vocab,
+            default_vocab=vocab,
+            tokenizer=tokenizer,
+            log=lambda m: None,
+        )
+        if split == "val":
+            batches = eval_batches(data.val, batch_size, n)
+        else:
+            plan = BatchPlan(data.train, batch_size, seed=seed)
+            batches = [plan.batch(k) for k in range(n)]
+    except HydraTrainError as exc:
+        raise DiagError(str(exc)) from None
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    desc = data.description if tmp is None else f"synthetic bigram stream (vocab {vocab})"
+    return [(x.to(device), y.to(device)) for x, y in batches], desc
+
+
+def batches_for(
+    model,
+    *,
+    dataset: str | None,
+    train_config: dict[str, Any] | None,
+    batch_size: int,
+    seq_len: int,
+    n: int,
+    device: torch.device,
+    seed: int = 0,
+    split: str = "val",
+    tokenizer: str | None = None,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str]:
+    """Batches for ``model``: ``--dataset``, else the checkpoint's training data when it is still
+    there, else random tokens (``dataset="random"`` asks for those explicitly)."""
+    vocab = model.config.vocab_size
+    if dataset is None and train_config:
+        recorded = train_config.get("dataset")
+        if recorded and (recorded in ("stdlib", "stdlib-full") or Path(recorded).exists()):
+            dataset = recorded
+            tokenizer = tokenizer or train_config.get("tokenizer")
+    if dataset in (None, "random"):
+        return random_batches(
+            vocab, batch_size, seq_len, n, seed, device
+        ), f"uniform random tokens (vocab {vocab})"
+    return dataset_batches(
+        dataset,
+        vocab=vocab,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        n=n,
+        device=device,
+        split=split,
+        tokenizer=tokenizer,
+        seed=seed,
+    )
+
+
+def autocast_for(device: torch.device):
+    """bf16 autocast on CUDA (as hydra-train trains there), nothing on the CPU."""
+    import contextlib
+
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()

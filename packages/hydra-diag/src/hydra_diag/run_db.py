@@ -1,0 +1,92 @@
+"""Reading one run out of hydra-train's metrics database (through :class:`TrainingDB`).
+
+A run is found by its id, or is the most recently started run (of ``model`` when given). The
+path may be the database file or the checkpoint folder that holds ``training.db``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra_diag.output import DiagError
+
+
+def db_path(path: str | Path) -> Path:
+    from hydra_train.metrics_db import DB_NAME
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / DB_NAME
+    if not p.is_file():
+        raise DiagError(
+            f"no metrics database at {p}; pass a checkpoint folder holding {DB_NAME} (hydra-train run "
+            "--checkpoint_dir) or the database file itself"
+        )
+    return p
+
+
+@dataclass
+class RunData:
+    """Everything the analyses need about one run, as plain rows."""
+
+    run: dict[str, Any]
+    model: dict[str, Any] | None
+    steps: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    lr: list[dict[str, Any]]
+    routing_moe: list[dict[str, Any]] = field(default_factory=list)
+    train_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_id(self) -> str:
+        return self.run["run_id"]
+
+    def model_config(self):
+        """The run's HydraConfig (from ``models.architecture``), or None when the row is missing."""
+        from hydra_model import HydraConfig
+
+        if not self.model or not self.model.get("architecture"):
+            return None
+        try:
+            return HydraConfig.from_dict(json.loads(self.model["architecture"]))
+        except (ValueError, TypeError):
+            return None
+
+
+def pick_run(db, run_id: str | None, model: str | None) -> dict[str, Any]:
+    runs = db.runs(model)
+    if not runs:
+        raise DiagError(f"{db.path} holds no runs" + (f" of model {model!r}" if model else ""))
+    if run_id is None:
+        return runs[-1]
+    for r in runs:
+        if r["run_id"] == run_id:
+            return r
+    raise DiagError(f"no run {run_id!r} in {db.path}; runs there: {', '.join(r['run_id'] for r in runs)}")
+
+
+def load_run(path: str | Path, run_id: str | None = None, model: str | None = None) -> RunData:
+    """The steps, evaluations and learning-rate rows of one run, ordered by step."""
+    from hydra_train.metrics_db import TrainingDB
+
+    with TrainingDB(db_path(path)) as db:
+        run = pick_run(db, run_id, model)
+        rid = run["run_id"]
+        full = db.query("SELECT * FROM runs WHERE run_id=?", [rid])[0]
+        mrow = db.query("SELECT * FROM models WHERE model_id=?", [run["model_id"]])
+        steps = db.query("SELECT * FROM steps WHERE run_id=? ORDER BY step", [rid])
+        evals = db.query("SELECT * FROM evals WHERE run_id=? ORDER BY step", [rid])
+        lr = db.query("SELECT * FROM adaptive_lr WHERE run_id=? ORDER BY step", [rid])
+        moe = db.query("SELECT * FROM routing_moe WHERE run_id=? ORDER BY step, layer", [rid])
+    for s in steps:
+        s["aux"] = json.loads(s["aux"]) if s.get("aux") else {}
+    for m in moe:
+        m["utilization"] = json.loads(m["utilization"]) if m.get("utilization") else []
+    try:
+        tc = json.loads(full.get("config") or "{}")
+    except json.JSONDecodeError:
+        tc = {}
+    return RunData(full, mrow[0] if mrow else None, steps, evals, lr, moe, tc)

@@ -1,0 +1,74 @@
+"""loss_components.py: weights from the run's config, loss = CE + Σ w·aux checked, PNG written."""
+
+from __future__ import annotations
+
+import pytest
+
+from hydra_diag.loss_components import analyze_loss_components
+
+from .conftest import assert_png, invoke, last_error_line, run_json, synthetic_db
+
+
+def test_cli_on_the_run(runner, tiny_run, tmp_path):
+    png = tmp_path / "lc.png"
+    out = run_json(runner, ["analyze", "loss-components", "--checkpoint_dir", tiny_run.folder, "--plot", png])
+    assert_png(png)
+    comps = {r["component"]: r for r in out["summary"]}
+    assert {"loss", "ce_loss", "moe_balance", "mor_router", "mod_router", "router_z"} <= set(comps)
+    assert comps["moe_balance"]["weight"] == 0.01
+    # the logged loss is exactly CE plus the weighted terms (float32 rounding only)
+    assert out["max_abs_residual"] < 1e-4
+    assert not any(f["kind"] == "loss_residual" for f in out["findings"])
+    assert len(out["steps"]) == 8  # logged every 2 of 16 steps
+    assert comps["loss"]["last"] == pytest.approx(out["series"]["loss"][-1])
+
+
+def _rows(residual: float):
+    rows = []
+    for s in range(1, 11):
+        ce = 5.0 - 0.1 * s
+        aux = {"moe_balance": 1.0, "router_z": 0.5}
+        rows.append(
+            {
+                "step": s,
+                "loss": ce + 0.01 * 1.0 + 0.001 * 0.5 + (residual if s == 7 else 0.0),
+                "ce_loss": ce,
+                "aux_loss": 1.5,
+                "aux": aux,
+                "lr": 1e-3,
+                "grad_norm": 0.5,
+            }
+        )
+    return rows
+
+
+def test_a_loss_not_made_of_its_terms_is_flagged(tmp_path):
+    good = analyze_loss_components(str(synthetic_db(tmp_path / "a", _rows(0.0))))
+    assert good["max_abs_residual"] < 1e-9 and not any(f["kind"] == "loss_residual" for f in good["findings"])
+    bad = analyze_loss_components(str(synthetic_db(tmp_path / "b", _rows(0.2))))
+    res = [f for f in bad["findings"] if f["kind"] == "loss_residual"]
+    assert res and res[0]["step"] == 7
+    share = {r["component"]: r["share_of_loss"] for r in good["summary"]}
+    assert share["moe_balance"] == pytest.approx(0.01 / good["series"]["loss"][-1])
+
+
+def test_dominating_aux_terms_warn(tmp_path):
+    rows = [
+        {
+            "step": s,
+            "loss": 1.0 + 0.01 * 50,
+            "ce_loss": 1.0,
+            "aux_loss": 50.0,
+            "aux": {"moe_balance": 50.0},
+            "lr": 1e-3,
+            "grad_norm": 0.1,
+        }
+        for s in (1, 2, 3)
+    ]
+    out = analyze_loss_components(str(synthetic_db(tmp_path, rows)))
+    assert any(f["kind"] == "aux_dominates" for f in out["findings"])
+
+
+def test_missing_database_is_one_line(runner, tmp_path):
+    res = invoke(runner, ["analyze", "loss-components", "--checkpoint_dir", tmp_path])
+    assert res.exit_code == 1 and "no metrics database" in last_error_line(res)
