@@ -142,7 +142,8 @@ def section_host() -> None:
                 if fn is None:
                     continue
                 try:
-                    us = host_us(bench.fwd_bwd_step(fn, w.inputs, w.grad_out))
+                    inputs = [bench._private_copy(t) for t in w.inputs]  # peers may overwrite inputs
+                    us = host_us(bench.fwd_bwd_step(fn, inputs, bench._private_copy(w.grad_out)))
                     record("host", what=f"{op} {impl} fwd+bwd (small)", us=us)
                 except Exception as exc:
                     record("host", what=f"{op} {impl}", error=f"{type(exc).__name__}: {exc}"[:160])

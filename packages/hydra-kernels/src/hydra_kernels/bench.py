@@ -289,13 +289,25 @@ def copy_bandwidth_tbps(device: torch.device, gib: float = 1.0) -> float:
     return 2 * n * 2 / (ms * 1e-3) / 1e12
 
 
+def _private_copy(value: Any) -> Any:
+    """A fresh copy of a benchmark input: some peers (Liger's SwiGLU and RMSNorm backward) write
+    their gradients over their saved inputs or the incoming gradient, which would otherwise change
+    the data every implementation timed after them sees."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    if isinstance(value, tuple):
+        return tuple(_private_copy(v) for v in value)
+    return value
+
+
 def _measure(w: Workload, copy_tbps: float, rep: int) -> list[dict[str, Any]]:
     rows = []
     for impl, fn in w.impls.items():
         row: dict[str, Any] = {"op": w.op, "shape": w.shape, "impl": impl, "ms": None}
         before = controls.fallback_counts()[BENCH_OPS[w.op]]
         try:
-            step = fwd_bwd_step(fn, w.inputs, w.grad_out)
+            inputs = [_private_copy(t) for t in w.inputs]
+            step = fwd_bwd_step(fn, inputs, _private_copy(w.grad_out))
             if w.measure_memory:
                 row["peak_extra_mib"] = round(peak_extra_mib(step), 1)
             row["ms"] = time_ms(step, rep)

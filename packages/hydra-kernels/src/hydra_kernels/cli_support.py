@@ -54,7 +54,8 @@ def add_version_option(app: typer.Typer, dist_name: str, version: str) -> None:
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     """Print one clear line to stderr and exit with ``code`` (1 for failures, 2 for bad usage)."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    # soft_wrap: the message stays one line in pipes and logs instead of wrapping at 80 columns
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

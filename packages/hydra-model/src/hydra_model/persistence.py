@@ -91,7 +91,12 @@ def load_checkpoint_file(
         raise ValueError(
             f"{path} is not a hydra-train checkpoint: expected keys 'model' and 'config', got {keys}"
         )
-    config = HydraConfig.from_dict(dict(blob["config"]))
+    config_dict = dict(blob["config"])
+    # hydra-train stores {"model": <HydraConfig dict>, "train": <TrainConfig dict>}; a bare
+    # HydraConfig dict (e.g. written by hand) is accepted too.
+    if isinstance(config_dict.get("model"), dict):
+        config_dict = dict(config_dict["model"])
+    config = HydraConfig.from_dict(config_dict)
     with torch.device("meta"):
         model = cls(config)
     model.load_state_dict(_strip_prefixes(blob["model"]), strict=True, assign=True)
