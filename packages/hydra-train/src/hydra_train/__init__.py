@@ -24,6 +24,9 @@ _EXPORTS = {
     "HydraTrainError": "hydra_train.errors",
     "HydraDataError": "hydra_train.errors",
     "HydraCheckpointError": "hydra_train.errors",
+    "SafeOptimizations": "hydra_train.safe_opts.callback",
+    "PretestHook": "hydra_train.safe_opts.pretest_log",
+    "FaultInjector": "hydra_train.safe_opts.faults",
 }
 
 __all__ = ["__version__", *_EXPORTS]

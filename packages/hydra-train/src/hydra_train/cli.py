@@ -1,4 +1,5 @@
-"""The `hydra-train` command line: `run` (train) and the `db` group (query the metrics database).
+"""The `hydra-train` command line: `run` (train), `pretest` (SafeOptimizations' pretests alone, their
+history and OPTIMIZATIONS.md) and the `db` group (query the metrics database).
 
 Every option accepts the seed documents' underscore spelling and Typer's kebab-case
 (``--max_steps`` and ``--max-steps``). Nothing heavy is imported until a command runs.
@@ -8,23 +9,32 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
 from hydra_kernels.cli_support import add_version_option, console, emit_json, err_console, fail, new_app
 from hydra_train import __version__
+from hydra_train.cli_options import (
+    BlockKV,
+    BlockQ,
+    CompileScope,
+    DropThreshold,
+    Fp8Format,
+    Fp8Scaling,
+    GraphWarmup,
+    NumWarps,
+    PretestSteps,
+    PretestWarmup,
+    SafeBlackwell,
+    SafeCudaGraphs,
+    SafeFa3,
+    SafeFp8,
+    SafetyWindow,
+    SkipPretest,
+    SpikeThreshold,
+    safe_opts_config,
+)
+from hydra_train.cli_options import opt as _opt
 
 app = new_app("Train HYDRA models: hydra-train run, pretests, metrics database.")
 add_version_option(app, "hydra-train", __version__)
-
-
-def _opt(*names: str, help: str, **kw):
-    """An option under both spellings: the kebab-case one Typer prints first, then the seed's."""
-    spellings: list[str] = []
-    for n in names:
-        for s in (n.replace("_", "-"), n):
-            if s not in spellings:
-                spellings.append(s)
-    return typer.Option(*spellings, help=help, **kw)
 
 
 def _parse_overrides(items: list[str]) -> dict:
@@ -147,6 +157,23 @@ def run(
     wandb: Annotated[bool, _opt("--wandb", help=H["wandb"])] = False,
     model_override: Annotated[list[str] | None, _opt("--model_override", help=H["model_override"])] = None,
     json_out: Annotated[bool, _opt("--json", help=H["json_out"])] = False,
+    experimental_fa3: SafeFa3 = True,
+    experimental_cuda_graphs: SafeCudaGraphs = True,
+    cuda_graphs_warmup: GraphWarmup = 50,
+    experimental_blackwell_tuning: SafeBlackwell = True,
+    triton_block_q: BlockQ = None,
+    triton_block_kv: BlockKV = None,
+    triton_num_warps: NumWarps = None,
+    experimental_fp8: SafeFp8 = False,
+    fp8_format: Fp8Format = "e4m3",
+    fp8_scaling: Fp8Scaling = "row",
+    compile_scope: CompileScope = "blocks",
+    experimental_safety_window: SafetyWindow = 100,
+    experimental_loss_spike_threshold: SpikeThreshold = 2.0,
+    experimental_throughput_drop_threshold: DropThreshold = 0.5,
+    experimental_skip_pretest: SkipPretest = False,
+    pretest_warmup_steps: PretestWarmup = 2,
+    pretest_steps: PretestSteps = 4,
 ) -> None:
     """Train a HYDRA model. With no options: the tiny preset on the Python standard library's own
     source (tokenizer built and cached on first use), a few minutes on a laptop CPU; on a GPU a larger
@@ -199,6 +226,25 @@ def run(
         wandb=wandb,
         model_overrides=_parse_overrides(model_override or []),
         progress=not json_out,
+        **safe_opts_config(
+            experimental_fa3=experimental_fa3,
+            experimental_cuda_graphs=experimental_cuda_graphs,
+            cuda_graphs_warmup=cuda_graphs_warmup,
+            experimental_blackwell_tuning=experimental_blackwell_tuning,
+            triton_block_q=triton_block_q,
+            triton_block_kv=triton_block_kv,
+            triton_num_warps=triton_num_warps,
+            experimental_fp8=experimental_fp8,
+            fp8_format=fp8_format,
+            fp8_scaling=fp8_scaling,
+            compile_scope=compile_scope,
+            experimental_safety_window=experimental_safety_window,
+            experimental_loss_spike_threshold=experimental_loss_spike_threshold,
+            experimental_throughput_drop_threshold=experimental_throughput_drop_threshold,
+            experimental_skip_pretest=experimental_skip_pretest,
+            pretest_warmup_steps=pretest_warmup_steps,
+            pretest_steps=pretest_steps,
+        ),
     )
     try:
         summary = run_training(cfg, console=err_console if json_out else console)
@@ -363,3 +409,8 @@ def db_rebuild(checkpoint_dir: CkptDir = "checkpoints", json_out: Json = False) 
     if json_out:
         return emit_json({"database": str(path), "runs": run_ids})
     console.print(f"rebuilt {path} from {len(run_ids)} export(s): {', '.join(run_ids)}", highlight=False)
+
+
+from hydra_train.cli_pretest import pretest  # noqa: E402  (defined beside, registered here)
+
+app.command("pretest")(pretest)

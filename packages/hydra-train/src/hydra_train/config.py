@@ -6,8 +6,10 @@ uses a larger preset with bf16 on a GPU. The resolved config (no ``None`` left i
 have automatic values) is what the trainer uses and what checkpoints store under
 ``config["train"]``.
 
-Seam for SafeOptimizations: add its ``experimental_*`` fields here; ``to_dict``/``from_dict``
-carry any field without further changes, and unknown keys in an old checkpoint are ignored.
+SafeOptimizations' fields (``experimental_*``, ``cuda_graphs_warmup``, ``fp8_*``, ``compile_scope``,
+``pretest_*``) say what is *requested*; :mod:`hydra_train.safe_opts` pretests and monitors each one
+and decides what actually runs. ``to_dict``/``from_dict`` carry any field, and unknown keys in an
+old checkpoint are ignored.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from hydra_train.errors import HydraTrainError
 MODES = ("testing", "production")
 SCHEDULES = ("cosine", "wsd")
 PRECISIONS = ("auto", "bf16", "fp32")
+FP8_FORMATS = ("e4m3", "e5m2")
+FP8_SCALINGS = ("row", "tensor")
+COMPILE_SCOPES = ("blocks", "model")
 
 #: Default corpus names that need no files: the Python standard library's own source.
 EMBEDDED_CORPORA = ("stdlib", "stdlib-full")  # see hydra_train.corpus
@@ -81,6 +86,24 @@ class TrainConfig:
     tensorboard: bool = False
     wandb: bool = False
     progress: bool = True
+    # SafeOptimizations (hydra_train.safe_opts): what is requested; pretests and the monitor decide
+    experimental_fa3: bool = True
+    experimental_cuda_graphs: bool = True
+    cuda_graphs_warmup: int = 50
+    experimental_blackwell_tuning: bool = True
+    triton_block_q: int | None = None
+    triton_block_kv: int | None = None
+    triton_num_warps: int | None = None
+    experimental_fp8: bool = False
+    fp8_format: str = "e4m3"
+    fp8_scaling: str = "row"
+    compile_scope: str = "blocks"
+    experimental_safety_window: int = 100
+    experimental_loss_spike_threshold: float = 2.0
+    experimental_throughput_drop_threshold: float = 0.5
+    experimental_skip_pretest: bool = False
+    pretest_warmup_steps: int = 2
+    pretest_steps: int = 4
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -159,6 +182,37 @@ def _check_positive(cfg: TrainConfig, names: tuple[str, ...], allow_zero: tuple[
             raise HydraTrainError(f"--{name} must be {'>= 0' if name in allow_zero else '> 0'}, got {v}")
 
 
+def _check_safe_opts(cfg: TrainConfig) -> None:
+    _check_choice("fp8_format", cfg.fp8_format, FP8_FORMATS)
+    _check_choice("fp8_scaling", cfg.fp8_scaling, FP8_SCALINGS)
+    _check_choice("compile_scope", cfg.compile_scope, COMPILE_SCOPES)
+    _check_positive(
+        cfg,
+        (
+            "cuda_graphs_warmup",
+            "triton_block_q",
+            "triton_block_kv",
+            "triton_num_warps",
+            "experimental_safety_window",
+            "experimental_loss_spike_threshold",
+            "experimental_throughput_drop_threshold",
+            "pretest_steps",
+            "pretest_warmup_steps",
+        ),
+        allow_zero=("pretest_warmup_steps",),
+    )
+    if cfg.experimental_loss_spike_threshold <= 1.0:
+        raise HydraTrainError(
+            f"--experimental_loss_spike_threshold must be > 1 (a multiple of the loss EMA), "
+            f"got {cfg.experimental_loss_spike_threshold}"
+        )
+    if cfg.experimental_throughput_drop_threshold >= 1.0:
+        raise HydraTrainError(
+            "--experimental_throughput_drop_threshold must be in (0, 1) (a fraction of the tokens/s "
+            f"EMA), got {cfg.experimental_throughput_drop_threshold}"
+        )
+
+
 def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
     """Fill every automatic field for device ``dev`` and validate the rest."""
     _check_choice("mode", cfg.mode, MODES)
@@ -194,6 +248,7 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
             "save_every",
         ),
     )
+    _check_safe_opts(cfg)
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise HydraTrainError(f"--min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if not 0.0 < cfg.wsd_decay_frac <= 1.0:

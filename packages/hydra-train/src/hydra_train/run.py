@@ -217,7 +217,7 @@ def _run(
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         betas=(cfg.beta1, cfg.beta2),
-        eight_bit=cfg.eight_bit_adam,
+        eight_bit=False,  # --8bit_adam is SafeOptimizations' to pretest and switch (state carried over)
         log=lambda m: console.print(f"[yellow]{m}[/]") if main else None,
     )
     schedule = LRSchedule(
@@ -248,7 +248,16 @@ def _run(
     run_id = broadcast_object(dist_info, _new_run_id(model_id))
     artifacts = RunArtifacts(ckpt_dir / "runs" / run_id, rank=dist_info.rank)
     db = TrainingDB(ckpt_dir / DB_NAME) if main else None
-    cbs = CallbackList(extra)
+    from hydra_train.safe_opts.callback import SafeOptimizations
+
+    safe = next((cb for cb in extra if isinstance(cb, SafeOptimizations)), None)
+    if safe is None:
+        safe = SafeOptimizations(
+            cfg, log=lambda m: console.print(m, highlight=False, soft_wrap=True) if main else None
+        )
+    safe.configure(cfg)
+    # first, so that its pretests run before the progress bar starts
+    cbs = CallbackList([safe, *(cb for cb in extra if cb is not safe)])
     db_cb = None
     if main:
         db_cb = MetricsDBCallback(db, run_id, ckpt_dir, announce_commits=announce_commits)
@@ -276,8 +285,6 @@ def _run(
         model_id=model_id,
         log=log,
     )
-    if cfg.compile:
-        trainer.forward_model = torch.compile(wrapped)
 
     def saver(tr: Trainer, final: bool) -> Path | None:
         payload = tr.checkpoint_payload(model.config.to_dict())
@@ -306,6 +313,7 @@ def _run(
                 found = ResumePoint(Path(path), int(ck["step"]), ck)
             trainer.resume_from(found)
             resumed_from = found.checkpoint.get("run_id")
+            safe.checkpoint = f"{found.path}@{found.step}"  # a new checkpoint: pretests rerun
             log(f"resuming from {found.path} (step {found.step}, run {resumed_from})")
             found = None  # drop the loaded checkpoint's tensors
 
@@ -410,6 +418,10 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
             s.get("optimizer", "-") + (f" ({s['optimizer_note']})" if s.get("optimizer_note") else ""),
         )
     )
+    if s.get("safe_opts"):
+        on = [n for n, st in s["safe_opts"].items() if st in ("ENABLED", "STABLE")]
+        off = [f"{n} {st}" for n, st in s["safe_opts"].items() if st not in ("ENABLED", "STABLE", "OFF")]
+        rows.append(("optimizations", f"on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'}"))
     rows += [
         ("checkpoint", str(s.get("final_checkpoint", "-"))),
         ("metrics database", str(s.get("database"))),

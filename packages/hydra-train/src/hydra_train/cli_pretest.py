@@ -1,0 +1,218 @@
+"""``hydra-train pretest``: SafeOptimizations' pretests without training, their history, and
+OPTIMIZATIONS.md. Registered on the app in :mod:`hydra_train.cli`.
+
+No ``from __future__ import annotations`` here: Typer reads these annotations at run time.
+"""
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+from hydra_kernels.cli_support import console, emit_json, err_console, fail
+from hydra_train.cli import H, _parse_overrides
+from hydra_train.cli_options import (
+    BlockKV,
+    BlockQ,
+    CompileScope,
+    Fp8Format,
+    Fp8Scaling,
+    GraphWarmup,
+    NumWarps,
+    PretestSteps,
+    PretestWarmup,
+    SafeBlackwell,
+    SafeCudaGraphs,
+    SafeFa3,
+    SafeFp8,
+    opt,
+)
+
+P = {
+    "dataset": "random (default: random tokens, no corpus needed) or any --dataset of hydra-train run.",
+    "all": "Request every optimization (fp8, compile, 8bit_adam, triton_kernels, static routing too).",
+    "only": "Comma-separated optimizations to pretest, e.g. fa3,compile (default: all requested).",
+    "history": "Summarise the pretest logs in --log_dir instead of running.",
+    "report": "Write OPTIMIZATIONS.md (validation tables, speedups) from the logs in --log_dir to this path.",
+    "speedup_size": "--report: the model size whose speedups are tabulated.",
+    "log_dir": "Pretest logs (default: <checkpoint_dir>/pretest_logs).",
+    "json_out": "Print the record (or the history summary) as JSON.",
+    "arm_timeout": "Fail an optimization whose arm (compilation included) takes more than this many seconds.",
+}
+
+
+def _show(rec: dict) -> None:
+    from rich.table import Table
+
+    env = rec.get("env") or {}
+    b = rec.get("batch") or ["?", "?"]
+    t = Table(
+        title=f"pretests: {rec['model_size']} on {env.get('device')}, batch {b[0]} × {b[1]}, "
+        f"{rec.get('precision')}",
+        title_justify="left",
+    )
+    for c in (
+        "optimization",
+        "result",
+        "reason",
+        "ms/step",
+        "default ms/step",
+        "speedup",
+        "grad err (bound)",
+    ):
+        t.add_column(c)
+    style = {"PASS": "green", "FAIL": "red", "N/A": "dim"}
+    for key, r in (rec.get("results") or {}).items():
+        tm, nm = r.get("timing") or {}, r.get("numerics") or {}
+
+        def f(x, spec):
+            return "-" if x is None else format(x, spec)
+
+        ge = "-" if nm.get("grad_err") is None else f"{nm['grad_err']:.3g} ({nm['grad_bound']:.3g})"
+        t.add_row(
+            key,
+            f"[{style.get(r['status'], '')}]{r['status']}[/]",
+            (r.get("reason") or "")[:90],
+            f(tm.get("median_ms"), ".2f"),
+            f(tm.get("default_median_ms"), ".2f"),
+            f(tm.get("speedup"), ".3f") + ("" if tm.get("judged", True) else " (not judged)"),
+            ge,
+        )
+    console.print(t)
+    console.print(f"log: {rec.get('log_file')}  ({rec.get('wall_s', 0):.0f} s)", highlight=False)
+
+
+def pretest(
+    model_size: Annotated[str, opt("--model_size", help=H["model_size"])] = "auto",
+    batch_size: Annotated[int | None, opt("--batch_size", help=H["batch_size"])] = None,
+    seq_len: Annotated[int | None, opt("--seq_len", help=H["seq_len"])] = None,
+    grad_accum: Annotated[int, opt("--grad_accum", help=H["grad_accum"])] = 1,
+    lr: Annotated[float | None, opt("--lr", help=H["lr"])] = None,
+    precision: Annotated[str, opt("--precision", help=H["precision"])] = "auto",
+    device: Annotated[str, opt("--device", help=H["device"])] = "auto",
+    seed: Annotated[int, opt("--seed", help=H["seed"])] = 1337,
+    dataset: Annotated[str, opt("--dataset", help=P["dataset"])] = "random",
+    vocab_size: Annotated[int | None, opt("--vocab_size", help=H["vocab_size"])] = None,
+    moe: Annotated[bool, opt("--moe", help=H["moe"])] = False,
+    static_routing_mode: Annotated[bool, opt("--static_routing_mode", help=H["static_routing_mode"])] = False,
+    chunked_ce: Annotated[bool, opt("--chunked_ce", help=H["chunked_ce"])] = False,
+    checkpoint_every: Annotated[int, opt("--checkpoint_every", help=H["checkpoint_every"])] = 0,
+    triton_kernels: Annotated[bool, opt("--triton_kernels", help=H["triton_kernels"])] = False,
+    compile: Annotated[bool, opt("--compile", help=H["compile"])] = False,
+    eight_bit_adam: Annotated[bool, opt("--8bit_adam", help=H["eight_bit_adam"])] = False,
+    prefetch_threads: Annotated[int, opt("--experimental_prefetch_threads", help=H["prefetch_threads"])] = 4,
+    model_override: Annotated[list[str] | None, opt("--model_override", help=H["model_override"])] = None,
+    checkpoint_dir: Annotated[str, opt("--checkpoint_dir", help=H["checkpoint_dir"])] = "checkpoints",
+    cpu_threads: Annotated[int | None, opt("--cpu_threads", help=H["cpu_threads"])] = None,
+    experimental_fa3: SafeFa3 = True,
+    experimental_cuda_graphs: SafeCudaGraphs = True,
+    cuda_graphs_warmup: GraphWarmup = 50,
+    experimental_blackwell_tuning: SafeBlackwell = True,
+    triton_block_q: BlockQ = None,
+    triton_block_kv: BlockKV = None,
+    triton_num_warps: NumWarps = None,
+    experimental_fp8: SafeFp8 = False,
+    fp8_format: Fp8Format = "e4m3",
+    fp8_scaling: Fp8Scaling = "row",
+    compile_scope: CompileScope = "blocks",
+    pretest_warmup_steps: PretestWarmup = 2,
+    pretest_steps: PretestSteps = 4,
+    arm_timeout: Annotated[float | None, opt("--pretest_arm_timeout", help=P["arm_timeout"])] = None,
+    all_opts: Annotated[bool, opt("--all", help=P["all"])] = False,
+    only: Annotated[str | None, opt("--only", help=P["only"])] = None,
+    history: Annotated[bool, opt("--history", help=P["history"])] = False,
+    report: Annotated[Path | None, opt("--report", help=P["report"])] = None,
+    speedup_size: Annotated[str, opt("--speedup_model_size", help=P["speedup_size"])] = "100M",
+    log_dir: Annotated[str | None, opt("--log_dir", help=P["log_dir"])] = None,
+    json_out: Annotated[bool, opt("--json", help=P["json_out"])] = False,
+) -> None:
+    """Run SafeOptimizations' pretests alone, on the model `hydra-train run` would build with the same
+    flags: each requested optimization against the safe default from the same weights and batches
+    (runs, finite, matches within the stated tolerance, not slower). Prints PASS / FAIL reason / N/A
+    per optimization and appends to the pretest logs. --history summarises the logs; --report writes
+    OPTIMIZATIONS.md from them."""
+    from hydra_train.errors import HydraTrainError
+    from hydra_train.safe_opts.pretest_log import PretestHook
+    from hydra_train.safe_opts.registry import NAMES
+
+    logs = log_dir or str(Path(checkpoint_dir) / "pretest_logs")
+    hook = PretestHook(logs)
+    if history:
+        if json_out:
+            return emit_json(hook.get_summary())
+        return hook.print_summary(console)
+    if report is not None:
+        from hydra_train.safe_opts.report import build_report
+
+        try:
+            text = build_report(
+                hook.get_history(),
+                speedup_size=speedup_size,
+                command=f"hydra-train pretest --report {report} --log_dir {logs}",
+            )
+        except ValueError as exc:
+            fail(f"{exc} (looked in {hook.history_path})")
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(text)
+        console.print(
+            f"wrote {report} from {len(hook.get_history())} pretest records in {logs}", highlight=False
+        )
+        return
+    names = [n.strip() for n in only.split(",")] if only else None
+    for n in names or []:
+        if n not in NAMES:
+            fail(f"--only: unknown optimization {n!r}; choose from {', '.join(NAMES)}", code=2)
+    from hydra_train.config import TrainConfig
+    from hydra_train.safe_opts.standalone import request_all, run_standalone
+
+    cfg = TrainConfig(
+        model_size=model_size,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        grad_accum=grad_accum,
+        lr=lr,
+        precision=precision,
+        device=device,
+        seed=seed,
+        dataset=dataset,
+        vocab_size=vocab_size,
+        moe=moe,
+        static_routing_mode=static_routing_mode,
+        chunked_ce=chunked_ce,
+        checkpoint_every=checkpoint_every,
+        triton_kernels=triton_kernels,
+        compile=compile,
+        eight_bit_adam=eight_bit_adam,
+        experimental_prefetch_threads=prefetch_threads,
+        model_overrides=_parse_overrides(model_override or []),
+        checkpoint_dir=checkpoint_dir,
+        cpu_threads=cpu_threads,
+        experimental_fa3=experimental_fa3,
+        experimental_cuda_graphs=experimental_cuda_graphs,
+        cuda_graphs_warmup=cuda_graphs_warmup,
+        experimental_blackwell_tuning=experimental_blackwell_tuning,
+        triton_block_q=triton_block_q,
+        triton_block_kv=triton_block_kv,
+        triton_num_warps=triton_num_warps,
+        experimental_fp8=experimental_fp8,
+        fp8_format=fp8_format,
+        fp8_scaling=fp8_scaling,
+        compile_scope=compile_scope,
+        pretest_warmup_steps=pretest_warmup_steps,
+        pretest_steps=pretest_steps,
+        progress=False,
+    )
+    if all_opts:
+        cfg = request_all(cfg)
+    say = (
+        (lambda m: err_console.print(m, highlight=False))
+        if json_out
+        else (lambda m: console.print(f"[dim]{m}[/]", highlight=False))
+    )
+    try:
+        rec = run_standalone(cfg, only=names, log_dir=logs, log=say, arm_timeout_s=arm_timeout)
+    except HydraTrainError as exc:
+        fail(str(exc))
+    if json_out:
+        return emit_json(rec)
+    _show(rec)
+    sys.stdout.flush()

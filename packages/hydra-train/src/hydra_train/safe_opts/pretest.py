@@ -1,0 +1,407 @@
+"""Pretests: each requested optimization against the safe default, on the real model, from the
+same weights and the same batches, a few steps each.
+
+An *arm* is a run of ``warmup + steps`` optimizer steps with some optimizations active, on a
+throwaway :class:`hydra_train.trainer.Trainer` around the training model (its eager step, its
+non-finite rule, its gradient clipping: the code training runs). Between arms the weights, the
+optimizer state and the RNG are restored, so every arm starts where training will start; after
+the last arm they are restored once more and training proceeds as if nothing had run.
+
+Arms: the safe default; one per applicable optimization; for ``cuda_graphs`` one per routing
+mode asked for (dynamic, and static when static routing is requested too: a graph of the soft
+routing step, compared with an eager static-routing arm). Verdicts follow
+:mod:`hydra_train.safe_opts.tolerances`. An exception in an arm (a capture that fails, an
+out-of-memory, a kernel that raises) is that optimization's FAIL with the error as the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hydra_train.callbacks import CallbackList
+from hydra_train.checkpoint import capture_rng, restore_rng
+from hydra_train.optim import LRSchedule
+from hydra_train.prefetch import Prefetcher
+from hydra_train.safe_opts.faults import FaultInjector, PoisonHook, StepDispatcher
+from hydra_train.safe_opts.registry import Optimization
+from hydra_train.safe_opts.tolerances import ArmNumbers, bounds_for, judge_numerics, judge_speed
+from hydra_train.trainer import Trainer
+
+PASS, FAIL, NA = "PASS", "FAIL", "N/A"
+
+
+@dataclass
+class PretestSettings:
+    warmup_steps: int = 2
+    steps: int = 4
+    judge_timing: bool | None = None  # None: judged on CUDA only (see tolerances)
+    ref_chunk_rows: int = 2  # rows per chunk of the fp32 reference probe
+    #: wall-clock limit of one optimization's arm (compilation included); None: no limit
+    arm_timeout_s: float | None = None
+
+
+class ArmTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise :class:`ArmTimeout` in this (main) thread after ``seconds`` (SIGALRM; a no-op where
+    that is unavailable, e.g. off the main thread or on Windows)."""
+    usable = (
+        seconds and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    )
+    if not usable:
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise ArmTimeout(f"did not finish within {seconds:g} s (warmup and compilation included)")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, float(seconds))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@dataclass
+class Arm:
+    key: str
+    opts: list[str]
+    tested: str | None
+    ref: str = "default"
+    routing: str = "dynamic"
+    hidden: bool = False  # a reference arm only, not a result
+
+
+@dataclass
+class _Snapshot:
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def _clone_tree(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _clone_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone_tree(v) for v in x)
+    return x
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PretestRunner:
+    def __init__(
+        self,
+        trainer: Trainer,
+        registry: dict[str, Optimization],
+        *,
+        make_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        start_index: int,
+        settings: PretestSettings | None = None,
+        injector: FaultInjector | None = None,
+        log: Callable[[str], None] = print,
+    ):
+        self.tr, self.reg = trainer, registry
+        self.make_batch, self.start = make_batch, int(start_index)
+        self.settings = settings or PretestSettings()
+        self.injector = injector
+        self.log = log
+        self.device = trainer.device
+        cfg = trainer.model.config
+        self.depth = cfg.n_mor_blocks * cfg.recursions_per_block
+        self.arm_active: tuple[str, ...] = ()
+
+    # -- public --------------------------------------------------------------------------------------
+    def run(self, tested: list[str], graph_modes: tuple[str, ...] = ("dynamic",)) -> dict[str, Any]:
+        """Pretest ``tested`` (requested names); returns the record body (JSON-able)."""
+        for o in self.reg.values():  # every arm starts from the safe defaults
+            o.deactivate(self.tr)
+        results: dict[str, dict[str, Any]] = {}
+        runnable = []
+        for name in tested:
+            why = self.reg[name].not_applicable(self.tr)
+            if why is None:
+                runnable.append(name)
+            else:
+                results[name] = {"status": NA, "reason": why}
+        arms = self._arms(runnable, graph_modes)
+        s = self.settings
+        x0, y0 = self.make_batch(self.start)
+        probe_tokens = min(s.ref_chunk_rows, x0.shape[0]) * x0.shape[1]
+        bounds = bounds_for(self.tr.cfg.precision, probe_tokens, self.depth, self.tr.cfg.fp8_format)
+        body: dict[str, Any] = {
+            "settings": dataclasses.asdict(s),
+            "bounds": dataclasses.asdict(bounds),
+            "depth": self.depth,
+            "batch": [int(x0.shape[0]), int(x0.shape[1])],
+            "grad_accum": self.tr.cfg.grad_accum,
+            "precision": self.tr.cfg.precision,
+        }
+        if not arms:
+            body["results"] = results
+            return body
+        snap = self._snapshot()
+        numbers: dict[str, ArmNumbers] = {}
+        errors: dict[str, str] = {}
+        details: dict[str, dict] = {}
+        try:
+            ref = self._reference(snap, (x0, y0))
+            for arm in arms:
+                t0 = time.perf_counter()
+                limit = s.arm_timeout_s if arm.tested is not None else None
+                try:
+                    with time_limit(limit):
+                        numbers[arm.key], details[arm.key] = self._run_arm(arm, snap, ref)
+                except ArmTimeout as exc:
+                    errors[arm.key] = str(exc)
+                except Exception as exc:
+                    errors[arm.key] = f"error: {type(exc).__name__}: {str(exc).strip()[:300]}"
+                    if isinstance(exc, torch.cuda.OutOfMemoryError):
+                        errors[arm.key] = "out of memory: " + str(exc).split("\n")[0][:200]
+                self.log(
+                    f"[SafeOpts] pretest arm {arm.key}: "
+                    + (errors.get(arm.key) or f"{time.perf_counter() - t0:.1f} s")
+                )
+        finally:
+            self._restore(snap, final=True)
+            del snap
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        body["default"] = dataclasses.asdict(numbers["default"]) if "default" in numbers else None
+        for arm in arms:
+            if arm.hidden or arm.tested is None:
+                continue
+            results[arm.key] = self._verdict(arm, numbers, errors, details, bounds)
+        body["results"] = results
+        return body
+
+    # -- arms ----------------------------------------------------------------------------------------
+    def _arms(self, runnable: list[str], graph_modes: tuple[str, ...]) -> list[Arm]:
+        if not runnable:
+            return []
+        arms = [Arm("default", [], None)]
+        for name in runnable:
+            if name != "cuda_graphs":
+                arms.append(
+                    Arm(name, [name], name, routing="static" if name == "static_routing" else "dynamic")
+                )
+                continue
+            for mode in graph_modes:
+                if mode == "dynamic":
+                    arms.append(Arm("cuda_graphs", ["cuda_graphs"], "cuda_graphs"))
+                    continue
+                if not any(a.key == "static_routing" for a in arms):
+                    arms.append(
+                        Arm("static_routing", ["static_routing"], None, routing="static", hidden=True)
+                    )
+                arms.append(
+                    Arm(
+                        "cuda_graphs[static]",
+                        ["static_routing", "cuda_graphs"],
+                        "cuda_graphs",
+                        ref="static_routing",
+                        routing="static",
+                    )
+                )
+        return arms
+
+    def _pretest_trainer(self) -> tuple[Trainer, PoisonHook]:
+        real = self.tr
+        hook = PoisonHook()
+        s = real.schedule
+        sched = LRSchedule(
+            real.optimizer,
+            kind=s.kind,
+            max_steps=s.max_steps,
+            warmup_steps=s.warmup,
+            min_lr_ratio=s.min_ratio,
+            decay_frac=s.decay_frac,
+            step=s.step_count,
+        )
+        pt = Trainer(
+            real.model,
+            real.cfg,
+            optimizer=real.optimizer,
+            schedule=sched,
+            loader=Prefetcher(self.make_batch, self.start, threads=0, device=self.device),
+            val_batches=[],
+            device=self.device,
+            dist_info=real.dist,
+            wrapped=real.wrapped,
+            callbacks=CallbackList([hook]),
+            log=lambda m: None,
+        )
+        return pt, hook
+
+    def _run_arm(self, arm: Arm, snap: _Snapshot, ref) -> tuple[ArmNumbers, dict]:
+        s = self.settings
+        self._restore(snap)
+        pt, hook = self._pretest_trainer()
+        tested = self.reg[arm.tested] if arm.tested else None
+        late = tested is not None and tested.pretest_activation == "after_warmup"
+        graphs = self.reg["cuda_graphs"]
+        graphs.warmup = max(1, s.warmup_steps)
+        activated: list[Optimization] = []
+        out = ArmNumbers()
+        detail: dict = {}
+
+        def graph_failed(msg: str) -> None:
+            raise RuntimeError(f"CUDA graph: {msg}")
+
+        disp = StepDispatcher(
+            pt, graphs, lambda: self.arm_active, self.injector, hook, graph_failed, pretest=True
+        )
+        pt.step_impl = disp
+        try:
+            for name in arm.opts:
+                if late and name == arm.tested:
+                    continue
+                self.reg[name].activate(pt)
+                activated.append(self.reg[name])
+            self.arm_active = tuple(o.name for o in activated)
+            if arm.key == "default" or (tested is not None and tested.probe_differs):
+                out.probe_loss, err = self._probe(pt, ref)
+                if ref is not None:
+                    out.probe_grad_err, out.probe_loss_err = err
+            n_warm = s.warmup_steps + (tested.pretest_extra_warmup if tested else 0)
+            if tested is not None and tested.name == "cuda_graphs":
+                n_warm = max(1, s.warmup_steps) + tested.pretest_extra_warmup
+            gc.collect()
+            gc_was = gc.isenabled()
+            gc.disable()  # a collection inside a timed step is noise, not the optimization
+            try:
+                self._steps(pt, tested, late, n_warm, out, activated)
+            finally:
+                if gc_was:
+                    gc.enable()
+            for o in activated:
+                detail.update({f"{o.name}.{k}": v for k, v in o.describe().items()})
+        finally:
+            for o in reversed(activated):
+                o.deactivate(pt)
+            self.arm_active = ()
+            pt.loader.close()
+            pt.optimizer.zero_grad(set_to_none=True)
+        return out, detail
+
+    def _steps(self, pt: Trainer, tested, late: bool, n_warm: int, out: ArmNumbers, activated: list) -> None:
+        s = self.settings
+        for t in range(n_warm + s.steps):
+            if late and t == s.warmup_steps:
+                tested.activate(pt)
+                activated.append(tested)
+                self.arm_active = tuple(o.name for o in activated)
+            _sync(self.device)
+            t0 = time.perf_counter()
+            batches = [pt.loader.next() for _ in range(pt.cfg.grad_accum)]
+            res = pt.step_impl(batches)
+            pt.schedule.step()
+            loss, gn, fin = torch.stack(
+                [res.loss.float(), res.grad_norm.float(), res.finite.float()]
+            ).tolist()
+            dt = (time.perf_counter() - t0) * 1000
+            out.losses.append(loss)
+            out.grad_norms.append(gn)
+            out.finite.append(fin > 0.5)
+            if t >= n_warm:
+                out.step_ms.append(dt)
+
+    # -- step-0 probe ----------------------------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor | None]:
+        return [p.grad for p in self.tr.params]
+
+    def _reference(self, snap: _Snapshot, batch) -> dict[str, Any]:
+        """fp32, safe defaults, no autocast: loss and gradients at the snapshot's weights."""
+        self._restore(snap)
+        model = self.tr.model
+        x, y = (t.to(self.device) for t in batch)
+        rows = max(1, self.settings.ref_chunk_rows)
+        chunks = list(zip(x.split(rows), y.split(rows), strict=True))
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        for xc, yc in chunks:
+            out = self.tr.wrapped(xc, yc)
+            (out.loss / len(chunks)).backward()
+            loss += out.loss.detach().double() / len(chunks)
+        grads = [None if g is None else g.detach().float().clone() for g in self._grads()]
+        model.zero_grad(set_to_none=True)
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))
+        return {"loss": float(loss), "grads": grads, "norm": float(norm)}
+
+    def _probe(self, pt: Trainer, ref) -> tuple[float, tuple[float, float] | None]:
+        """The arm's loss and, against the reference, (gradient error, loss error) at step 0."""
+        x, y = (t.to(self.device) for t in self.make_batch(self.start))
+        with pt.autocast():
+            out = pt.forward_model(x, y)
+        out.loss.backward()
+        loss = float(out.loss.detach().double())
+        err = None
+        if ref is not None:
+            sq = torch.zeros((), dtype=torch.float64, device=self.device)
+            for g, r in zip(self._grads(), ref["grads"], strict=True):
+                if g is None and r is None:
+                    continue
+                gg = torch.zeros_like(r) if g is None else g.detach().float()
+                rr = torch.zeros_like(gg) if r is None else r
+                sq += ((gg - rr).double() ** 2).sum()
+            err = (float(sq.sqrt()) / max(ref["norm"], 1e-30), abs(loss - ref["loss"]) / abs(ref["loss"]))
+        self.tr.model.zero_grad(set_to_none=True)
+        return loss, err
+
+    # -- state ----------------------------------------------------------------------------------------
+    def _snapshot(self) -> _Snapshot:
+        model = {k: v.detach().clone() for k, v in self.tr.model.state_dict().items()}
+        return _Snapshot(model, _clone_tree(self.tr.optimizer.state_dict()), capture_rng())
+
+    def _restore(self, snap: _Snapshot, final: bool = False) -> None:
+        tr = self.tr
+        tr.model.load_state_dict(snap.model)
+        tr.optimizer.load_state_dict(_clone_tree(snap.optimizer))
+        tr.optimizer.zero_grad(set_to_none=True)
+        restore_rng(snap.rng)
+        if final:
+            tr.schedule.attach(tr.optimizer)
+
+    # -- verdicts -------------------------------------------------------------------------------------
+    def _verdict(self, arm: Arm, numbers, errors, details, bounds) -> dict[str, Any]:
+        opt = self.reg[arm.tested]
+        res: dict[str, Any] = {"routing": arm.routing, "details": details.get(arm.key, {})}
+        if arm.key in errors:
+            return {**res, "status": FAIL, "reason": errors[arm.key]}
+        ref_key = arm.ref
+        if "default" not in numbers or ref_key not in numbers:
+            why = errors.get(ref_key) or errors.get("default") or "reference arm missing"
+            return {**res, "status": FAIL, "reason": f"the reference arm failed: {why}"}
+        mine, ref, default = numbers[arm.key], numbers[ref_key], numbers["default"]
+        res["arm"] = dataclasses.asdict(mine)
+        reason, num_info = judge_numerics(opt.numerics, opt.probe_differs, mine, ref, default, bounds)
+        judged = opt.numerics != "mode" and (
+            self.settings.judge_timing
+            if self.settings.judge_timing is not None
+            else self.device.type == "cuda"
+        )
+        slow, speed_info = judge_speed(mine, ref, self.device.type == "cuda", judged)
+        speed_info["judged"] = judged
+        res.update(numerics=num_info, timing=speed_info)
+        reason = reason or slow
+        return {**res, "status": FAIL if reason else PASS, "reason": reason}

@@ -1,0 +1,242 @@
+"""PretestHook: when pretests rerun, where their results go, and what the logs say.
+
+Logs (``<checkpoint_dir>/pretest_logs/``)::
+
+    pretest_history.json          every pretest record, appended (a JSON list)
+    pretest_<size>_<date>.json    that size's records of that day (a JSON list)
+    safe_opts_events.jsonl        what the monitor did during training, one event per line
+
+A record is a dict: ``time``, ``model_size``, ``fingerprint``, ``trigger``, ``checkpoint``,
+``env`` (device, compute capability, torch/triton versions), ``config`` (batch, sequence length,
+precision, model widths), ``requested``, ``settings``, ``bounds``, ``default`` (the safe default's
+numbers) and ``results`` (per optimization: ``status`` PASS / FAIL / N/A, ``reason``, the numerics
+and timing behind the verdict).
+
+Rerun rule: a fingerprint hashes the model config, the training settings that change what a step
+computes or costs (batch, length, precision, the optimization flags), the checkpoint the run
+resumed from, the device and versions, and the SafeOptimizations source itself. A fingerprint
+seen before reuses that record (no rerun). Otherwise the pretests run, and the trigger says why:
+``first run``, ``model size changed``, ``new checkpoint loaded`` or ``config changed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hydra_train.config import TrainConfig
+
+HISTORY = "pretest_history.json"
+EVENTS = "safe_opts_events.jsonl"
+
+#: TrainConfig fields that change what a pretest measures.
+FINGERPRINT_FIELDS = (
+    "model_size",
+    "batch_size",
+    "seq_len",
+    "grad_accum",
+    "precision",
+    "moe",
+    "moe_num_experts",
+    "static_routing_mode",
+    "chunked_ce",
+    "checkpoint_every",
+    "triton_kernels",
+    "compile",
+    "compile_scope",
+    "eight_bit_adam",
+    "experimental_fa3",
+    "experimental_cuda_graphs",
+    "experimental_blackwell_tuning",
+    "triton_block_q",
+    "triton_block_kv",
+    "triton_num_warps",
+    "experimental_fp8",
+    "fp8_format",
+    "fp8_scaling",
+    "experimental_prefetch_threads",
+    "prefetch_buffer_size",
+    "pretest_warmup_steps",
+    "pretest_steps",
+    "grad_clip",
+)
+
+
+def _source_hash() -> str:
+    h = hashlib.sha1()
+    for p in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "safe_opts_source": _source_hash(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    if device.type == "cuda":
+        env["device"] = torch.cuda.get_device_name(device)
+        env["capability"] = "{}.{}".format(*torch.cuda.get_device_capability(device))
+    else:
+        env["device"] = platform.processor() or platform.machine() or "cpu"
+        env["capability"] = None
+    return env
+
+
+def fingerprint(
+    model_config: dict[str, Any], cfg: TrainConfig, env: dict[str, Any], checkpoint: str | None
+) -> str:
+    payload = {
+        "model": model_config,
+        "train": {k: getattr(cfg, k) for k in FINGERPRINT_FIELDS},
+        "env": env,
+        "checkpoint": checkpoint,
+    }
+    return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_list(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    if not isinstance(data, list):
+        raise ValueError(f"{path} is not a JSON list of pretest records")
+    return data
+
+
+class PretestHook:
+    """Decides whether pretests must run, stores their records, answers questions about them."""
+
+    def __init__(self, log_dir: str | Path):
+        self.log_dir = Path(log_dir)
+
+    @property
+    def history_path(self) -> Path:
+        return self.log_dir / HISTORY
+
+    def _history(self) -> list[dict[str, Any]]:
+        return _read_list(self.history_path)
+
+    def decide(self, fp: str, model_size: str, checkpoint: str | None) -> tuple[str | None, dict | None]:
+        """(trigger, None) when the pretests must run; (None, record) to reuse ``record``."""
+        hist = self._history()
+        same = [r for r in hist if r.get("fingerprint") == fp]
+        if same:
+            return None, same[-1]
+        if not hist:
+            return "first run", None
+        last = hist[-1]
+        if last.get("model_size") != model_size:
+            return f"model size changed ({last.get('model_size')} -> {model_size})", None
+        if checkpoint and checkpoint != last.get("checkpoint"):
+            return f"new checkpoint loaded ({checkpoint})", None
+        return "config changed", None
+
+    def record(self, rec: dict[str, Any]) -> Path:
+        """Append ``rec`` to the history and to that size's log of the day; returns the latter."""
+        rec = dict(rec)
+        rec.setdefault("time", time.strftime("%Y-%m-%dT%H:%M:%S"))
+        hist = self._history()
+        hist.append(rec)
+        _write_json_atomic(self.history_path, hist)
+        day = self.log_dir / f"pretest_{rec['model_size']}_{rec['time'][:10]}.json"
+        runs = _read_list(day)
+        runs.append(rec)
+        _write_json_atomic(day, runs)
+        return day
+
+    def log_event(self, event: dict[str, Any]) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / EVENTS, "a") as f:
+            f.write(json.dumps(event, default=str) + "\n")
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.log_dir / EVENTS
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    # -- questions -------------------------------------------------------------------------------
+    def get_history(self, model_size: str | None = None) -> list[dict[str, Any]]:
+        hist = self._history()
+        return hist if model_size is None else [r for r in hist if r.get("model_size") == model_size]
+
+    def get_summary(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Per model size, per optimization: the latest status and reason, and counts over all runs."""
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for rec in self._history():
+            size = rec.get("model_size", "?")
+            for name, r in (rec.get("results") or {}).items():
+                entry = out.setdefault(size, {}).setdefault(name, {"counts": Counter()})
+                entry["counts"][r.get("status")] += 1
+                entry.update(
+                    status=r.get("status"),
+                    reason=r.get("reason"),
+                    time=rec.get("time"),
+                    device=(rec.get("env") or {}).get("device"),
+                    speedup=(r.get("timing") or {}).get("speedup"),
+                )
+        for per in out.values():
+            for entry in per.values():
+                entry["counts"] = dict(entry["counts"])
+        return out
+
+    def print_summary(self, console=None) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        summary = self.get_summary()
+        if not summary:
+            console.print(f"no pretest records in {self.history_path}")
+            return
+        t = Table(title=f"pretest history ({self.history_path})", title_justify="left")
+        for c in ("model", "optimization", "latest", "reason", "speedup", "PASS/FAIL/N/A", "when", "device"):
+            t.add_column(c)
+        for size, per in summary.items():
+            for name, e in per.items():
+                c = e["counts"]
+                sp = e.get("speedup")
+                t.add_row(
+                    size,
+                    name,
+                    str(e["status"]),
+                    (e.get("reason") or "")[:70],
+                    "-" if sp is None else f"{sp:.2f}x",
+                    f"{c.get('PASS', 0)}/{c.get('FAIL', 0)}/{c.get('N/A', 0)}",
+                    str(e.get("time")),
+                    str(e.get("device")),
+                )
+        console.print(t)

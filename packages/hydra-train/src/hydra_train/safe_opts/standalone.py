@@ -1,0 +1,166 @@
+"""``hydra-train pretest``: the pretests alone, on the model ``hydra-train run`` would build.
+
+The model, optimizer, schedule and precision are built exactly as for training (same presets,
+flags and defaults); only the data differs by default: random tokens (``--dataset random``, fresh
+per batch index and seed, never zeros), so that a pretest needs no corpus or tokenizer on the
+machine. ``--dataset NAME`` uses the training data instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hydra_train.callbacks import CallbackList
+from hydra_train.config import TrainConfig, resolve_config
+from hydra_train.optim import LRSchedule, build_optimizer
+from hydra_train.prefetch import Prefetcher
+from hydra_train.safe_opts.callback import graph_modes_for
+from hydra_train.safe_opts.faults import FaultInjector
+from hydra_train.safe_opts.pretest import PretestRunner, PretestSettings
+from hydra_train.safe_opts.pretest_log import PretestHook, environment, fingerprint
+from hydra_train.safe_opts.registry import NAMES, build_registry
+from hydra_train.trainer import Trainer
+
+RANDOM = "random"
+
+
+@dataclass
+class RandomBatches:
+    """Batch k: uniform random tokens from a generator seeded by (seed, k); a pure function of k."""
+
+    batch_size: int
+    seq_len: int
+    vocab_size: int
+    seed: int
+
+    def __call__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(k))
+        toks = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=g)
+        return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+
+
+def request_all(cfg: TrainConfig) -> TrainConfig:
+    """The config with every optimization requested (``hydra-train pretest --all``)."""
+    return cfg.replace(
+        experimental_fa3=True,
+        experimental_cuda_graphs=True,
+        experimental_blackwell_tuning=True,
+        experimental_prefetch_threads=cfg.experimental_prefetch_threads or 4,
+        experimental_fp8=True,
+        triton_kernels=True,
+        compile=True,
+        eight_bit_adam=True,
+        static_routing_mode=True,
+    )
+
+
+def build_trainer(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[Trainer, Callable, TrainConfig]:
+    from hydra_model import MODEL_PRESETS
+    from hydra_train.run import (
+        build_model,
+        choose_cpu_threads,
+        device_info,
+        pick_device,
+        seed_everything,
+    )
+
+    device = pick_device(cfg.device)
+    random_data = cfg.dataset in (RANDOM, "auto")
+    cfg = resolve_config(cfg.replace(dataset="stdlib" if random_data else cfg.dataset), device_info(device))
+    if device.type == "cpu":
+        torch.set_num_threads(choose_cpu_threads(cfg.cpu_threads)[0])
+    seed_everything(cfg.seed)
+    if random_data:
+        vocab = cfg.vocab_size or MODEL_PRESETS.get(cfg.model_size, {}).get("vocab_size", 32000)
+        cfg = cfg.replace(dataset=RANDOM, vocab_size=vocab)
+        make_batch: Callable = RandomBatches(cfg.batch_size, cfg.seq_len, vocab, cfg.seed)
+    else:
+        from hydra_train.data_sources import load_data
+        from hydra_train.dataset import BatchPlan
+
+        data = load_data(
+            cfg.dataset,
+            seq_len=cfg.seq_len,
+            vocab_size=cfg.vocab_size,
+            default_vocab=32000,
+            tokenizer=cfg.tokenizer,
+            log=log,
+        )
+        cfg = cfg.replace(seq_len=data.seq_len, vocab_size=data.vocab_size)
+        make_batch = BatchPlan(data.train, cfg.batch_size, seed=cfg.seed).batch
+    model = build_model(cfg, cfg.vocab_size, device)
+    choice = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
+    schedule = LRSchedule(
+        choice.optimizer,
+        kind=cfg.lr_schedule,
+        max_steps=cfg.max_steps,
+        warmup_steps=cfg.warmup_steps,
+        min_lr_ratio=cfg.min_lr_ratio,
+        decay_frac=cfg.wsd_decay_frac,
+    )
+    trainer = Trainer(
+        model,
+        cfg,
+        optimizer=choice.optimizer,
+        schedule=schedule,
+        loader=Prefetcher(make_batch, 0, threads=0, device=device),
+        val_batches=[],
+        device=device,
+        callbacks=CallbackList(),
+        log=log,
+    )
+    return trainer, make_batch, cfg
+
+
+def run_standalone(
+    cfg: TrainConfig,
+    *,
+    only: list[str] | None = None,
+    log_dir: str | None = None,
+    log: Callable[[str], None] = print,
+    injector: FaultInjector | None = None,
+    arm_timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Build, pretest every requested optimization (or ``only`` these), record, return the record."""
+    trainer, make_batch, cfg = build_trainer(cfg, log)
+    registry = build_registry(cfg)
+    names = [n for n in NAMES if registry[n].requested() and (not only or n in only)]
+    t0 = time.perf_counter()
+    runner = PretestRunner(
+        trainer,
+        registry,
+        make_batch=make_batch,
+        start_index=0,
+        settings=PretestSettings(cfg.pretest_warmup_steps, cfg.pretest_steps, arm_timeout_s=arm_timeout_s),
+        injector=injector if injector is not None else FaultInjector.from_env(NAMES),
+        log=log,
+    )
+    body = runner.run(names, graph_modes_for(cfg))
+    env = environment(trainer.device)
+    model_cfg = trainer.model.config.to_dict()
+    rec = {
+        "model_size": cfg.model_size,
+        "fingerprint": fingerprint(model_cfg, cfg, env, None),
+        "trigger": "hydra-train pretest",
+        "checkpoint": None,
+        "env": env,
+        "config": {
+            "model": model_cfg,
+            "batch_size": cfg.batch_size,
+            "seq_len": cfg.seq_len,
+            "dataset": cfg.dataset,
+            "params": trainer.model.num_parameters() if hasattr(trainer.model, "num_parameters") else None,
+        },
+        "requested": names,
+        "source": "hydra-train pretest",
+        "wall_s": time.perf_counter() - t0,
+        **body,
+    }
+    hook = PretestHook(log_dir or f"{cfg.checkpoint_dir}/pretest_logs")
+    rec["log_file"] = str(hook.record(rec))
+    return rec

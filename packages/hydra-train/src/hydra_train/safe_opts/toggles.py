@@ -1,0 +1,287 @@
+"""The optimizations that are a switch somewhere in the stack: attention backend, static routing,
+Blackwell launch tuning, background prefetch, Triton kernels, torch.compile.
+
+Each one's safe default, what ``deactivate`` restores:
+
+==================  ===========================================================================
+fa3                 ``set_attention_backend("sdpa")``: PyTorch's own SDPA kernel choice
+static_routing      the configured dynamic routing (top-k MoD, expert-choice MoR)
+blackwell_tuning    ``set_blackwell_tuning(False)``: the op tables' generic launch entries
+prefetch_threads    batches built inline by the trainer's thread
+triton_kernels      ``set_use_triton_kernels(False)``: the PyTorch references
+compile             the eager modules
+==================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hydra_train.prefetch import Prefetcher
+from hydra_train.safe_opts.registry import THROUGHPUT_DROP, Optimization
+
+if TYPE_CHECKING:
+    from hydra_train.trainer import Trainer
+
+
+class FlashAttention(Optimization):
+    name = "fa3"
+    flag = "--experimental_fa3"
+    title = "flash-attn 3/2 when installed, else the fastest SDPA kernel measured for the shapes"
+
+    def requested(self) -> bool:
+        return self.cfg.experimental_fa3
+
+    def not_applicable(self, trainer: Trainer) -> str | None:
+        env = os.environ.get("HYDRA_ATTENTION_BACKEND", "").strip()
+        if env:
+            return f"HYDRA_ATTENTION_BACKEND={env} is set: the environment chooses the backend"
+        if trainer.device.type != "cuda":
+            return "needs CUDA (off CUDA every backend is plain SDPA)"
+        return None
+
+    def activate(self, trainer: Trainer) -> None:
+        from hydra_model import FLASH_ATTN_AVAILABLE, set_attention_backend
+
+        # "auto" measures every present kernel (flash-attn included) per shape and keeps the fastest
+        set_attention_backend("flash" if FLASH_ATTN_AVAILABLE else "auto")
+        self.active = True
+
+    def deactivate(self, trainer: Trainer) -> None:
+        from hydra_model import set_attention_backend
+
+        if not os.environ.get("HYDRA_ATTENTION_BACKEND", "").strip():
+            set_attention_backend("sdpa")
+        self.active = False
+
+    def describe(self) -> dict[str, Any]:
+        from hydra_model import FLASH_ATTN_AVAILABLE, attention_autotune_report
+
+        picks = sorted({str(r.get("chosen")) for r in attention_autotune_report().values() if "chosen" in r})
+        return {"flash_attn_installed": FLASH_ATTN_AVAILABLE, "auto_picked": picks}
+
+
+def routing_wrappers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from hydra_model import CCGQAMoDBlockWrapper
+
+    return [m for m in model.modules() if isinstance(m, CCGQAMoDBlockWrapper)]
+
+
+def set_static_routing(model: torch.nn.Module, on: bool) -> None:
+    """Soft routing (every token through every block and recursion) on or off, in place.
+    The blocks keep their parameters; only the routing rule they apply changes."""
+    dynamic_mor = model.config.mor_routing
+    for blk in routing_wrappers(model):
+        blk.static = on
+        if blk.mor.mode != "dense":
+            blk.mor.mode = "static" if on else dynamic_mor
+
+
+class StaticRouting(Optimization):
+    name = "static_routing"
+    flag = "--static_routing_mode"
+    title = "soft routing: every token through every block (fixed, dense compute)"
+    numerics = "mode"
+
+    def requested(self) -> bool:
+        # the flag, or the same HydraConfig field set through --model_override
+        return bool(self.cfg.static_routing_mode or self.cfg.model_overrides.get("static_routing_mode"))
+
+    def not_applicable(self, trainer: Trainer) -> str | None:
+        cfg = getattr(trainer.model, "config", None)
+        if cfg is None or not routing_wrappers(trainer.model):
+            return "the model has no HYDRA routing blocks"
+        if cfg.dense_baseline:
+            return "the dense baseline has no routing"
+        return None
+
+    def activate(self, trainer: Trainer) -> None:
+        set_static_routing(trainer.model, True)
+        self.active = True
+
+    def deactivate(self, trainer: Trainer) -> None:
+        if routing_wrappers(trainer.model):
+            set_static_routing(trainer.model, False)
+        self.active = False
+
+
+class BlackwellTuning(Optimization):
+    name = "blackwell_tuning"
+    flag = "--experimental_blackwell_tuning"
+    title = "hydra-kernels' Blackwell launch table (+ --triton_block_q/--triton_block_kv/--triton_num_warps)"
+
+    def requested(self) -> bool:
+        return self.cfg.experimental_blackwell_tuning
+
+    def overrides(self) -> dict[str, int]:
+        c = self.cfg
+        vals = {"block_q": c.triton_block_q, "block_kv": c.triton_block_kv, "num_warps": c.triton_num_warps}
+        return {k: v for k, v in vals.items() if v is not None}
+
+    def not_applicable(self, trainer: Trainer) -> str | None:
+        if trainer.device.type != "cuda":
+            return "for sm_100/sm_120 GPUs; this run is on the CPU"
+        major, minor = torch.cuda.get_device_capability(trainer.device)
+        if major < 10:
+            return f"for sm_100/sm_120 GPUs; this one is sm_{major}{minor}"
+        return None
+
+    def activate(self, trainer: Trainer) -> None:
+        from hydra_kernels.launch_config import set_blackwell_tuning, set_launch_overrides
+
+        set_blackwell_tuning(True)
+        if self.overrides():
+            set_launch_overrides(None, **self.overrides())
+        self.active = True
+
+    def deactivate(self, trainer: Trainer) -> None:
+        from hydra_kernels.launch_config import clear_launch_overrides, set_blackwell_tuning
+
+        set_blackwell_tuning(False)
+        if self.overrides():
+            clear_launch_overrides()
+        self.active = False
+
+    def describe(self) -> dict[str, Any]:
+        return {"overrides": self.overrides()}
+
+
+class PrefetchThreads(Optimization):
+    name = "prefetch_threads"
+    flag = "--experimental_prefetch_threads"
+    title = "background threads build the next batches while the GPU works"
+    # batches are a pure function of their index: threads change when a batch is built, never what
+    # it holds, so only a throughput drop can be blamed on them
+    causes = frozenset({THROUGHPUT_DROP})
+    probe_differs = False
+
+    def requested(self) -> bool:
+        return self.cfg.experimental_prefetch_threads > 0
+
+    def _swap_loader(self, trainer: Trainer, threads: int) -> None:
+        old = trainer.loader
+        if old.threads == threads:
+            return
+        trainer.loader = Prefetcher(
+            old.make_batch,
+            old.position,
+            threads=threads,
+            buffer_size=self.cfg.prefetch_buffer_size,
+            device=old.device,
+        )
+        old.close()
+
+    def activate(self, trainer: Trainer) -> None:
+        self._swap_loader(trainer, self.cfg.experimental_prefetch_threads)
+        self.active = True
+
+    def deactivate(self, trainer: Trainer) -> None:
+        self._swap_loader(trainer, 0)
+        self.active = False
+
+    def describe(self) -> dict[str, Any]:
+        return {"threads": self.cfg.experimental_prefetch_threads, "buffer": self.cfg.prefetch_buffer_size}
+
+
+class TritonKernels(Optimization):
+    name = "triton_kernels"
+    flag = "--triton_kernels"
+    title = "hydra-kernels' fused Triton ops instead of the PyTorch references"
+
+    def requested(self) -> bool:
+        return self.cfg.triton_kernels
+
+    def not_applicable(self, trainer: Trainer) -> str | None:
+        from hydra_kernels.controls import TRITON_AVAILABLE, device_supports_triton
+
+        if not TRITON_AVAILABLE:
+            return "Triton is not importable here"
+        if not device_supports_triton(trainer.device):
+            return "needs CUDA (on the CPU only under TRITON_INTERPRET=1)"
+        return None
+
+    def activate(self, trainer: Trainer) -> None:
+        from hydra_kernels import set_use_triton_kernels
+
+        set_use_triton_kernels(True)
+        self.active = True
+
+    def deactivate(self, trainer: Trainer) -> None:
+        from hydra_kernels import set_use_triton_kernels
+
+        set_use_triton_kernels(False)
+        self.active = False
+
+
+def compile_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules ``--compile_scope blocks`` compiles: every CCGQABlock (attention + FFN), the unit
+    each recursion applies."""
+    from hydra_model import CCGQABlock
+
+    return [m for m in model.modules() if isinstance(m, CCGQABlock)]
+
+
+class CompileModel(Optimization):
+    """``torch.compile``. Scope ``blocks`` (default) compiles each CCGQABlock (attention + FFN), the
+    unit every recursion applies, with dynamic shapes (routed recursions see different token
+    counts): blocks share the compiled code, so compile time does not grow with depth, and the
+    routing glue around them is hydra-model's own business (it compiles its fused routing
+    functions itself). Scope ``model`` compiles the whole forward (the DDP wrapper when there is
+    one). ``HYDRA_COMPILE_BACKEND`` picks the backend (default inductor)."""
+
+    name = "compile"
+    flag = "--compile"
+    title = "torch.compile (each attention+FFN block by default; --compile_scope model: the whole forward)"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self._compiled: dict[int, Any] = {}  # id(module) -> its compiled callable, reused on re-activation
+
+    @property
+    def backend(self) -> str:
+        return os.environ.get("HYDRA_COMPILE_BACKEND", "").strip() or "inductor"
+
+    def requested(self) -> bool:
+        return self.cfg.compile
+
+    def not_applicable(self, trainer: Trainer) -> str | None:
+        if self.cfg.compile_scope == "blocks" and not compile_units(trainer.model):
+            return "--compile_scope blocks needs HYDRA blocks; use --compile_scope model"
+        return None
+
+    def activate(self, trainer: Trainer) -> None:
+        if self.cfg.compile_scope == "model":
+            key = id(trainer.wrapped)
+            if key not in self._compiled:
+                self._compiled[key] = torch.compile(trainer.wrapped, backend=self.backend)
+            trainer.forward_model = self._compiled[key]
+        else:
+            for blk in compile_units(trainer.model):
+                if id(blk) not in self._compiled:
+                    self._compiled[id(blk)] = torch.compile(
+                        blk._call_impl, backend=self.backend, dynamic=True
+                    )
+                # what nn.Module.compile() sets: __call__ goes through it while it is not None
+                blk._compiled_call_impl = self._compiled[id(blk)]
+        self.active = True
+
+    def deactivate(self, trainer: Trainer) -> None:
+        trainer.forward_model = trainer.wrapped
+        for blk in compile_units(trainer.model):
+            blk._compiled_call_impl = None
+        self.active = False
+
+    def invalidate(self, trainer: Trainer) -> None:
+        """Another optimization swapped modules or a switch the trace read: compile afresh rather
+        than trust that every guard noticed (a class swap or a global read may not be guarded)."""
+        if self.active:
+            self.deactivate(trainer)
+            torch._dynamo.reset()
+            self._compiled.clear()
+            self.activate(trainer)
+
+    def describe(self) -> dict[str, Any]:
+        return {"scope": self.cfg.compile_scope, "backend": self.backend}

@@ -1,0 +1,128 @@
+"""8-bit Adam state conversion: the blockwise quantiser against a brute-force fp64 nearest code,
+and the bitsandbytes-layout state -> torch AdamW mapping. (bitsandbytes' 8-bit optimizers need
+CUDA: on the CPU the optimization is N/A; ``bench/safe_opts_gpu_checks.py`` checks this quantiser
+against bitsandbytes' own, bit for bit, and the torch -> 8-bit -> torch round trip.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hydra_train.config import TrainConfig
+from hydra_train.safe_opts.adam8bit import (
+    BLOCK,
+    EightBitAdam,
+    adamw_state_from_8bit,
+    dequantize_blockwise,
+    quantize_blockwise,
+    to_torch_adamw,
+)
+
+
+def code_table(signed: bool) -> torch.Tensor:
+    """A non-uniform 256-entry table in a shuffled order, like a dynamic map (values in [-1, 1])."""
+    g = torch.Generator().manual_seed(0)
+    mags = torch.linspace(0, 1, 128 if signed else 256) ** 3
+    vals = torch.cat([mags, -mags[1:], torch.tensor([1.0])]) if signed else mags
+    return vals[torch.randperm(256, generator=g)]
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("shape", [(1000,), (7, 143)])
+def test_quantize_is_the_nearest_code_per_block(signed, shape):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g) * 5
+    x = x if signed else x.abs()
+    code = code_table(signed)
+    q, absmax = quantize_blockwise(x, code)
+    flat = x.reshape(-1).double()
+    n_blocks = (flat.numel() + BLOCK - 1) // BLOCK
+    assert q.dtype == torch.uint8 and q.numel() == flat.numel() and absmax.shape == (n_blocks,)
+    ref_absmax = torch.stack([flat[i * BLOCK : (i + 1) * BLOCK].abs().max() for i in range(n_blocks)])
+    assert torch.allclose(absmax.double(), ref_absmax, rtol=0, atol=0)
+    normed = flat / ref_absmax.repeat_interleave(BLOCK)[: flat.numel()]
+    brute = code.double()[(normed.unsqueeze(1) - code.double().unsqueeze(0)).abs().argmin(dim=1)]
+    got = code.double()[q.long()]
+    # the same code value as the exhaustive search (ties between two codes may go either way)
+    dist_got = (got - normed).abs()
+    dist_brute = (brute - normed).abs()
+    assert torch.all(dist_got <= dist_brute + 1e-7)
+    back = dequantize_blockwise(q.view(shape), code, absmax)
+    assert back.shape == x.shape
+    assert torch.equal(back.reshape(-1), (code[q.long()] * absmax.repeat_interleave(BLOCK)[: flat.numel()]))
+
+
+def fake_8bit_optimizer(params, moments):
+    """An object with bitsandbytes AdamW8bit's state layout (keys and block size as in 0.50)."""
+    codes = {1: code_table(True), 2: code_table(False)}
+    state = {}
+    for p, (m, v, step) in zip(params, moments, strict=True):
+        if p.numel() < 4096:  # bitsandbytes keeps small tensors' states in 32 bits
+            state[p] = {"step": step, "state1": m.clone(), "state2": v.clone()}
+            continue
+        s = {"step": step}
+        for i, t in ((1, m), (2, v)):
+            q, a = quantize_blockwise(t, codes[i])
+            s.update({f"state{i}": q.view_as(p), f"qmap{i}": codes[i], f"absmax{i}": a})
+        state[p] = s
+    groups = [
+        {
+            "params": params,
+            "lr": 2e-3,
+            "betas": (0.8, 0.9),
+            "eps": 1e-7,
+            "weight_decay": 0.05,
+            "initial_lr": 3e-3,
+        }
+    ]
+    return SimpleNamespace(param_groups=groups, state=state), codes
+
+
+def test_8bit_state_to_torch_adamw():
+    g = torch.Generator().manual_seed(2)
+    big, small = torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(30))
+    moments = [
+        (torch.randn(64, 80, generator=g) * 1e-3, torch.rand(64, 80, generator=g) * 1e-6, 7),
+        (torch.randn(30, generator=g), torch.rand(30, generator=g), 7),
+    ]
+    opt8, codes = fake_8bit_optimizer([big, small], moments)
+    new = to_torch_adamw(opt8, fused=True)
+    g0 = new.param_groups[0]
+    assert (g0["lr"], g0["betas"], g0["eps"], g0["weight_decay"], g0["initial_lr"]) == (
+        2e-3,
+        (0.8, 0.9),
+        1e-7,
+        0.05,
+        3e-3,
+    )
+    s_big, s_small = new.state[big], new.state[small]
+    assert float(s_big["step"]) == 7.0 and s_big["step"].dtype == torch.float32
+    expect = dequantize_blockwise(opt8.state[big]["state1"], codes[1], opt8.state[big]["absmax1"])
+    assert torch.equal(s_big["exp_avg"], expect)  # dequantisation, exact
+    assert torch.equal(s_small["exp_avg"], moments[1][0]) and torch.equal(
+        s_small["exp_avg_sq"], moments[1][1]
+    )
+    # the rebuilt optimizer steps from those moments exactly like a torch AdamW given them by hand
+    ref = torch.optim.AdamW(
+        [p.detach().clone().requires_grad_() for p in (big, small)],
+        lr=2e-3,
+        betas=(0.8, 0.9),
+        eps=1e-7,
+        weight_decay=0.05,
+        fused=True,
+    )
+    for rp, p in zip(ref.param_groups[0]["params"], (big, small), strict=True):
+        ref.state[rp] = {k: v.clone() for k, v in new.state[p].items()}
+        rp.grad = p.grad = torch.randn(p.shape, generator=g)
+    new.step()
+    ref.step()
+    for rp, p in zip(ref.param_groups[0]["params"], (big, small), strict=True):
+        assert torch.equal(rp, p)
+    assert adamw_state_from_8bit(opt8, torch.device("cpu"))[big]["exp_avg"].device.type == "cpu"
+
+
+def test_not_applicable_on_cpu():
+    tr = SimpleNamespace(device=torch.device("cpu"))
+    assert "CUDA" in EightBitAdam(TrainConfig(eight_bit_adam=True)).not_applicable(tr)

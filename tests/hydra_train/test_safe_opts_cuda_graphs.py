@@ -1,0 +1,91 @@
+"""CUDA graphs: applicability and the optimizer's capturable mode on any machine; the capture
+itself against the eager step where a GPU is present (skipped on the CPU CI)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hydra_train.config import TrainConfig
+from hydra_train.distributed import DistInfo
+from hydra_train.optim import LRSchedule
+from hydra_train.safe_opts.cuda_graphs import CudaGraphs, make_capturable, make_uncapturable
+
+
+def fake_trainer(device, fused=True):
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=1e-3, **({"fused": True} if fused else {"foreach": True}))
+    return SimpleNamespace(device=torch.device(device), dist=DistInfo(), optimizer=opt)
+
+
+def test_not_applicable_reasons():
+    g = CudaGraphs(TrainConfig())
+    assert g.not_applicable(fake_trainer("cpu")) == "needs CUDA"
+    # the checks after the device need no GPU to be exercised
+    assert "fused AdamW" in g.not_applicable(fake_trainer("cuda", fused=False))
+    tr = fake_trainer("cuda")
+    tr.dist = DistInfo(rank=0, world_size=2, local_rank=0, backend="gloo")
+    assert "single-process" in g.not_applicable(tr)
+
+
+def test_capturable_mode_and_the_schedule_writing_the_lr_in_place():
+    tr = fake_trainer("cpu")
+    sched = LRSchedule(tr.optimizer, kind="cosine", max_steps=10, warmup_steps=2)
+    make_capturable(tr.optimizer, torch.device("cpu"))
+    g = tr.optimizer.param_groups[0]
+    lr_tensor = g["lr"]
+    assert g["capturable"] and isinstance(lr_tensor, torch.Tensor)
+    sched.step()
+    assert g["lr"] is lr_tensor and float(lr_tensor) == pytest.approx(sched.get_last_lr()[0])
+    make_uncapturable(tr.optimizer)
+    assert (
+        not g["capturable"]
+        and g["lr"] == pytest.approx(sched.get_last_lr()[0])
+        and isinstance(g["lr"], float)
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("static", [False, True])
+def test_replayed_steps_match_eager_steps(static, tmp_path):
+    """Two trainers from the same weights and batches: eager vs captured (dynamic or static routing)."""
+    from hydra_train.safe_opts.registry import build_registry
+    from hydra_train.safe_opts.standalone import build_trainer
+
+    cfg = TrainConfig(
+        model_size="debug",
+        batch_size=2,
+        seq_len=128,
+        device="cuda",
+        dataset="random",
+        static_routing_mode=static,
+        checkpoint_dir=str(tmp_path),
+        experimental_prefetch_threads=0,
+    )
+    losses = {}
+    for graphed in (False, True):
+        tr, _, cfg2 = build_trainer(cfg, log=lambda m: None)
+        reg = build_registry(cfg2)
+        if static:
+            reg["static_routing"].activate(tr)
+        else:
+            reg["static_routing"].deactivate(tr)
+        g = reg["cuda_graphs"]
+        g.warmup = 2
+        if graphed:
+            g.activate(tr)
+        out = []
+        for _ in range(6):
+            batches = [tr.loader.next()]
+            res = g.run_step(tr, batches, None) if graphed else None
+            if res is None:  # the eager path, or one of the graph's warmup steps
+                res = tr.eager_step(batches)
+            tr.schedule.step()
+            out.append(float(res.loss))
+        if graphed:
+            assert g.step_runner.captures == 1 and g.step_runner.replays == 3
+            g.deactivate(tr)
+        losses[graphed] = out
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)

@@ -1,0 +1,155 @@
+"""Pretest arms on the real tiny preset (CPU): verdicts, failures that must fail, and that the
+model, optimizer and RNG come back exactly as they were."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hydra_train.callbacks import CallbackList
+from hydra_train.config import DeviceInfo, resolve_config
+from hydra_train.optim import LRSchedule, build_optimizer
+from hydra_train.prefetch import Prefetcher
+from hydra_train.run import build_model
+from hydra_train.safe_opts.faults import FaultInjector
+from hydra_train.safe_opts.pretest import PretestRunner, PretestSettings
+from hydra_train.safe_opts.registry import Optimization, build_registry
+from hydra_train.safe_opts.standalone import RandomBatches
+from hydra_train.trainer import Trainer
+
+from .conftest import TINY_OVERRIDES, VOCAB, tiny_config
+
+
+def make_trainer(tmp_path, **kw):
+    import hydra_kernels
+
+    hydra_kernels.set_use_triton_kernels(False)  # what hydra-train run sets for --triton_kernels off
+    cfg = resolve_config(tiny_config(tmp_path, tmp_path / "ck", **kw), DeviceInfo("cpu"))
+    torch.manual_seed(0)
+    model = build_model(cfg, VOCAB, torch.device("cpu"))
+    opt = build_optimizer(model, lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95)).optimizer
+    sched = LRSchedule(opt, kind="cosine", max_steps=cfg.max_steps, warmup_steps=cfg.warmup_steps)
+    batches = RandomBatches(cfg.batch_size, cfg.seq_len, VOCAB, seed=3)
+    tr = Trainer(
+        model,
+        cfg,
+        optimizer=opt,
+        schedule=sched,
+        loader=Prefetcher(batches, 0),
+        val_batches=[],
+        device=torch.device("cpu"),
+        callbacks=CallbackList(),
+    )
+    return tr, batches
+
+
+def runner(tr, batches, reg, **kw):
+    settings = PretestSettings(warmup_steps=1, steps=2, **kw.pop("settings", {}))
+    return PretestRunner(
+        tr, reg, make_batch=batches, start_index=5, settings=settings, log=lambda m: None, **kw
+    )
+
+
+@pytest.fixture(autouse=True)
+def _compile_fast(monkeypatch):
+    monkeypatch.setenv("HYDRA_COMPILE_BACKEND", "aot_eager")
+
+
+def test_passes_and_restores_everything(tmp_path):
+    tr, batches = make_trainer(tmp_path, static_routing_mode=True, experimental_prefetch_threads=2)
+    # one real step first, so that the optimizer has state to restore
+    tr.step_impl([tr.loader.next()])
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    opt_before = [v.clone() for s in tr.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    rng = torch.get_rng_state()
+    reg = build_registry(tr.cfg)
+    body = runner(tr, batches, reg).run(["static_routing", "prefetch_threads", "fa3"])
+    res = body["results"]
+    assert {k: r["status"] for k, r in res.items()} == {
+        "static_routing": "PASS",
+        "prefetch_threads": "PASS",
+        "fa3": "N/A",
+    }
+    assert not res["prefetch_threads"]["timing"]["judged"]  # never on a CPU unless asked
+    for k, v in tr.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    after = [v for s in tr.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert all(torch.equal(a, b) for a, b in zip(after, opt_before, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not any(o.active for o in reg.values())  # every arm switched back off
+    from hydra_train.safe_opts.toggles import routing_wrappers
+
+    assert not any(b.static for b in routing_wrappers(tr.model))  # the safe default: dynamic routing
+    assert len(body["default"]["losses"]) == 3 and body["bounds"]["grad_abs"] > 0
+
+
+def test_injected_nan_fails_that_optimization_only(tmp_path):
+    tr, batches = make_trainer(tmp_path, static_routing_mode=True, experimental_prefetch_threads=2)
+    inj = FaultInjector.parse("nan_grad:static_routing@pretest")
+    res = runner(tr, batches, build_registry(tr.cfg), injector=inj).run(
+        ["static_routing", "prefetch_threads"]
+    )["results"]
+    assert res["static_routing"]["status"] == "FAIL"
+    assert res["static_routing"]["reason"] == "non-finite loss or gradients at pretest step 1"
+    assert res["prefetch_threads"]["status"] == "PASS"
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())
+
+
+def test_injected_slowness_fails_when_timing_is_judged(tmp_path):
+    tr, batches = make_trainer(tmp_path, experimental_prefetch_threads=2)
+    inj = FaultInjector.parse("slow=0.4:prefetch_threads@pretest")
+    r = runner(tr, batches, build_registry(tr.cfg), injector=inj, settings={"judge_timing": True})
+    res = r.run(["prefetch_threads"])["results"]["prefetch_threads"]
+    assert res["status"] == "FAIL" and res["reason"].startswith("slower:")
+    assert res["timing"]["speedup"] < 0.5
+
+
+class ScaledWeights(Optimization):
+    """A deliberately wrong 'optimization': doubles one weight matrix while active."""
+
+    name = "compile"  # stands in for a registered name so the runner can look it up
+
+    def requested(self):
+        return True
+
+    def activate(self, trainer):
+        with torch.no_grad():
+            trainer.model.embed.weight.mul_(2.0)
+        self.active = True
+
+    def deactivate(self, trainer):
+        if self.active:
+            with torch.no_grad():
+                trainer.model.embed.weight.div_(2.0)
+        self.active = False
+
+
+def test_a_wrong_computation_fails_the_gradient_check(tmp_path):
+    tr, batches = make_trainer(tmp_path)
+    reg = build_registry(tr.cfg)
+    reg["compile"] = ScaledWeights(tr.cfg)
+    res = runner(tr, batches, reg).run(["compile"])["results"]["compile"]
+    assert res["status"] == "FAIL" and res["reason"].startswith("step-0 gradient error")
+
+
+class Sleepy(ScaledWeights):
+    def activate(self, trainer):
+        time.sleep(3.0)
+        self.active = True
+
+    def deactivate(self, trainer):
+        self.active = False
+
+
+def test_an_arm_over_its_time_limit_fails(tmp_path):
+    tr, batches = make_trainer(tmp_path)
+    reg = build_registry(tr.cfg)
+    reg["compile"] = Sleepy(tr.cfg)
+    res = runner(tr, batches, reg, settings={"arm_timeout_s": 0.5}).run(["compile"])["results"]["compile"]
+    assert res["status"] == "FAIL" and res["reason"].startswith("did not finish within 0.5 s")
+
+
+def test_tiny_overrides_are_the_real_preset_narrowed():
+    assert TINY_OVERRIDES["dim"] == 64  # the tests above use the real tiny preset, only narrower

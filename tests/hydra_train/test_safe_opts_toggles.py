@@ -1,0 +1,134 @@
+"""The switch-type optimizations really switch, and really switch back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hydra_kernels
+from hydra_kernels import launch_config
+from hydra_model import create_ccgqa_mod_mor_model, get_attention_backend
+from hydra_train.config import TrainConfig
+from hydra_train.prefetch import Prefetcher
+from hydra_train.safe_opts.standalone import RandomBatches
+from hydra_train.safe_opts.toggles import (
+    BlackwellTuning,
+    CompileModel,
+    FlashAttention,
+    PrefetchThreads,
+    StaticRouting,
+    TritonKernels,
+    compile_units,
+    routing_wrappers,
+)
+
+from .conftest import VOCAB
+
+
+class FakeTrainer:
+    """The trainer attributes the toggles touch."""
+
+    def __init__(self, model, loader=None):
+        self.model = self.wrapped = self.forward_model = model
+        self.device = torch.device("cpu")
+        self.loader = loader
+        self.cfg = TrainConfig()
+
+
+@pytest.fixture
+def model():
+    hydra_kernels.set_use_triton_kernels(False)
+    torch.manual_seed(0)
+    return create_ccgqa_mod_mor_model("tiny", dim=64, max_seq_len=64, vocab_size=VOCAB, n_mor_blocks=3)
+
+
+def loss(m, x):
+    return m(x, x).loss.detach()
+
+
+def test_static_routing_is_the_static_model_and_back(model):
+    x = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(4))
+    dynamic = loss(model, x)
+    torch.manual_seed(0)
+    static_model = create_ccgqa_mod_mor_model(
+        "tiny", dim=64, max_seq_len=64, vocab_size=VOCAB, n_mor_blocks=3, static_routing_mode=True
+    )
+    static_model.load_state_dict(model.state_dict())
+    opt = StaticRouting(TrainConfig(static_routing_mode=True))
+    tr = FakeTrainer(model)
+    opt.activate(tr)
+    assert torch.equal(loss(model, x), loss(static_model, x))  # same as a model built static
+    assert not torch.equal(loss(model, x), dynamic)
+    opt.deactivate(tr)
+    assert torch.equal(loss(model, x), dynamic) and not any(b.static for b in routing_wrappers(model))
+
+
+def test_prefetch_swaps_the_loader_and_keeps_the_data(model):
+    make = RandomBatches(2, 8, VOCAB, seed=1)
+    tr = FakeTrainer(model, Prefetcher(make, 3))
+    opt = PrefetchThreads(TrainConfig(experimental_prefetch_threads=3, prefetch_buffer_size=4))
+    opt.activate(tr)
+    assert tr.loader.threads == 3 and tr.loader.position == 3
+    x, _ = tr.loader.next()
+    opt.deactivate(tr)
+    assert tr.loader.threads == 0 and tr.loader.position == 4
+    assert torch.equal(x, make(3)[0]) and torch.equal(tr.loader.next()[0], make(4)[0])
+    tr.loader.close()
+
+
+def test_triton_switch(model):
+    opt = TritonKernels(TrainConfig(triton_kernels=True))
+    tr = FakeTrainer(model)
+    opt.activate(tr)
+    assert hydra_kernels.use_triton_kernels()
+    opt.deactivate(tr)
+    assert not hydra_kernels.use_triton_kernels()
+
+
+def test_gpu_only_switches_are_na_on_cpu_and_still_switch(model):
+    tr = FakeTrainer(model)
+    fa3 = FlashAttention(TrainConfig())
+    assert "CUDA" in fa3.not_applicable(tr)
+    fa3.activate(tr)
+    assert get_attention_backend() in ("auto", "flash")
+    fa3.deactivate(tr)
+    assert get_attention_backend() == "sdpa"
+    bw = BlackwellTuning(TrainConfig(triton_num_warps=8, triton_block_q=32))
+    assert "sm_100" in bw.not_applicable(tr)
+    bw.activate(tr)
+    assert launch_config.blackwell_tuning_enabled()
+    cfg = launch_config.resolve_launch_config(
+        "swiglu", torch.device("cpu"), {"default": launch_config.LaunchConfig()}
+    )
+    assert (cfg.num_warps, cfg.block_q) == (8, 32)
+    bw.deactivate(tr)
+    assert not launch_config.blackwell_tuning_enabled()
+    cfg = launch_config.resolve_launch_config(
+        "swiglu", torch.device("cpu"), {"default": launch_config.LaunchConfig()}
+    )
+    assert cfg == launch_config.LaunchConfig()
+
+
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compile_switches_to_compiled_code_and_back(scope, monkeypatch):
+    monkeypatch.setenv("HYDRA_COMPILE_BACKEND", "aot_eager")  # inductor's C++ build is minutes here
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = create_ccgqa_mod_mor_model("tiny", dim=64, max_seq_len=64, vocab_size=VOCAB, n_mor_blocks=1)
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(8))
+    eager = loss(m, x)
+    tr = FakeTrainer(m)
+    opt = CompileModel(TrainConfig(compile=True, compile_scope=scope))
+    opt.activate(tr)
+    if scope == "blocks":
+        assert compile_units(m) and all(b._compiled_call_impl is not None for b in compile_units(m))
+        assert tr.forward_model is m
+    else:
+        assert tr.forward_model is not m
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    assert torch.allclose(tr.forward_model(x, x).loss.detach(), eager, rtol=1e-6)
+    assert torch._dynamo.utils.counters["frames"]["ok"] > frames  # it really went through dynamo
+    opt.deactivate(tr)
+    assert tr.forward_model is m and all(b._compiled_call_impl is None for b in compile_units(m))
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    assert torch.equal(loss(m, x), eager) and torch._dynamo.utils.counters["frames"]["ok"] == frames
