@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -122,6 +123,22 @@ def _param_counts(model) -> tuple[int, int]:
 def _new_run_id(model_id: str) -> str:
     # the random part keeps two runs started in the same second (same process, too) apart
     return f"{model_id}_{time.strftime('%Y%m%d-%H%M%S')}_{uuid.uuid4().hex[:6]}"
+
+
+def _keep_tokenizer_beside(tokenizer_path: Path | None, ckpt_dir: Path, log) -> None:
+    """Copy the tokenizer the data was encoded with next to the checkpoints, so that
+    ``hydra-model generate --checkpoint <dir>/hydra_<size>_final.pt`` finds it without a flag.
+    A different tokenizer already there is replaced (the checkpoints written now need this one)."""
+    if tokenizer_path is None:
+        return
+    target = ckpt_dir / "tokenizer.json"
+    src = Path(tokenizer_path)
+    if target.exists() and target.read_bytes() == src.read_bytes():
+        return
+    tmp = target.with_suffix(".json.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, target)
+    log(f"tokenizer copied to {target}")
 
 
 def run_training(
@@ -245,6 +262,7 @@ def _run(
     ckpt_dir = Path(cfg.checkpoint_dir)
     if main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+        _keep_tokenizer_beside(data.tokenizer_path, ckpt_dir, log)
     run_id = broadcast_object(dist_info, _new_run_id(model_id))
     artifacts = RunArtifacts(ckpt_dir / "runs" / run_id, rank=dist_info.rank)
     db = TrainingDB(ckpt_dir / DB_NAME) if main else None

@@ -90,7 +90,10 @@ def _rule(rec: dict[str, Any]) -> str:
     if not judged:
         return "not judged"
     if any("default_mad" in t for t in judged):
-        return f"max(5%, 3×MAD): {max(t['margin'] for t in judged):.0%}"
+        # arms judged against a different reference (static routing) can have another margin
+        lo, hi = min(t["margin"] for t in judged), max(t["margin"] for t in judged)
+        span = f"{lo:.0%}" if f"{lo:.0%}" == f"{hi:.0%}" else f"{lo:.0%} (up to {hi:.0%} by reference arm)"
+        return f"max(5%, 3×MAD): {span}"
     return "5% (fixed; the rule before the noise-aware margin)"
 
 
