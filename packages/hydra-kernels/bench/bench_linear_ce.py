@@ -9,7 +9,7 @@
    (hydra_kernels.numerics) plus the op's gradient-rounding tolerance (grad_rounding_atol). The
    lean mode is reported, not required to pass: it trades that precision for memory.
 2. Forward+backward time (triton.testing.do_bench median) and peak memory above the inputs after
-   a warm call (as /work/shared/anchors/bench_anchors.py measures it: the previous call's
+   a warm call (as PERF.md's anchors script, shared/anchors/bench_anchors.py measures it: the previous call's
    gradients are still allocated at the base and freed by the step) at the PERF.md shapes
    16384×768 V=50304 and 16384×2048 V=128256, for hydra variants (chunk rows, dW backend, lean
    mode, row-kernel launch settings) and the peers: torch eager, torch.compile, Liger (its

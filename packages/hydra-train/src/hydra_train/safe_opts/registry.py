@@ -23,6 +23,7 @@ Status words (what ``SafeOptimizations status: {...}`` prints):
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from hydra_train.config import TrainConfig
@@ -59,7 +60,7 @@ NAMES = (
 )
 
 
-class Optimization:
+class Optimization(ABC):
     """One optional optimization. Subclasses set the class attributes and the three methods."""
 
     name: str = ""
@@ -84,24 +85,27 @@ class Optimization:
         self.cfg = cfg
         self.active = False
 
+    @abstractmethod
     def requested(self) -> bool:
-        raise NotImplementedError  # pragma: no cover - every subclass defines it
+        """Whether the run's flags ask for this optimization."""
 
     def not_applicable(self, trainer: Trainer) -> str | None:
         """Why this cannot run here (an N/A reason), or None when it can."""
         return None
 
+    @abstractmethod
     def activate(self, trainer: Trainer) -> None:
-        raise NotImplementedError  # pragma: no cover
+        """Switch the real code path on for ``trainer``."""
 
+    @abstractmethod
     def deactivate(self, trainer: Trainer) -> None:
-        raise NotImplementedError  # pragma: no cover
+        """Go back to the safe default for real."""
 
     def run_step(self, trainer: Trainer, batches: list, poison: float | None) -> StepResult | None:
         """Take over the optimizer step (CUDA graphs do); None leaves it to the eager step."""
         return None
 
-    def invalidate(self, trainer: Trainer) -> None:
+    def invalidate(self, trainer: Trainer) -> None:  # noqa: B027 - a no-op hook by default
         """Another optimization changed what the step computes (CUDA graphs recapture)."""
 
     def describe(self) -> dict[str, Any]:
