@@ -13,16 +13,6 @@ from hydra_kernels.ops import swiglu as sw
 INTERPRETED = controls.device_supports_triton(torch.device("cpu"))
 
 
-@pytest.fixture(autouse=True)
-def _clean_controls():
-    controls.reload_env()
-    controls.reset_fallback_counts()
-    yield
-    controls.set_use_triton_kernels(True)
-    controls.reload_env()
-    controls.reset_fallback_counts()
-
-
 def test_cases_cover_every_op():
     assert {c.control_op for c in checks.CASES} == set(controls.OPS)
     assert {"rms_norm", "fused_add_rms_norm", "swiglu", "qk_norm", "rope", "linear_cross_entropy"} <= {

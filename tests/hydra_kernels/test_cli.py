@@ -16,16 +16,6 @@ runner = CliRunner()
 INTERPRETED = controls.device_supports_triton(torch.device("cpu"))
 
 
-@pytest.fixture(autouse=True)
-def _clean_controls():
-    controls.reload_env()
-    controls.reset_fallback_counts()
-    yield
-    controls.set_use_triton_kernels(True)
-    controls.reload_env()
-    controls.reset_fallback_counts()
-
-
 @pytest.fixture
 def no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -23,23 +23,6 @@ pytestmark = pytest.mark.skipif(
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.fixture(autouse=True)
-def _clean_controls():
-    controls.reload_env()
-    controls.reset_fallback_counts()
-    yield
-    controls.set_use_triton_kernels(True)
-    controls.reload_env()
-    controls.reset_fallback_counts()
-
-
-@pytest.fixture
-def seed() -> int:
-    value = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(value)
-    return value
-
-
 def _inputs(shape, dtype, with_temp, temp_dtype=torch.float32):
     x = torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_()
     temp = (

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hydra_kernels import controls, rope
-from hydra_kernels.launch_config import clear_launch_overrides, set_launch_overrides
+from hydra_kernels.launch_config import set_launch_overrides
 from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
 from hydra_kernels.ops import rope as rp
 from hydra_kernels.ops.rope import rope_ref
@@ -21,25 +21,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs the Triton interpreter (TRITON_INTERPRET=1) or CUDA",
 )
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture(autouse=True)
-def _clean_controls():
-    controls.reload_env()
-    controls.reset_fallback_counts()
-    clear_launch_overrides()
-    yield
-    controls.set_use_triton_kernels(True)
-    controls.reload_env()
-    controls.reset_fallback_counts()
-    clear_launch_overrides()
-
-
-@pytest.fixture
-def seed() -> int:
-    value = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(value)
-    return value
 
 
 def _tables(*shape, dtype=torch.float32):
