@@ -5,7 +5,6 @@ Every output and gradient must satisfy |kernel − fp64| ≤ 2·|torch same dtyp
 """
 
 import math
-import os
 import warnings
 
 import pytest
@@ -16,11 +15,9 @@ from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
 from hydra_kernels.ops import qk_norm as qk_mod
 from hydra_kernels.ops.qk_norm import NORM_EPS, qk_norm_backward_ref, qk_norm_ref
 
-pytestmark = pytest.mark.skipif(
-    not controls.device_supports_triton(torch.device("cpu")) and not torch.cuda.is_available(),
-    reason="needs the Triton interpreter (TRITON_INTERPRET=1) or CUDA",
-)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from .conftest import DEVICE, NEEDS_TRITON, assert_compiles_for_sm90, build_sm90
+
+pytestmark = NEEDS_TRITON
 
 
 def _inputs(shape, dtype, with_temp, temp_dtype=torch.float32):
@@ -213,50 +210,23 @@ def test_compile_fullgraph_no_graph_break(seed):
     torch._dynamo.reset()
 
 
-def _build_sm90(fn, signature, constexprs, num_warps, num_stages):
-    """Compile a Triton kernel for sm_90 (PTX and cubin through the bundled ptxas): no GPU needed."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    # Pointers and row strides divisible by 16, as Triton specialises them at launch for these widths.
-    aligned = {
-        (fn.arg_names.index(a),): [["tt.divisibility", 16]]
-        for a, t in signature.items()
-        if t[0] == "*" or a.startswith("stride")
-    }
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
 def _compile_for_sm90() -> None:
     """Runs in a subprocess without TRITON_INTERPRET (see the test below)."""
     bf, f32 = "*bf16", "*fp32"
     fwd = {"X": bf, "TEMP": f32, "Y": bf, "n_rows": "i32", "stride_t": "i32", "stride_h": "i32",
            "scale": "fp32", "eps_sq": "fp32"}  # fmt: skip
     consts = {"N_HEADS": 6, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_ROWS": 32, "HAS_TEMP": True}
-    _build_sm90(qk_mod._qk_norm_fwd_kernel, fwd, consts, 4, 2)
+    build_sm90(qk_mod._qk_norm_fwd_kernel, fwd, consts, 4, 2)
     bwd = {"DY": bf, "X": bf, "TEMP": f32, "DX": bf, "DT_PARTIAL": f32, "n_rows": "i32",
            "stride_dyt": "i32", "stride_dyh": "i32", "stride_xt": "i32", "stride_xh": "i32",
            "scale": "fp32", "eps_sq": "fp32"}  # fmt: skip
     consts = {"N_HEADS": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_ROWS": 16, "BLOCK_H": 16, "ITERS": 16,
               "HAS_TEMP": True, "LOOP_STAGES": 3}  # fmt: skip
-    compiled = _build_sm90(qk_mod._qk_norm_bwd_kernel, bwd, consts, 4, 3)
+    compiled = build_sm90(qk_mod._qk_norm_bwd_kernel, bwd, consts, 4, 3)
     assert "cp.async" in compiled.asm["ptx"], "the backward's row loop is not pipelined"
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The interpreter skips Triton's compiler; compile for sm_90 here so that GPU-only errors
     (and a row loop that stopped being pipelined) show on a CPU-only machine too."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    module = f"tests.hydra_kernels.{Path(__file__).stem}"
-    code = f"from {module} import _compile_for_sm90 as c; c(); print('compiled')"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    assert_compiles_for_sm90(__file__)

@@ -4,7 +4,6 @@ Every output and gradient must satisfy |kernel − fp64| ≤ 2·|torch same dtyp
 (hydra_kernels.numerics). Inputs are fresh random each run; the seed is in every failure message.
 """
 
-import os
 import warnings
 
 import pytest
@@ -22,11 +21,9 @@ from hydra_kernels.ops.rms_norm import (
     rms_norm_ref,
 )
 
-pytestmark = pytest.mark.skipif(
-    not controls.device_supports_triton(torch.device("cpu")) and not torch.cuda.is_available(),
-    reason="needs the Triton interpreter (TRITON_INTERPRET=1) or CUDA",
-)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from .conftest import DEVICE, NEEDS_TRITON, assert_compiles_for_sm90, build_sm90
+
+pytestmark = NEEDS_TRITON
 
 
 def _randn(*shape, dtype=torch.float32, grad=True):
@@ -363,24 +360,6 @@ def test_compile_fullgraph_no_graph_break(monkeypatch, seed):
     torch._dynamo.reset()
 
 
-def _build_sm90(fn, signature, constexprs, num_warps, num_stages):
-    """Compile a Triton kernel for sm_90 (PTX and cubin through the bundled ptxas): no GPU needed."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    # Pointers and row strides divisible by 16, as Triton specialises them at launch for these widths.
-    aligned = {
-        (fn.arg_names.index(a),): [["tt.divisibility", 16]]
-        for a, t in signature.items()
-        if t[0] == "*" or a.startswith("stride")
-    }
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
 def _compile_for_sm90() -> None:
     """Runs in a subprocess without TRITON_INTERPRET (see the test below)."""
     from hydra_kernels.ops import rms_norm as rms
@@ -389,7 +368,7 @@ def _compile_for_sm90() -> None:
     fwd = {"X": bf, "RES": bf, "W": f32, "Y": bf, "SUM": bf, "n_rows": "i32", "stride_x": "i32",
            "stride_res": "i32", "eps": "fp32"}  # fmt: skip
     consts = {"N_COLS": 768, "BLOCK_D": 1024, "BLOCK_ROWS": 4, "HAS_RESIDUAL": True}
-    _build_sm90(rms._rms_norm_fwd_kernel, fwd, consts, 4, 2)
+    build_sm90(rms._rms_norm_fwd_kernel, fwd, consts, 4, 2)
     bwd = {"DY": bf, "X": bf, "W": f32, "DSUM": bf, "DX": bf, "DRES": bf, "DW_PARTIAL": f32, "n_rows": "i32",
            "stride_dy": "i32", "stride_x": "i32", "stride_dsum": "i32", "eps": "fp32"}  # fmt: skip
     consts = {
@@ -401,22 +380,13 @@ def _compile_for_sm90() -> None:
         "HAS_DRES": True,
         "LOOP_STAGES": 3,
     }
-    compiled = _build_sm90(rms._rms_norm_bwd_kernel, bwd, consts, 8, 3)
+    compiled = build_sm90(rms._rms_norm_bwd_kernel, bwd, consts, 8, 3)
     assert "cp.async" in compiled.asm["ptx"], "the backward's row loop is not pipelined"
     consts = {"N_COLS": 768, "BLOCK_P": 32, "BLOCK_C": 64, "P_ITERS": 4}
-    _build_sm90(rms._dw_reduce_kernel, {"PARTIAL": f32, "DW": bf, "n_partials": "i32"}, consts, 4, 2)
+    build_sm90(rms._dw_reduce_kernel, {"PARTIAL": f32, "DW": bf, "n_partials": "i32"}, consts, 4, 2)
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The interpreter skips Triton's compiler; compile for sm_90 here so that GPU-only errors
     (and a row loop that stopped being pipelined) show on a CPU-only machine too."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    module = f"tests.hydra_kernels.{Path(__file__).stem}"
-    code = f"from {module} import _compile_for_sm90 as c; c(); print('compiled')"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    assert_compiles_for_sm90(__file__)

@@ -4,7 +4,6 @@ Every output and gradient must satisfy |kernel − fp64| ≤ 2·|torch same dtyp
 (hydra_kernels.numerics). Inputs are fresh random each run; the seed is in every failure message.
 """
 
-import os
 import warnings
 
 import pytest
@@ -16,11 +15,9 @@ from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
 from hydra_kernels.ops import rope as rp
 from hydra_kernels.ops.rope import rope_ref
 
-pytestmark = pytest.mark.skipif(
-    not controls.device_supports_triton(torch.device("cpu")) and not torch.cuda.is_available(),
-    reason="needs the Triton interpreter (TRITON_INTERPRET=1) or CUDA",
-)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from .conftest import DEVICE, NEEDS_TRITON, sm90_access_counts
+
+pytestmark = NEEDS_TRITON
 
 
 def _tables(*shape, dtype=torch.float32):
@@ -203,17 +200,7 @@ for half, rest, rows in ((16, 32, 32), (32, 0, 32), (64, 0, 16)):
 
 def test_kernel_compiles_for_sm90_with_vector_accesses():
     """GPU code generation at the presets' head shapes (Triton compiles for sm_90 offline)."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300
-    )
-    if proc.returncode and "ptxas" in proc.stderr:
-        pytest.skip("this Triton install cannot compile for CUDA offline (no ptxas)")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in proc.stdout.splitlines()}
+    counts = sm90_access_counts(_SM90_COMPILE)
     # D=R=64, 32 rows, 128 threads: x halves 8 bf16 per thread (one 16-byte load each), cos/sin
     # 8 fp32 (two each), both halves stored in one 16-byte store each
     assert counts["64/64"] == (6, 2)

@@ -4,7 +4,6 @@ Every output and gradient must satisfy |kernel − fp64| ≤ 2·|torch same dtyp
 (hydra_kernels.numerics). Inputs are fresh random each run; the seed is in every failure message.
 """
 
-import os
 import warnings
 
 import pytest
@@ -17,11 +16,9 @@ from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
 from hydra_kernels.ops import swiglu as sw
 from hydra_kernels.ops.swiglu import swiglu_ref
 
-pytestmark = pytest.mark.skipif(
-    not controls.device_supports_triton(torch.device("cpu")) and not torch.cuda.is_available(),
-    reason="needs the Triton interpreter (TRITON_INTERPRET=1) or CUDA",
-)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from .conftest import DEVICE, NEEDS_TRITON, sm90_access_counts
+
+pytestmark = NEEDS_TRITON
 
 
 def _rand(*shape, dtype=torch.float32, scale=1.0):
@@ -234,16 +231,6 @@ for fn, n_ptr in ((sw._swiglu_fwd_kernel, 3), (sw._swiglu_bwd_kernel, 5)):
 
 def test_kernels_compile_for_sm90_with_16_byte_accesses():
     """GPU code generation (no GPU needed: Triton compiles for an sm_90 target offline)."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300
-    )
-    if proc.returncode and "ptxas" in proc.stderr:
-        pytest.skip("this Triton install cannot compile for CUDA offline (no ptxas)")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in proc.stdout.splitlines()}
+    counts = sm90_access_counts(_SM90_COMPILE)
     assert counts["_swiglu_fwd_kernel"] == (4, 2)  # 2 inputs x 2 loads, 1 output x 2 stores
     assert counts["_swiglu_bwd_kernel"] == (6, 4)

@@ -44,6 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hydra_kernels import controls
+from hydra_kernels.bench import peak_extra_mib
 from hydra_kernels.cli_support import console, emit_json, fail, require_cuda
 from hydra_kernels.launch_config import clear_launch_overrides, set_launch_overrides
 from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
@@ -110,15 +111,7 @@ def _ms(fn: Callable[[], Any], rep: int) -> float:
 
 
 def _peak_extra_mib(step: Callable[[], None]) -> float | None:
-    if Setup.device != "cuda":
-        return None
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return peak_extra_mib(step) if Setup.device == "cuda" else None  # no allocator stats on the CPU
 
 
 def _liger_fn():

@@ -1,5 +1,5 @@
-"""What the command modules share: options in both spellings, progress on stderr, and the one way
-every command ends (JSON for scripts, or tables plus a PNG path for people).
+"""What the command modules share: options in both spellings (``opt``, from cli_support), progress
+on stderr, and the one way every command ends (JSON for scripts, or tables plus a PNG path for people).
 
 Nothing here imports torch, so ``hydra-diag --help`` stays fast.
 """
@@ -13,21 +13,11 @@ from typing import Annotated, Any
 
 import typer
 
-from hydra_kernels.cli_support import console, emit_json, err_console, fail
+from hydra_kernels.cli_support import console, emit_json, err_console, fail, opt
 
 # An error must stay ONE physical line in logs and pipes, where rich would wrap it at 80 columns
 # (cli_support.fail prints without soft_wrap); soft-wrapping the shared stderr console keeps it whole.
 err_console.soft_wrap = True
-
-
-def opt(*names: str, help: str, **kw: Any) -> Any:
-    """An option under Typer's kebab-case and the seed documents' underscore spelling."""
-    spellings: list[str] = []
-    for n in names:
-        for s in (n.replace("_", "-"), n):
-            if s not in spellings:
-                spellings.append(s)
-    return typer.Option(*spellings, help=help, **kw)
 
 
 JsonOut = Annotated[bool, opt("--json", help="Print the result as JSON (for scripts) instead of tables.")]

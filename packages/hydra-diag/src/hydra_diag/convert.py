@@ -140,7 +140,7 @@ def resolve_tokenizer(tokenizer: str | None, vocab_size: int, progress: Progress
 
 
 def _save_shard(path: Path, obj: dict[str, torch.Tensor]) -> None:
-    from hydra_train.tokenizer import atomic_write_bytes
+    from hydra_train.atomic_files import atomic_write_bytes
 
     buf = io.BytesIO()
     torch.save(obj, buf)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hydra_diag.health import component_of
-from hydra_diag.loading import autocast_for, batches_for, model_from_options, pick_device
+from hydra_diag.loading import autocast_for, batches_for, model_under_test, pick_device
 from hydra_diag.output import Progress, no_progress
 
 
@@ -201,11 +201,8 @@ def deep_diagnosis(
     torch.manual_seed(seed)
     dev = pick_device(device)
     progress("loading the model")
-    if model is None:
-        loaded = model_from_options(model_size, overrides, checkpoint, dev)
-        model, source, tc = loaded.model, loaded.source, loaded.train_config
-    else:
-        model, source, tc = model.to(dev), "model object", {}
+    loaded = model_under_test(model, model_size, overrides, checkpoint, dev)
+    model, source, tc = loaded.model, loaded.source, loaded.train_config
     seq_len = min(seq_len, model.config.max_seq_len)
     batches, data_desc = batches_for(
         model,

@@ -246,26 +246,43 @@ def _fallbacks(control: str) -> int:
     return hydra_kernels.fallback_counts()[control]
 
 
-def time_forward(case: Case, timer: Timer, copy_tbps: float | None) -> list[dict[str, Any]]:
-    """Forward-only time of each implementation (no autograd graph)."""
-    rows = []
-    for name, fn in case.impls.items():
-        row: dict[str, Any] = {"op": case.op, "shape": case.shape, "impl": name, "ms": None}
-        before = _fallbacks(case.control)
-        try:
-            inputs = fresh_inputs(case, grad=False)
-            with torch.no_grad():
-                row["ms"] = timer(lambda fn=fn, inputs=inputs: fn(*inputs))
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        if name == "hydra" and _fallbacks(case.control) > before:
-            row["error"] = "the Triton kernel failed and the reference ran (not timed fairly)"
-        _rate(row, case.fwd_bytes, case.flops, copy_tbps)
-        rows.append(row)
-    rows += [
+def _timed_row(
+    case: Case, name: str, measure: Callable[[], float], nbytes: float, flops: float, copy_tbps: float | None
+) -> dict[str, Any]:
+    """One implementation's row: ``measure()`` ms (or the error it raised), marked when hydra's
+    Triton kernel fell back to the reference while being timed, with its rates."""
+    row: dict[str, Any] = {"op": case.op, "shape": case.shape, "impl": name, "ms": None}
+    before = _fallbacks(case.control)
+    try:
+        row["ms"] = measure()
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if name.startswith("hydra") and _fallbacks(case.control) > before:
+        row["error"] = "the Triton kernel failed and the reference ran (not timed fairly)"
+    _rate(row, nbytes, flops, copy_tbps)
+    return row
+
+
+def _note_rows(case: Case) -> list[dict[str, Any]]:
+    """Peers that did not run (e.g. Liger without the op), with why."""
+    return [
         {"op": case.op, "shape": case.shape, "impl": k, "ms": None, "note": v} for k, v in case.notes.items()
     ]
-    return rows
+
+
+def time_forward(case: Case, timer: Timer, copy_tbps: float | None) -> list[dict[str, Any]]:
+    """Forward-only time of each implementation (no autograd graph)."""
+
+    def measure(fn: Callable) -> float:
+        inputs = fresh_inputs(case, grad=False)
+        with torch.no_grad():
+            return timer(lambda: fn(*inputs))
+
+    rows = [
+        _timed_row(case, name, lambda fn=fn: measure(fn), case.fwd_bytes, case.flops, copy_tbps)
+        for name, fn in case.impls.items()
+    ]
+    return rows + _note_rows(case)
 
 
 def fresh_inputs(case: Case, grad: bool) -> list[Any]:
@@ -304,26 +321,18 @@ def time_backward(
         variants.append(("hydra (torch bwd)", case.impls["hydra"], False))
     rows = []
     for name, fn, fused_bwd in variants:
-        row: dict[str, Any] = {"op": case.op, "shape": case.shape, "impl": name, "ms": None}
         status = hk.get_kernel_status()["ops"][case.control]
-        before = _fallbacks(case.control)
-        try:
+
+        def measure(fn: Callable = fn, fused_bwd: bool = fused_bwd, status: dict = status) -> float:
             if not fused_bwd:
                 hk.set_op_enabled(case.control, status["enabled"], backward=False)
-            step = backward_step(fn, fresh_inputs(case, grad=True), case.diff)
-            row["ms"] = timer(step)
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            return timer(backward_step(fn, fresh_inputs(case, grad=True), case.diff))
+
+        try:
+            rows.append(_timed_row(case, name, measure, case.bwd_bytes, 0.0, copy_tbps))
         finally:
             hk.set_op_enabled(case.control, status["enabled"], backward=status["backward_enabled"])
-        if name.startswith("hydra") and _fallbacks(case.control) > before:
-            row["error"] = "the Triton kernel failed and the reference ran (not timed fairly)"
-        _rate(row, case.bwd_bytes, 0.0, copy_tbps)
-        rows.append(row)
-    rows += [
-        {"op": case.op, "shape": case.shape, "impl": k, "ms": None, "note": v} for k, v in case.notes.items()
-    ]
-    return rows
+    return rows + _note_rows(case)
 
 
 def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -367,6 +376,39 @@ def bench_setup(
 DEFAULT_HEAD_SHAPES = ((8, 2048, 6, 64), (8, 2048, 16, 128))
 
 
+def _bench_pass(
+    backward: bool,
+    ops: list[str],
+    tokens: int,
+    dims: tuple[int, ...],
+    head_shapes: tuple[tuple[int, ...], ...],
+    dtype: torch.dtype,
+    compile_peers: bool,
+    rep: int,
+    device: str | None,
+    progress: Progress,
+) -> dict[str, Any]:
+    """``bench kernels`` (forward) or ``bench backward-kernels``: every case of ``ops`` timed."""
+    tool = "bench backward-kernels" if backward else "bench kernels"
+    dev, timer, copy, env = bench_setup(device, tool, rep)
+    rows = []
+    for case in kernel_cases(ops, tokens, dims, head_shapes, dev, dtype, compile_peers):
+        if backward:
+            progress(f"{case.op} {case.shape} backward")
+            rows += time_backward(case, timer, copy)
+        else:
+            progress(f"{case.op} {case.shape}")
+            rows += time_forward(case, timer, copy)
+    return {
+        "tool": "benchmark_backward_kernels" if backward else "benchmark_kernels",
+        "pass": "backward" if backward else "forward",
+        **env,
+        "dtype": str(dtype).removeprefix("torch."),
+        "rows": rows,
+        "summary": _summary(rows),
+    }
+
+
 def bench_kernels_forward(
     ops: list[str] | None = None,
     tokens: int = 16384,
@@ -379,20 +421,8 @@ def bench_kernels_forward(
     progress: Progress = no_progress,
 ) -> dict[str, Any]:
     """Forward-only ms, GB/s and % of copy bandwidth of each op against eager, compile and Liger."""
-    dev, timer, copy, env = bench_setup(device, "bench kernels", rep)
     ops = ops or ["rms_norm", "fused_add_rms_norm", "swiglu", "qk_norm", "rope", "linear_ce"]
-    rows = []
-    for case in kernel_cases(ops, tokens, dims, head_shapes, dev, dtype, compile_peers):
-        progress(f"{case.op} {case.shape}")
-        rows += time_forward(case, timer, copy)
-    return {
-        "tool": "benchmark_kernels",
-        "pass": "forward",
-        **env,
-        "dtype": str(dtype).removeprefix("torch."),
-        "rows": rows,
-        "summary": _summary(rows),
-    }
+    return _bench_pass(False, ops, tokens, dims, head_shapes, dtype, compile_peers, rep, device, progress)
 
 
 def bench_backward_kernels(
@@ -407,20 +437,8 @@ def bench_backward_kernels(
     progress: Progress = no_progress,
 ) -> dict[str, Any]:
     """Backward-only ms, GB/s and % of copy bandwidth for SwiGLU, RMSNorm and QK-norm."""
-    dev, timer, copy, env = bench_setup(device, "bench backward-kernels", rep)
     ops = ops or ["swiglu", "rms_norm", "qk_norm"]
-    rows = []
-    for case in kernel_cases(ops, tokens, dims, head_shapes, dev, dtype, compile_peers):
-        progress(f"{case.op} {case.shape} backward")
-        rows += time_backward(case, timer, copy)
-    return {
-        "tool": "benchmark_backward_kernels",
-        "pass": "backward",
-        **env,
-        "dtype": str(dtype).removeprefix("torch."),
-        "rows": rows,
-        "summary": _summary(rows),
-    }
+    return _bench_pass(True, ops, tokens, dims, head_shapes, dtype, compile_peers, rep, device, progress)
 
 
 def bench_swiglu_backward(

@@ -8,7 +8,6 @@ validates the format) and the model is rebuilt from the HydraConfig stored in th
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,20 +16,15 @@ from typing import Any
 import torch
 
 from hydra_diag.output import DiagError
+from hydra_kernels.cli_support import AssignmentError, parse_assignments
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     """``["dim=64", "moe_enabled=true"]`` → ``{"dim": 64, "moe_enabled": True}`` (JSON values, else text)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise DiagError(f"--set {item!r}: expected FIELD=VALUE, e.g. dim=128")
-        key, raw = item.split("=", 1)
-        try:
-            out[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key.strip()] = raw
-    return out
+    try:
+        return parse_assignments(items)
+    except AssignmentError as exc:
+        raise DiagError(f"--set {exc.item!r}: expected FIELD=VALUE, e.g. dim=128") from None
 
 
 def pick_device(pref: str = "auto") -> torch.device:
@@ -93,17 +87,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return max(found, key=lambda f: (f.stat().st_mtime, f.name))
 
 
-def _strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # torch.compile (_orig_mod.) and DDP (module.) prefix every key; the plain model has neither
-    out = {}
-    for key, value in state.items():
-        for prefix in ("_orig_mod.", "module."):
-            while key.startswith(prefix):
-                key = key[len(prefix) :]
-        out[key] = value
-    return out
-
-
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """A hydra-train checkpoint dict (weights_only load, format checked); errors are DiagError."""
     from hydra_train.checkpoint import load_checkpoint
@@ -130,6 +113,7 @@ def model_config_of(ckpt: dict[str, Any]):
 def load_model(path: str | Path, device: torch.device | str = "cpu") -> LoadedModel:
     """The model of a checkpoint file, save_pretrained folder or run folder, on ``device``."""
     from hydra_model import CCGQAMoDMoRModel
+    from hydra_model.persistence import strip_wrapper_prefixes
 
     p = resolve_checkpoint(path)
     if p.is_dir():
@@ -141,7 +125,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> LoadedMo
     ckpt = read_checkpoint(p)
     model = CCGQAMoDMoRModel(model_config_of(ckpt))
     try:
-        model.load_state_dict(_strip_wrapper_prefixes(ckpt["model"]), strict=True)
+        model.load_state_dict(strip_wrapper_prefixes(ckpt["model"]), strict=True)
     except RuntimeError as exc:
         raise DiagError(f"{p}: weights do not fit the stored config: {str(exc)[:300]}") from None
     train_cfg = ckpt.get("config", {}).get("train", {}) or {}
@@ -164,6 +148,20 @@ def model_from_options(
     model = build_model(model_size, ov, device)
     desc = f"fresh {model_size} preset" + (f" with {ov}" if ov else "")
     return LoadedModel(model, desc)
+
+
+def model_under_test(
+    model: Any,
+    model_size: str,
+    overrides: list[str] | dict[str, Any] | None,
+    checkpoint: str | None,
+    device: torch.device,
+) -> LoadedModel:
+    """``model`` moved to ``device`` when a caller passes the object itself (tests plant faults this
+    way), else what the options name (:func:`model_from_options`)."""
+    if model is None:
+        return model_from_options(model_size, overrides, checkpoint, device)
+    return LoadedModel(model.to(device), "model object")
 
 
 # --- data ------------------------------------------------------------------------------------

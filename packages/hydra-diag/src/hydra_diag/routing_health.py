@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hydra_diag.loading import batches_for, model_from_options, pick_device
+from hydra_diag.loading import batches_for, model_under_test, pick_device
 from hydra_diag.output import Progress, no_progress
 from hydra_diag.router_probe import RouterProbe, restore_buffers, snapshot_buffers
 
@@ -243,11 +243,8 @@ def routing_health(
     torch.manual_seed(seed)
     dev = pick_device(device)
     progress("loading the model")
-    if model is None:
-        loaded = model_from_options(model_size, overrides, checkpoint, dev)
-        model, source, train_cfg = loaded.model, loaded.source, loaded.train_config
-    else:
-        model, source, train_cfg = model.to(dev), "model object", {}
+    loaded = model_under_test(model, model_size, overrides, checkpoint, dev)
+    model, source, train_cfg = loaded.model, loaded.source, loaded.train_config
     cfg = model.config
     seq_len = min(seq_len, cfg.max_seq_len)
     progress("reading batches")

@@ -6,7 +6,7 @@ upward. Nothing here imports torch, so ``--help`` stays fast.
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -50,6 +50,43 @@ def add_version_option(app: typer.Typer, dist_name: str, version: str) -> None:
         ] = False,
     ) -> None:
         pass
+
+
+def opt(*names: str, help: str, **kw: Any) -> Any:
+    """A Typer option under Typer's kebab-case spelling (printed first) and the seed documents'
+    underscore one: ``opt("--max_steps", ...)`` takes ``--max-steps`` and ``--max_steps``."""
+    spellings: list[str] = []
+    for n in names:
+        for s in (n.replace("_", "-"), n):
+            if s not in spellings:
+                spellings.append(s)
+    return typer.Option(*spellings, help=help, **kw)
+
+
+class AssignmentError(ValueError):
+    """An item of a FIELD=VALUE option without the ``=``; ``item`` is the offending text."""
+
+    def __init__(self, item: str) -> None:
+        super().__init__(f"{item!r} is not FIELD=VALUE")
+        self.item = item
+
+
+def parse_assignments(items: Iterable[str] | None) -> dict[str, Any]:
+    """``["dim=64", "moe_enabled=True", "mor_routing=token_choice"]`` → ``{"dim": 64,
+    "moe_enabled": True, "mor_routing": "token_choice"}``: each value read as JSON (true, false and
+    null in any letter case, so ``False`` is not the truthy string "False"), else kept as text.
+    An item without ``=`` raises :class:`AssignmentError`; callers word the message for their flag."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise AssignmentError(item)
+        key, raw = item.split("=", 1)
+        literal = raw.lower()
+        try:
+            out[key.strip()] = json.loads(literal if literal in ("true", "false", "null") else raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw  # a bare string such as token_choice
+    return out
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:

@@ -1,6 +1,5 @@
 """The `hydra-model` command line: sizes, info, generate."""
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -8,7 +7,16 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from hydra_kernels.cli_support import add_version_option, console, emit_json, err_console, fail, new_app
+from hydra_kernels.cli_support import (
+    AssignmentError,
+    add_version_option,
+    console,
+    emit_json,
+    err_console,
+    fail,
+    new_app,
+    parse_assignments,
+)
 from hydra_model import __version__
 
 app = new_app("The HYDRA model: CCGQA attention with MoD/MoR/MoE routing, size presets, generation.")
@@ -21,17 +29,10 @@ SetOption = Annotated[
 
 
 def _parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            fail(f"--set {item!r} is not FIELD=VALUE (e.g. --set mod_capacity=0.5)", code=2)
-        key, raw = item.split("=", 1)
-        try:
-            value = json.loads(raw.lower() if raw.lower() in ("true", "false", "null") else raw)
-        except json.JSONDecodeError:
-            value = raw  # a bare string such as token_choice
-        out[key.strip()] = value
-    return out
+    try:
+        return parse_assignments(items)
+    except AssignmentError as exc:
+        fail(f"--set {exc.item!r} is not FIELD=VALUE (e.g. --set mod_capacity=0.5)", code=2)
 
 
 def _meta_model(model_size: str, overrides: dict[str, Any]):

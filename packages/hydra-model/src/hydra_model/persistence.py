@@ -61,7 +61,7 @@ def load_pretrained(
     return _materialise_buffers(model, torch.device(map_location))
 
 
-def _strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Remove wrappers' key prefixes: torch.compile's ``_orig_mod.``, DDP's ``module.``."""
     out = {}
     for key, value in state.items():
@@ -99,7 +99,7 @@ def load_checkpoint_file(
     config = HydraConfig.from_dict(config_dict)
     with torch.device("meta"):
         model = cls(config)
-    model.load_state_dict(_strip_prefixes(blob["model"]), strict=True, assign=True)
+    model.load_state_dict(strip_wrapper_prefixes(blob["model"]), strict=True, assign=True)
     return _materialise_buffers(model, torch.device(map_location))
 
 

@@ -24,10 +24,8 @@ one; a leftover ``.tmp`` is ignored by :func:`find_resume_checkpoint`.
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hydra_train.atomic_files import atomic_write, fsync_dir
 from hydra_train.errors import HydraCheckpointError, short_error
 
 FORMAT = "hydra-train-checkpoint"
@@ -53,32 +52,11 @@ def final_name(model_id: str) -> str:
     return f"hydra_{model_id}_final.pt"
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(payload: dict[str, Any], path: str | Path) -> Path:
     """Write ``payload`` to ``path`` atomically (see the module docstring)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    atomic_write(path, lambda f: torch.save(payload, f))
+    fsync_dir(path.parent)
     return path
 
 

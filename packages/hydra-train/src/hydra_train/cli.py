@@ -5,21 +5,36 @@ Every option accepts the seed documents' underscore spelling and Typer's kebab-c
 (``--max_steps`` and ``--max-steps``). Nothing heavy is imported until a command runs.
 """
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 from hydra_kernels.cli_support import add_version_option, console, emit_json, err_console, fail, new_app
+from hydra_kernels.cli_support import opt as _opt
 from hydra_train import __version__
 from hydra_train.cli_options import (
+    BatchSize,
     BlockKV,
     BlockQ,
+    CheckpointDir,
+    CheckpointEvery,
+    ChunkedCe,
+    Compile,
     CompileScope,
+    CpuThreads,
+    Device,
     DropThreshold,
+    EightBitAdam,
     Fp8Format,
     Fp8Scaling,
+    GradAccum,
     GraphWarmup,
+    Lr,
+    ModelOverride,
+    ModelSize,
+    Moe,
     NumWarps,
+    Precision,
+    PrefetchThreads,
     PretestSteps,
     PretestWarmup,
     SafeBlackwell,
@@ -27,84 +42,50 @@ from hydra_train.cli_options import (
     SafeFa3,
     SafeFp8,
     SafetyWindow,
+    Seed,
+    SeqLen,
     SkipPretest,
     SpikeThreshold,
-    safe_opts_config,
+    StaticRouting,
+    TritonKernels,
+    VocabSize,
+    parse_model_overrides,
 )
-from hydra_train.cli_options import opt as _opt
 
 app = new_app("Train HYDRA models: hydra-train run, pretests, metrics database.")
 add_version_option(app, "hydra-train", __version__)
 
 
-def _parse_overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            fail(f"--model_override {item!r}: expected FIELD=VALUE, e.g. dim=128", code=2)
-        k, v = item.split("=", 1)
-        try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = v
-    return out
-
-
-#: Help text of each `run` option (kept here so the signature stays readable).
+#: Help text of the options only `run` takes (kept here so the signature stays readable); the ones
+#: `run` and `pretest` share are types in cli_options.
 H = {
-    "model_size": (
-        "Model preset: tiny, debug, 100M, 250M, 500M, 1B, or auto (tiny on CPU; by GPU memory on CUDA)."
-    ),
     "mode": (
         "testing: defaults for a run of minutes; production: long-run defaults (100k steps, eval/save "
         "every 1000)."
     ),
     "max_steps": "Optimizer steps to train (default: by device and mode; 400 on CPU).",
-    "batch_size": "Sequences per micro-batch per GPU/process.",
-    "seq_len": "Tokens per sequence (row-shaped data fixes it itself).",
-    "grad_accum": "Micro-batches accumulated per optimizer step.",
-    "lr": "Peak learning rate (default by preset: tiny 3e-3 ... 1B 3e-4).",
     "lr_schedule": "cosine (warmup + cosine) or wsd (warmup-stable-decay).",
     "warmup_steps": "Linear warmup steps (default 5% of max_steps, at most 1000).",
     "min_lr_ratio": "Final learning rate as a fraction of the peak.",
     "wsd_decay_frac": "wsd: fraction of the steps spent decaying at the end.",
     "weight_decay": "AdamW weight decay (matrices only).",
     "grad_clip": "Clip the global gradient norm to this (0: no clipping).",
-    "eight_bit_adam": (
-        "bitsandbytes AdamW8bit; with a message, fused AdamW when bitsandbytes is missing or unusable."
-    ),
-    "checkpoint_every": "Activation checkpointing every N blocks (0: off). Saves memory, costs a recompute.",
     "save_every": "Write a checkpoint every N steps.",
     "keep_checkpoints": "Keep the last K step checkpoints (0: all); the final one is always kept.",
-    "checkpoint_dir": "Where checkpoints, training.db and run artifacts go.",
     "resume": "Continue from the newest valid checkpoint in --checkpoint_dir.",
-    "triton_kernels": "Use hydra-kernels' fused Triton ops (otherwise the PyTorch references).",
-    "chunked_ce": "Loss via hydra_kernels.linear_cross_entropy: no full [tokens, vocab] logits.",
     "dataset": (
         "stdlib / stdlib-full (embedded), a name under $HYDRA_DATA_ROOT, or a path to shards (.bin .pt "
         ".jsonl .txt)."
     ),
     "tokenizer": "tokenizer.json for .jsonl/.txt data (default: one in the data folder).",
-    "vocab_size": "Vocabulary size (embedded corpus: of the BPE built for it; 4096 on CPU, 32000 on GPU).",
-    "moe": "Mixture-of-Experts FFNs instead of the dense MLP.",
     "moe_num_experts": "Experts per MoE layer.",
-    "static_routing_mode": (
-        "Soft routing: every token through every block (fixed shapes, CUDA-graph friendly)."
-    ),
-    "compile": "torch.compile the model.",
     "eval_every": "Validation every N steps (also at the start and the end).",
     "eval_batches": "Validation batches per evaluation.",
     "log_every": "Read losses, write the database and the progress every N steps.",
-    "seed": "Seed for initialisation and data order.",
-    "precision": "auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32.",
-    "device": "auto, cpu, cuda or cuda:N.",
-    "cpu_threads": "CPU training: intra-op threads (default: the cores the load average leaves idle).",
     "fsdp": "Shard parameters, gradients and optimizer state with FSDP2 (under torchrun).",
-    "prefetch_threads": "Threads building batches ahead of the trainer (0: inline).",
     "prefetch_buffer_size": "Batches built ahead.",
     "tensorboard": "Also log scalars to TensorBoard (run folder).",
     "wandb": "Also log to Weights & Biases (offline unless WANDB_MODE says otherwise).",
-    "model_override": "Set any HydraConfig field, FIELD=VALUE (repeatable), e.g. dim=128.",
     "json_out": "Print the final summary as JSON instead of a table.",
     "start": "First step to show.",
     "limit": "At most this many rows, evenly spaced (0: all).",
@@ -113,49 +94,47 @@ H = {
 
 @app.command("run")
 def run(
-    model_size: Annotated[str, _opt("--model_size", help=H["model_size"])] = "auto",
+    model_size: ModelSize = "auto",
     mode: Annotated[str, _opt("--mode", help=H["mode"])] = "testing",
     max_steps: Annotated[int | None, _opt("--max_steps", help=H["max_steps"])] = None,
-    batch_size: Annotated[int | None, _opt("--batch_size", help=H["batch_size"])] = None,
-    seq_len: Annotated[int | None, _opt("--seq_len", help=H["seq_len"])] = None,
-    grad_accum: Annotated[int, _opt("--grad_accum", help=H["grad_accum"])] = 1,
-    lr: Annotated[float | None, _opt("--lr", help=H["lr"])] = None,
+    batch_size: BatchSize = None,
+    seq_len: SeqLen = None,
+    grad_accum: GradAccum = 1,
+    lr: Lr = None,
     lr_schedule: Annotated[str, _opt("--lr_schedule", "--schedule", help=H["lr_schedule"])] = "cosine",
     warmup_steps: Annotated[int | None, _opt("--warmup_steps", help=H["warmup_steps"])] = None,
     min_lr_ratio: Annotated[float, _opt("--min_lr_ratio", help=H["min_lr_ratio"])] = 0.1,
     wsd_decay_frac: Annotated[float, _opt("--wsd_decay_frac", help=H["wsd_decay_frac"])] = 0.2,
     weight_decay: Annotated[float, _opt("--weight_decay", help=H["weight_decay"])] = 0.1,
     grad_clip: Annotated[float, _opt("--grad_clip", help=H["grad_clip"])] = 1.0,
-    eight_bit_adam: Annotated[bool, _opt("--8bit_adam", help=H["eight_bit_adam"])] = False,
-    checkpoint_every: Annotated[int, _opt("--checkpoint_every", help=H["checkpoint_every"])] = 0,
+    eight_bit_adam: EightBitAdam = False,
+    checkpoint_every: CheckpointEvery = 0,
     save_every: Annotated[int | None, _opt("--save_every", help=H["save_every"])] = None,
     keep_checkpoints: Annotated[int, _opt("--keep_checkpoints", help=H["keep_checkpoints"])] = 3,
-    checkpoint_dir: Annotated[str, _opt("--checkpoint_dir", help=H["checkpoint_dir"])] = "checkpoints",
+    checkpoint_dir: CheckpointDir = "checkpoints",
     resume: Annotated[bool, _opt("--resume", help=H["resume"])] = False,
-    triton_kernels: Annotated[bool, _opt("--triton_kernels", help=H["triton_kernels"])] = False,
-    chunked_ce: Annotated[bool, _opt("--chunked_ce", help=H["chunked_ce"])] = False,
+    triton_kernels: TritonKernels = False,
+    chunked_ce: ChunkedCe = False,
     dataset: Annotated[str, _opt("--dataset", help=H["dataset"])] = "auto",
     tokenizer: Annotated[str | None, _opt("--tokenizer", help=H["tokenizer"])] = None,
-    vocab_size: Annotated[int | None, _opt("--vocab_size", help=H["vocab_size"])] = None,
-    moe: Annotated[bool, _opt("--moe", help=H["moe"])] = False,
+    vocab_size: VocabSize = None,
+    moe: Moe = False,
     moe_num_experts: Annotated[int, _opt("--moe_num_experts", help=H["moe_num_experts"])] = 4,
-    static_routing_mode: Annotated[
-        bool, _opt("--static_routing_mode", help=H["static_routing_mode"])
-    ] = False,
-    compile: Annotated[bool, _opt("--compile", help=H["compile"])] = False,
+    static_routing_mode: StaticRouting = False,
+    compile: Compile = False,
     eval_every: Annotated[int | None, _opt("--eval_every", help=H["eval_every"])] = None,
     eval_batches: Annotated[int, _opt("--eval_batches", help=H["eval_batches"])] = 8,
     log_every: Annotated[int | None, _opt("--log_every", help=H["log_every"])] = None,
-    seed: Annotated[int, _opt("--seed", help=H["seed"])] = 1337,
-    precision: Annotated[str, _opt("--precision", help=H["precision"])] = "auto",
-    device: Annotated[str, _opt("--device", help=H["device"])] = "auto",
-    cpu_threads: Annotated[int | None, _opt("--cpu_threads", help=H["cpu_threads"])] = None,
+    seed: Seed = 1337,
+    precision: Precision = "auto",
+    device: Device = "auto",
+    cpu_threads: CpuThreads = None,
     fsdp: Annotated[bool, _opt("--fsdp", help=H["fsdp"])] = False,
-    prefetch_threads: Annotated[int, _opt("--experimental_prefetch_threads", help=H["prefetch_threads"])] = 4,
+    prefetch_threads: PrefetchThreads = 4,
     prefetch_buffer_size: Annotated[int, _opt("--prefetch_buffer_size", help=H["prefetch_buffer_size"])] = 8,
     tensorboard: Annotated[bool, _opt("--tensorboard", help=H["tensorboard"])] = False,
     wandb: Annotated[bool, _opt("--wandb", help=H["wandb"])] = False,
-    model_override: Annotated[list[str] | None, _opt("--model_override", help=H["model_override"])] = None,
+    model_override: ModelOverride = None,
     json_out: Annotated[bool, _opt("--json", help=H["json_out"])] = False,
     experimental_fa3: SafeFa3 = True,
     experimental_cuda_graphs: SafeCudaGraphs = True,
@@ -224,27 +203,25 @@ def run(
         prefetch_buffer_size=prefetch_buffer_size,
         tensorboard=tensorboard,
         wandb=wandb,
-        model_overrides=_parse_overrides(model_override or []),
+        model_overrides=parse_model_overrides(model_override),
         progress=not json_out,
-        **safe_opts_config(
-            experimental_fa3=experimental_fa3,
-            experimental_cuda_graphs=experimental_cuda_graphs,
-            cuda_graphs_warmup=cuda_graphs_warmup,
-            experimental_blackwell_tuning=experimental_blackwell_tuning,
-            triton_block_q=triton_block_q,
-            triton_block_kv=triton_block_kv,
-            triton_num_warps=triton_num_warps,
-            experimental_fp8=experimental_fp8,
-            fp8_format=fp8_format,
-            fp8_scaling=fp8_scaling,
-            compile_scope=compile_scope,
-            experimental_safety_window=experimental_safety_window,
-            experimental_loss_spike_threshold=experimental_loss_spike_threshold,
-            experimental_throughput_drop_threshold=experimental_throughput_drop_threshold,
-            experimental_skip_pretest=experimental_skip_pretest,
-            pretest_warmup_steps=pretest_warmup_steps,
-            pretest_steps=pretest_steps,
-        ),
+        experimental_fa3=experimental_fa3,
+        experimental_cuda_graphs=experimental_cuda_graphs,
+        cuda_graphs_warmup=cuda_graphs_warmup,
+        experimental_blackwell_tuning=experimental_blackwell_tuning,
+        triton_block_q=triton_block_q,
+        triton_block_kv=triton_block_kv,
+        triton_num_warps=triton_num_warps,
+        experimental_fp8=experimental_fp8,
+        fp8_format=fp8_format,
+        fp8_scaling=fp8_scaling,
+        compile_scope=compile_scope,
+        experimental_safety_window=experimental_safety_window,
+        experimental_loss_spike_threshold=experimental_loss_spike_threshold,
+        experimental_throughput_drop_threshold=experimental_throughput_drop_threshold,
+        experimental_skip_pretest=experimental_skip_pretest,
+        pretest_warmup_steps=pretest_warmup_steps,
+        pretest_steps=pretest_steps,
     )
     try:
         summary = run_training(cfg, console=err_console if json_out else console)

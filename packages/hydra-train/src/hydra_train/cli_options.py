@@ -1,23 +1,17 @@
-"""Options shared by ``hydra-train run`` and ``hydra-train pretest``: the SafeOptimizations flags.
+"""Options shared by ``hydra-train run`` and ``hydra-train pretest``: the model, batch and device
+options both take, and the SafeOptimizations flags.
 
-Each flag takes the seeds' underscore spelling and Typer's kebab-case; booleans that default on
-also take ``--no-...`` in both spellings (``--no-experimental_fa3``, ``--no-experimental-fa3``).
-No ``from __future__ import annotations`` here: Typer reads these annotations at run time.
+Each flag takes the seeds' underscore spelling and Typer's kebab-case (``opt`` from cli_support);
+booleans that default on also take ``--no-...`` in both spellings (``--no-experimental_fa3``,
+``--no-experimental-fa3``). No ``from __future__ import annotations`` here: Typer reads these
+annotations at run time.
 """
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-
-def opt(*names: str, help: str, **kw):
-    """An option under both spellings: the kebab-case one Typer prints first, then the seed's."""
-    spellings: list[str] = []
-    for n in names:
-        for s in (n.replace("_", "-"), n):
-            if s not in spellings:
-                spellings.append(s)
-    return typer.Option(*spellings, help=help, **kw)
+from hydra_kernels.cli_support import AssignmentError, fail, opt, parse_assignments
 
 
 def switch(name: str, help: str):
@@ -26,6 +20,93 @@ def switch(name: str, help: str):
     return typer.Option(f"--{kebab}/--no-{kebab}", f"--{name}/--no-{name}", help=help)
 
 
+def parse_model_overrides(items: list[str] | None) -> dict[str, Any]:
+    """``--model_override FIELD=VALUE`` items as a dict; an item without ``=`` is a usage error."""
+    try:
+        return parse_assignments(items)
+    except AssignmentError as exc:
+        fail(f"--model_override {exc.item!r}: expected FIELD=VALUE, e.g. dim=128", code=2)
+
+
+# --- the model, batch and device options of both commands -----------------------------------------
+ModelSize = Annotated[
+    str,
+    opt(
+        "--model_size",
+        help="Model preset: tiny, debug, 100M, 250M, 500M, 1B, or auto (tiny on CPU; by GPU memory on CUDA).",
+    ),
+]
+BatchSize = Annotated[int | None, opt("--batch_size", help="Sequences per micro-batch per GPU/process.")]
+SeqLen = Annotated[
+    int | None, opt("--seq_len", help="Tokens per sequence (row-shaped data fixes it itself).")
+]
+GradAccum = Annotated[int, opt("--grad_accum", help="Micro-batches accumulated per optimizer step.")]
+Lr = Annotated[
+    float | None, opt("--lr", help="Peak learning rate (default by preset: tiny 3e-3 ... 1B 3e-4).")
+]
+Precision = Annotated[
+    str, opt("--precision", help="auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32.")
+]
+Device = Annotated[str, opt("--device", help="auto, cpu, cuda or cuda:N.")]
+Seed = Annotated[int, opt("--seed", help="Seed for initialisation and data order.")]
+VocabSize = Annotated[
+    int | None,
+    opt(
+        "--vocab_size",
+        help="Vocabulary size (embedded corpus: of the BPE built for it; 4096 on CPU, 32000 on GPU).",
+    ),
+]
+Moe = Annotated[bool, opt("--moe", help="Mixture-of-Experts FFNs instead of the dense MLP.")]
+StaticRouting = Annotated[
+    bool,
+    opt(
+        "--static_routing_mode",
+        help="Soft routing: every token through every block (fixed shapes, CUDA-graph friendly).",
+    ),
+]
+ChunkedCe = Annotated[
+    bool,
+    opt("--chunked_ce", help="Loss via hydra_kernels.linear_cross_entropy: no full [tokens, vocab] logits."),
+]
+CheckpointEvery = Annotated[
+    int,
+    opt(
+        "--checkpoint_every",
+        help="Activation checkpointing every N blocks (0: off). Saves memory, costs a recompute.",
+    ),
+]
+TritonKernels = Annotated[
+    bool,
+    opt("--triton_kernels", help="Use hydra-kernels' fused Triton ops (otherwise the PyTorch references)."),
+]
+Compile = Annotated[bool, opt("--compile", help="torch.compile the model.")]
+EightBitAdam = Annotated[
+    bool,
+    opt(
+        "--8bit_adam",
+        help="bitsandbytes AdamW8bit; with a message, fused AdamW when bitsandbytes is missing or unusable.",
+    ),
+]
+PrefetchThreads = Annotated[
+    int,
+    opt("--experimental_prefetch_threads", help="Threads building batches ahead of the trainer (0: inline)."),
+]
+ModelOverride = Annotated[
+    list[str] | None,
+    opt("--model_override", help="Set any HydraConfig field, FIELD=VALUE (repeatable), e.g. dim=128."),
+]
+CheckpointDir = Annotated[
+    str, opt("--checkpoint_dir", help="Where checkpoints, training.db and run artifacts go.")
+]
+CpuThreads = Annotated[
+    int | None,
+    opt(
+        "--cpu_threads",
+        help="CPU training: intra-op threads (default: the cores the load average leaves idle).",
+    ),
+]
+
+# --- SafeOptimizations ----------------------------------------------------------------------------
 SafeFa3 = Annotated[
     bool,
     switch(
@@ -97,27 +178,3 @@ PretestWarmup = Annotated[
     int, opt("--pretest_warmup_steps", help="Pretests: untimed steps per arm (compilation, capture).")
 ]
 PretestSteps = Annotated[int, opt("--pretest_steps", help="Pretests: timed steps per arm.")]
-
-
-def safe_opts_config(
-    *,
-    experimental_fa3: bool,
-    experimental_cuda_graphs: bool,
-    cuda_graphs_warmup: int,
-    experimental_blackwell_tuning: bool,
-    triton_block_q: int | None,
-    triton_block_kv: int | None,
-    triton_num_warps: int | None,
-    experimental_fp8: bool,
-    fp8_format: str,
-    fp8_scaling: str,
-    compile_scope: str,
-    experimental_safety_window: int,
-    experimental_loss_spike_threshold: float,
-    experimental_throughput_drop_threshold: float,
-    experimental_skip_pretest: bool,
-    pretest_warmup_steps: int,
-    pretest_steps: int,
-) -> dict:
-    """The TrainConfig fields of these options (keyword-only, so a caller cannot mix them up)."""
-    return dict(locals())

@@ -317,7 +317,7 @@ class TrainingDB:
 
     def export_run(self, run_id: str, path: str | Path) -> Path:
         """Everything the database holds about ``run_id``, as ``diagnostics_{run_id}.json``."""
-        from hydra_train.tokenizer import atomic_write_bytes
+        from hydra_train.atomic_files import atomic_write_bytes
 
         self.commit()
         run = self.query("SELECT * FROM runs WHERE run_id=?", [run_id])

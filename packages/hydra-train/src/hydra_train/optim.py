@@ -20,9 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from hydra_train.config import TrainConfig
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -111,6 +114,30 @@ class LRSchedule:
         self.min_ratio, self.decay_frac = float(min_lr_ratio), float(decay_frac)
         self.step_count = int(step)
         self.attach(optimizer)
+
+    @classmethod
+    def from_config(cls, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> LRSchedule:
+        """The schedule a resolved TrainConfig asks for (--lr_schedule, --warmup_steps, ...), at step 0."""
+        return cls(
+            optimizer,
+            kind=cfg.lr_schedule,
+            max_steps=cfg.max_steps,
+            warmup_steps=cfg.warmup_steps,
+            min_lr_ratio=cfg.min_lr_ratio,
+            decay_frac=cfg.wsd_decay_frac,
+        )
+
+    def fork(self) -> LRSchedule:
+        """An independent schedule with the same settings and position, driving the same optimizer."""
+        return LRSchedule(
+            self.optimizer,
+            kind=self.kind,
+            max_steps=self.max_steps,
+            warmup_steps=self.warmup,
+            min_lr_ratio=self.min_ratio,
+            decay_frac=self.decay_frac,
+            step=self.step_count,
+        )
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Drive ``optimizer`` (a replacement optimizer keeps the schedule's position)."""

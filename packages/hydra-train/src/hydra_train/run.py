@@ -14,6 +14,7 @@ import random
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,27 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def preset_vocab_size(model_size: str) -> int:
+    """The vocabulary the preset defines (HydraConfig's default when it names none): what the data
+    is tokenized to when --vocab_size is not given."""
+    from hydra_model import MODEL_PRESETS, HydraConfig
+
+    return MODEL_PRESETS.get(model_size, {}).get("vocab_size", HydraConfig.vocab_size)
+
+
+def load_run_data(cfg: TrainConfig, log: Callable[[str], None]) -> Any:
+    """The data ``cfg`` names (--dataset, --seq_len, --tokenizer), tokenized to --vocab_size or,
+    without one, to the preset's vocabulary."""
+    return load_data(
+        cfg.dataset,
+        seq_len=cfg.seq_len,
+        vocab_size=cfg.vocab_size,
+        default_vocab=preset_vocab_size(cfg.model_size),
+        tokenizer=cfg.tokenizer,
+        log=log,
+    )
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
@@ -182,32 +204,12 @@ def _run(
     import hydra_kernels
 
     hydra_kernels.set_use_triton_kernels(cfg.triton_kernels)
-    from hydra_model import MODEL_PRESETS, HydraConfig
 
-    default_vocab = MODEL_PRESETS.get(cfg.model_size, {}).get(
-        "vocab_size", HydraConfig.__dataclass_fields__["vocab_size"].default
-    )
     # rank 0 builds any cache first; the others then read it
-    data = None
-    if main:
-        data = load_data(
-            cfg.dataset,
-            seq_len=cfg.seq_len,
-            vocab_size=cfg.vocab_size,
-            default_vocab=default_vocab,
-            tokenizer=cfg.tokenizer,
-            log=log,
-        )
+    data = load_run_data(cfg, log) if main else None
     barrier(dist_info)
     if not main:
-        data = load_data(
-            cfg.dataset,
-            seq_len=cfg.seq_len,
-            vocab_size=cfg.vocab_size,
-            default_vocab=default_vocab,
-            tokenizer=cfg.tokenizer,
-            log=lambda m: None,
-        )
+        data = load_run_data(cfg, lambda m: None)
     cfg = cfg.replace(seq_len=data.seq_len, vocab_size=data.vocab_size)
     log(f"data: {data.description}")
 
@@ -237,14 +239,7 @@ def _run(
         eight_bit=False,  # --8bit_adam is SafeOptimizations' to pretest and switch (state carried over)
         log=lambda m: console.print(f"[yellow]{m}[/]") if main else None,
     )
-    schedule = LRSchedule(
-        choice.optimizer,
-        kind=cfg.lr_schedule,
-        max_steps=cfg.max_steps,
-        warmup_steps=cfg.warmup_steps,
-        min_lr_ratio=cfg.min_lr_ratio,
-        decay_frac=cfg.wsd_decay_frac,
-    )
+    schedule = LRSchedule.from_config(choice.optimizer, cfg)
     plan = BatchPlan(
         data.train, cfg.batch_size, seed=cfg.seed, rank=dist_info.rank, world_size=dist_info.world_size
     )

@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hydra_train.atomic_files import atomic_write_bytes
 from hydra_train.errors import HydraDataError, short_error
-from hydra_train.tokenizer import atomic_write_bytes, encode_documents
+from hydra_train.tokenizer import encode_documents
 
 MAGIC = b"HYDRATOK"
 HEADER = struct.Struct("<8sIIQq")  # 32 bytes

@@ -10,32 +10,16 @@ document so that the model sees where one file ends and the next begins.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from hydra_train.atomic_files import atomic_write_bytes
 from hydra_train.errors import HydraDataError
 
 EOS_TOKEN = "<|endoftext|>"
 TRAIN_SUBSET_CHARS = 4_000_000
 MIN_VOCAB = 300  # 256 byte symbols, the special token and a few merges
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def train_bpe(texts: list[str], vocab_size: int):

@@ -73,6 +73,32 @@ class StepResult:
     finite: torch.Tensor
 
 
+class LossSums:
+    """Running sums of the detached fp32 losses (total, CE, each auxiliary term) of one step's
+    micro-batches; the eager step and the CUDA-graph body both accumulate through this."""
+
+    def __init__(self) -> None:
+        self.loss: torch.Tensor | None = None
+        self.ce: torch.Tensor | None = None
+        self.aux: dict[str, torch.Tensor] = {}
+
+    def add(self, out: Any, loss_scale: torch.Tensor | None = None) -> None:
+        """Add one forward's losses; ``loss_scale`` multiplies the total (the fault injector's poison)."""
+        loss = out.loss.detach().float()
+        if loss_scale is not None:
+            loss = loss * loss_scale
+        ce = out.ce_loss.detach().float()
+        self.loss = loss if self.loss is None else self.loss + loss
+        self.ce = ce if self.ce is None else self.ce + ce
+        for k, v in out.aux_losses.items():
+            v = v.detach().float()
+            self.aux[k] = v if k not in self.aux else self.aux[k] + v
+
+    def means(self, n: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, CE, auxiliary terms) averaged over ``n`` micro-batches."""
+        return self.loss / n, self.ce / n, {k: v / n for k, v in self.aux.items()}
+
+
 @dataclass
 class LoopState:
     step: int = 0  # optimizer steps done (applied or skipped)
@@ -157,29 +183,22 @@ class Trainer:
 
     def eager_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         n = len(batches)
-        loss_sum = ce_sum = None
-        aux_sum: dict[str, torch.Tensor] = {}
+        sums = LossSums()
         for i, (x, y) in enumerate(batches):
             with grad_sync(self.wrapped, enabled=i == n - 1):
                 with self.autocast():
                     out = self.forward_model(x, y)
                 (out.loss / n).backward()
-            loss = out.loss.detach().float()
-            ce = out.ce_loss.detach().float()
-            loss_sum = loss if loss_sum is None else loss_sum + loss
-            ce_sum = ce if ce_sum is None else ce_sum + ce
-            for k, v in out.aux_losses.items():
-                v = v.detach().float()
-                aux_sum[k] = v if k not in aux_sum else aux_sum[k] + v
+            sums.add(out)
         self.callbacks.call("on_after_backward", self.step + 1, self.model)
         grad_norm = self._grad_norm()
-        loss_mean = loss_sum / n
+        loss_mean, ce_mean, aux_mean = sums.means(n)
         finite = torch.isfinite(grad_norm)
         if not self.dist.enabled:  # ranks decide from the synchronised gradients only, so they agree
             finite = finite & torch.isfinite(loss_mean)
         self.apply_if_finite(finite)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_mean, ce_sum / n, {k: v / n for k, v in aux_sum.items()}, grad_norm, finite)
+        return StepResult(loss_mean, ce_mean, aux_mean, grad_norm, finite)
 
     def _grad_norm(self) -> torch.Tensor:
         grads = [p.grad for p in self.params if p.grad is not None]

@@ -21,6 +21,8 @@ the public function picks it when :func:`compiling` is false.
 - :func:`persistent_grid` — (programs, row blocks per program) for a persistent-style grid.
 - :func:`device_guard` — makes a tensor's CUDA device current for a launch: Triton launches on
   the current device, which need not be the one holding the tensors (a no-op when it already is).
+- :func:`upcast` and :data:`KERNEL_DTYPES` — the references' compute dtype and the dtypes the
+  kernels take.
 - :func:`cdiv`, :func:`next_power_of_2` — host-side integer helpers. Triton 3.6's functions of
   those names are ``constexpr_function`` objects whose every call from Python goes through a
   wrapper costing microseconds; a launcher calls them several times per op call.
@@ -49,6 +51,9 @@ WidthTables = tuple[tuple[int, Mapping[str, LaunchConfig]], ...]
 
 T = TypeVar("T")
 
+#: Dtypes the Triton kernels take (fp32 math inside); fp64 runs the PyTorch references in fp64.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 #: "SM count" used for grids on the CPU (Triton interpreter): small, so that tests with a few
 #: hundred rows still give each program several row blocks and exercise the loop tails.
 INTERPRETER_SM_COUNT = 4
@@ -68,6 +73,11 @@ def to_output_dtype(v, dtype: tl.constexpr):
         return tl.where(v != v, v.to(dtype), rounded)  # keep NaN a NaN
     else:
         return v.to(dtype)
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for half types, unchanged for fp32/fp64 (so an fp64 reference really is fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -47,14 +47,12 @@ import torch.nn.functional as F
 
 from hydra_kernels import controls
 from hydra_kernels.ops import _linear_ce_kernels as K
-from hydra_kernels.ops._custom_op import compiling, eager_autograd_function, run_with_fallback
+from hydra_kernels.ops._custom_op import KERNEL_DTYPES, compiling, eager_autograd_function, run_with_fallback
 from hydra_kernels.ops._linear_ce_chunks import LinearCEOptions, acc_dtype_for, chunked_pass
 from hydra_kernels.ops._linear_ce_liger import liger_linear_cross_entropy
 
 OP = "linear_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
-#: Dtypes the Triton path takes; fp64 runs the chunked PyTorch path in fp64.
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # --- options ---------------------------------------------------------------------------------

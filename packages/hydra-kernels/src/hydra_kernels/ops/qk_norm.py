@@ -38,6 +38,7 @@ from hydra_kernels.ops._custom_op import (
     persistent_grid,
     run_with_fallback,
     to_output_dtype,
+    upcast,
 )
 from hydra_kernels.ops._launch import LaunchPlan, empty_like_contiguous, plan_cache
 
@@ -72,18 +73,13 @@ BWD_PROGRAMS_PER_SM: dict[str, int] = {"blackwell": 4, "hopper": 4, "ampere": 4,
 # --- PyTorch references --------------------------------------------------------------------------
 
 
-def _upcast(t: torch.Tensor) -> torch.Tensor:
-    """fp32 for half types, unchanged for fp32/fp64 (so an fp64 run really is fp64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def qk_norm_ref(x: torch.Tensor, scale: float, temperature: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: ``x`` is [..., H, D]; fp32 norms (fp64 for fp64 x); ``temperature`` is [H] or None."""
-    xf = _upcast(x)
+    xf = upcast(x)
     inv = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True).clamp_min(NORM_EPS * NORM_EPS))
     y = xf * inv * scale
     if temperature is not None:
-        y = y * _upcast(temperature).exp().unsqueeze(-1)
+        y = y * upcast(temperature).exp().unsqueeze(-1)
     return y.to(x.dtype)
 
 
@@ -92,12 +88,12 @@ def qk_norm_backward_ref(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx, dtemperature or None) from the saved inputs, in fp32 (fp64 for fp64) PyTorch. Runs
     when the fused backward is switched off or fails."""
-    xf, dyf = _upcast(x), _upcast(dy)
+    xf, dyf = upcast(x), upcast(dy)
     sq = xf.pow(2).sum(-1, keepdim=True)
     inv = torch.rsqrt(sq.clamp_min(NORM_EPS * NORM_EPS))
     gain = inv * scale
     if temperature is not None:
-        gain = gain * _upcast(temperature).exp().unsqueeze(-1)
+        gain = gain * upcast(temperature).exp().unsqueeze(-1)
     dot = (dyf * xf).sum(-1, keepdim=True)
     # d/dx of 1/‖x‖ is −x/‖x‖³ where the clamp is inactive, zero where it holds.
     radial = torch.where(sq >= NORM_EPS * NORM_EPS, inv * inv * dot, torch.zeros_like(dot))

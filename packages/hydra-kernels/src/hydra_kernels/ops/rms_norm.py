@@ -48,6 +48,7 @@ from hydra_kernels.ops._custom_op import (
     next_power_of_2,
     persistent_grid,
     run_with_fallback,
+    upcast,
 )
 from hydra_kernels.ops._launch import LaunchPlan, empty_like_contiguous, plan_cache
 from hydra_kernels.ops._rms_norm_kernels import _dw_reduce_kernel, _rms_norm_bwd_kernel, _rms_norm_fwd_kernel
@@ -99,16 +100,11 @@ _REDUCE_BLOCK_C = 64
 # --- PyTorch references --------------------------------------------------------------------------
 
 
-def _upcast(t: torch.Tensor) -> torch.Tensor:
-    """fp32 for half types, unchanged for fp32/fp64 (so an fp64 run really is fp64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Reference RMSNorm over the last dim: fp32 statistics (fp64 for fp64 x), result in x's dtype."""
-    xf = _upcast(x)
+    xf = upcast(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * _upcast(weight)).to(x.dtype)
+    return (y * upcast(weight)).to(x.dtype)
 
 
 def fused_add_rms_norm_ref(
@@ -129,13 +125,13 @@ def rms_norm_backward_ref(
     """(dx, dW) of RMSNorm from the saved inputs, in fp32 (fp64 for fp64) PyTorch; ``dsum`` (a gradient that
     reaches x directly, e.g. the residual stream's) is added to dx. Runs when the fused backward
     is switched off or fails."""
-    xf, dyf = _upcast(x), _upcast(dy)
+    xf, dyf = upcast(x), upcast(dy)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     xhat = xf * rstd
-    g = dyf * _upcast(weight)
+    g = dyf * upcast(weight)
     dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
     if dsum is not None:
-        dx = dx + _upcast(dsum)
+        dx = dx + upcast(dsum)
     dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
     return dx.to(x.dtype), dw.to(weight.dtype)
 

@@ -19,6 +19,7 @@ import triton.language as tl
 from hydra_kernels.controls import triton_path
 from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
 from hydra_kernels.ops._custom_op import (
+    KERNEL_DTYPES,
     cdiv,
     compiling,
     device_guard,
@@ -37,9 +38,6 @@ LAUNCH_DEFAULTS: dict[str, LaunchConfig] = {
     "ampere": LaunchConfig(num_warps=4, num_stages=1, block_rows=16),
     "default": LaunchConfig(num_warps=4, num_stages=1, block_rows=16),
 }
-
-#: Dtypes of ``x`` the kernel handles (fp32 math inside). fp64 takes the reference.
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hydra_train.safe_opts.registry import Optimization
-from hydra_train.trainer import StepResult, supports_found_inf
+from hydra_train.trainer import LossSums, StepResult, supports_found_inf
 
 if TYPE_CHECKING:
     from hydra_train.trainer import Trainer
@@ -110,24 +110,17 @@ class GraphedStep:
     def _body(self) -> StepResult:
         tr = self.tr
         n = len(self.static_batches)
-        loss_sum = ce_sum = None
-        aux_sum: dict[str, torch.Tensor] = {}
+        sums = LossSums()
         for x, y in self.static_batches:
             with tr.autocast():
                 out = tr.forward_model(x, y)
             (out.loss * self.poison / n).backward()
-            loss = out.loss.detach().float() * self.poison
-            ce = out.ce_loss.detach().float()
-            loss_sum = loss if loss_sum is None else loss_sum + loss
-            ce_sum = ce if ce_sum is None else ce_sum + ce
-            for k, v in out.aux_losses.items():
-                v = v.detach().float()
-                aux_sum[k] = v if k not in aux_sum else aux_sum[k] + v
+            sums.add(out, loss_scale=self.poison)
         grad_norm = tr._grad_norm()
-        loss_mean = loss_sum / n
+        loss_mean, ce_mean, aux_mean = sums.means(n)
         finite = torch.isfinite(grad_norm) & torch.isfinite(loss_mean)
         tr.apply_if_finite(finite)
-        return StepResult(loss_mean, ce_sum / n, {k: v / n for k, v in aux_sum.items()}, grad_norm, finite)
+        return StepResult(loss_mean, ce_mean, aux_mean, grad_norm, finite)
 
     def _capture(self, batches: list) -> None:
         tr = self.tr

@@ -30,7 +30,6 @@ import torch
 
 from hydra_train.callbacks import CallbackList
 from hydra_train.checkpoint import capture_rng, restore_rng
-from hydra_train.optim import LRSchedule
 from hydra_train.prefetch import Prefetcher
 from hydra_train.safe_opts.faults import FaultInjector, PoisonHook, StepDispatcher
 from hydra_train.safe_opts.registry import Optimization
@@ -229,21 +228,11 @@ class PretestRunner:
     def _pretest_trainer(self) -> tuple[Trainer, PoisonHook]:
         real = self.tr
         hook = PoisonHook()
-        s = real.schedule
-        sched = LRSchedule(
-            real.optimizer,
-            kind=s.kind,
-            max_steps=s.max_steps,
-            warmup_steps=s.warmup,
-            min_lr_ratio=s.min_ratio,
-            decay_frac=s.decay_frac,
-            step=s.step_count,
-        )
         pt = Trainer(
             real.model,
             real.cfg,
             optimizer=real.optimizer,
-            schedule=sched,
+            schedule=real.schedule.fork(),
             loader=Prefetcher(self.make_batch, self.start, threads=0, device=self.device),
             val_batches=[],
             device=self.device,

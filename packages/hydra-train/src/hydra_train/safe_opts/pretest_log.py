@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hydra_train.atomic_files import atomic_write_bytes
 from hydra_train.config import TrainConfig
 
 HISTORY = "pretest_history.json"
@@ -114,17 +113,7 @@ def fingerprint(
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, json.dumps(data, indent=1, default=str).encode("utf-8"))
 
 
 def _read_list(path: Path) -> list[dict[str, Any]]:

@@ -60,12 +60,13 @@ def request_all(cfg: TrainConfig) -> TrainConfig:
 
 
 def build_trainer(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[Trainer, Callable, TrainConfig]:
-    from hydra_model import MODEL_PRESETS
     from hydra_train.run import (
         build_model,
         choose_cpu_threads,
         device_info,
+        load_run_data,
         pick_device,
+        preset_vocab_size,
         seed_everything,
     )
 
@@ -76,33 +77,18 @@ def build_trainer(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[Trainer
         torch.set_num_threads(choose_cpu_threads(cfg.cpu_threads)[0])
     seed_everything(cfg.seed)
     if random_data:
-        vocab = cfg.vocab_size or MODEL_PRESETS.get(cfg.model_size, {}).get("vocab_size", 32000)
+        vocab = cfg.vocab_size or preset_vocab_size(cfg.model_size)
         cfg = cfg.replace(dataset=RANDOM, vocab_size=vocab)
         make_batch: Callable = RandomBatches(cfg.batch_size, cfg.seq_len, vocab, cfg.seed)
     else:
-        from hydra_train.data_sources import load_data
         from hydra_train.dataset import BatchPlan
 
-        data = load_data(
-            cfg.dataset,
-            seq_len=cfg.seq_len,
-            vocab_size=cfg.vocab_size,
-            default_vocab=32000,
-            tokenizer=cfg.tokenizer,
-            log=log,
-        )
+        data = load_run_data(cfg, log)
         cfg = cfg.replace(seq_len=data.seq_len, vocab_size=data.vocab_size)
         make_batch = BatchPlan(data.train, cfg.batch_size, seed=cfg.seed).batch
     model = build_model(cfg, cfg.vocab_size, device)
     choice = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
-    schedule = LRSchedule(
-        choice.optimizer,
-        kind=cfg.lr_schedule,
-        max_steps=cfg.max_steps,
-        warmup_steps=cfg.warmup_steps,
-        min_lr_ratio=cfg.min_lr_ratio,
-        decay_frac=cfg.wsd_decay_frac,
-    )
+    schedule = LRSchedule.from_config(choice.optimizer, cfg)
     trainer = Trainer(
         model,
         cfg,
