@@ -144,6 +144,26 @@ def test_incoming_gradient_scaling_and_second_backward_raises():
         loss.backward()
 
 
+def test_loose_allowance_for_unknown_grad_scale_still_catches_a_wrong_gradient():
+    """grad_rounding_atol with a scale that is not a power of two counts both computations'
+    roundings of G (the op's and torch's); a gradient a few bf16 ulps off at one element, or one
+    accumulated in bf16 over chunks (what the fp32 accumulator exists to prevent) must still fail."""
+    h, w, y = _inputs(21)
+    g = 0.7
+    got = _run(linear_cross_entropy, h, w, y, torch.bfloat16, "sum", 1e-3, g)
+    same = _run(linear_cross_entropy_ref, h, w, y, torch.bfloat16, "sum", 1e-3, g)
+    ref = _run(linear_cross_entropy_ref, h, w, y, torch.float64, "sum", 1e-3, g)
+    _, loose_dw = grad_rounding_atol(h, w, y, torch.bfloat16, -100, "sum", 1e-3, torch.tensor(g))
+    assert _check(got[2], same[2], ref[2], loose_dw)
+    worst = int((loose_dw + fp32_noise_atol(ref[2])).argmax())
+    bad = got[2].clone()
+    bad.view(-1)[worst] += 8 * float((loose_dw + fp32_noise_atol(ref[2])).view(-1)[worst])
+    assert not _check(bad, same[2], ref[2], loose_dw)
+    set_linear_ce_options(chunk_rows=2, dw_accum="input")  # 19 bf16 roundings of each dW element
+    lean = _run(linear_cross_entropy, h, w, y, torch.bfloat16, "sum", 1e-3, g)[2]
+    assert not _check(lean, same[2], ref[2], loose_dw)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_targets_ignored(reduction):
     h, w, _ = _inputs(5)

@@ -126,3 +126,38 @@ def test_dispatch_counts_the_path_and_can_be_switched_off():
         assert not fr.compiled_routing_enabled()
     finally:
         fr.set_compiled_routing(was)
+
+
+def test_compiled_path_keeps_a_cache_per_name_and_leaves_no_grad_calls_op_by_op(monkeypatch):
+    """What a training run does to the routing glue: both router variants, several routed lengths,
+    no-grad validation calls in between. With torch.compile's recompile limit squeezed to 1, one
+    code object shared by the two router variants (and compiled no-grad calls) would exceed it —
+    as a 100M run on the H100 did at the default of 8 — and fail over to op by op."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(fr, "_compiled", {})
+    monkeypatch.setattr(fr, "_counts", __import__("collections").Counter())
+    monkeypatch.setattr(fr, "_compile_here", lambda t: True)  # the CPU stands in for CUDA
+    monkeypatch.setattr(fr, "_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setitem(fr._state, "enabled", True)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        g = _gen(11)
+        w, b = torch.randn(16, generator=g, requires_grad=True), torch.zeros((), requires_grad=True)
+        for n in (7, 12, 19):
+            h = torch.randn(2, n, 16, generator=g, requires_grad=True)
+            for detached in (True, False):
+                logit, _ = fr.router_logits(h, w, b, with_detached=detached)
+                ref = F.rms_norm(h, (16,), eps=1e-6) @ w + b
+                torch.testing.assert_close(logit, ref, rtol=1e-5, atol=1e-5)
+                logit.sum().backward()
+            with torch.no_grad():
+                fr.router_logits(h, w, b, with_detached=False)
+                fr.gated_residual(h, torch.rand(2, n), h)
+            fr.gated_residual(h, torch.rand(2, n), h).sum().backward()
+    counts = fr.compiled_routing_counts()
+    assert not [k for k in counts if k.endswith(":failed")], counts
+    assert counts["router_logits:compiled"] == 3 and counts["router_logit:compiled"] == 3
+    assert counts["gated_residual:compiled"] == 3 and counts["gated_residual:eager"] == 3
+    assert counts["router_logits:eager"] == 3  # the no-grad router calls
+    torch._dynamo.reset()

@@ -44,3 +44,14 @@ def test_attention_fallback_reaches_the_csv(tmp_path):
     assert {r["step"] for r in got} == {"7", "9"}
     totals = [r for r in got if r["name"] == "total_fallbacks"]
     assert len(totals) == 2 and all(int(t["count"]) >= 0 for t in totals)
+
+
+def test_failed_routing_compile_is_a_reported_fallback(monkeypatch):
+    from collections import Counter
+
+    import hydra_model.fused_routing as fr
+
+    counts = Counter({"gated_scatter:failed": 1, "gated_scatter:eager": 4, "router_logits:compiled": 9})
+    monkeypatch.setattr(fr, "_counts", counts)
+    rows = fallback_counters()
+    assert [r for r in rows if r[0] == "routing"] == [("routing", "gated_scatter", 1)]

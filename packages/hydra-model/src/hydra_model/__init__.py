@@ -19,6 +19,7 @@ from hydra_model.checkpointing import GradientCheckpointMixin
 from hydra_model.config import MODEL_PRESETS, SEED_PARAM_COUNTS, HydraConfig, preset_config
 from hydra_model.cuda_graph import CUDAGraphStep
 from hydra_model.footprint import compute_memory_footprint, flops_breakdown, flops_per_token
+from hydra_model.fused_routing import compiled_routing_counts, compiled_routing_enabled, set_compiled_routing
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import FUSED_KERNELS_AVAILABLE, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from hydra_model.model import CCGQAMoDMoRModel, HydraOutput, aux_loss_weights, create_ccgqa_mod_mor_model
@@ -50,6 +51,8 @@ __all__ = [
     "attention_autotune_report",
     "attention_fallback_counts",
     "aux_loss_weights",
+    "compiled_routing_counts",
+    "compiled_routing_enabled",
     "compute_memory_footprint",
     "create_ccgqa_mod_mor_model",
     "flexible_attention",
@@ -61,4 +64,5 @@ __all__ = [
     "reset_attention_fallback_counts",
     "routing_stats_to_python",
     "set_attention_backend",
+    "set_compiled_routing",
 ]

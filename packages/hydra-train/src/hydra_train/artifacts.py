@@ -10,7 +10,9 @@
                            tokens/s, memory (a hung rank is the one whose heartbeat stopped)
 ``fallback_counters.csv``  at each log interval, rows ``step,time,source,name,count``: every op of
                            hydra_kernels.fallback_counts() (source ``kernel``), each reason of
-                           hydra_model.attention_fallback_counts() (``attention``), and the total
+                           hydra_model.attention_fallback_counts() (``attention``), each routing
+                           function whose compile failed (``routing``, count 1: it runs op by op
+                           from then on), and the total
 ``mem_boot.{txt,json}``    CUDA only: torch.cuda.memory_summary() / memory_stats() after the model
 ``mem_step{N}.{txt,json}`` is built, after the first logged step, and every
                            ``HYDRA_MEM_DUMP_EVERY=N`` steps
@@ -35,15 +37,15 @@ from hydra_train.callbacks import StepMetrics, TrainerCallback
 
 
 def fallback_counters() -> list[tuple[str, str, int]]:
-    """``(source, name, count)``: every hydra-kernels op, then each attention fallback reason seen."""
+    """``(source, name, count)``: every hydra-kernels op, then each attention fallback reason seen,
+    then each routing function whose compile failed."""
     import hydra_kernels
+    from hydra_model import attention_fallback_counts, compiled_routing_counts
 
     rows = [("kernel", op, int(n)) for op, n in hydra_kernels.fallback_counts().items()]
-    try:
-        from hydra_model import attention_fallback_counts
-    except ImportError:  # a hydra_model without the counter: nothing to report, not a failure
-        return rows
-    return rows + [("attention", reason, int(n)) for reason, n in sorted(attention_fallback_counts().items())]
+    rows += [("attention", reason, int(n)) for reason, n in sorted(attention_fallback_counts().items())]
+    failed = {k.rsplit(":", 1)[0]: n for k, n in compiled_routing_counts().items() if k.endswith(":failed")}
+    return rows + [("routing", name, int(n)) for name, n in sorted(failed.items())]
 
 
 def optimizer_state_mb(opt: torch.optim.Optimizer) -> float:

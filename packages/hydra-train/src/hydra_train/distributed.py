@@ -52,7 +52,10 @@ def init_distributed(device_type: str) -> DistInfo:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        # NCCL told which GPU is this rank's (it otherwise guesses from the global rank and warns
+        # that a heterogeneous mapping can hang)
+        device = torch.device("cuda", local_rank) if device_type == "cuda" else None
+        dist.init_process_group(backend=backend, device_id=device)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend)
 
 
