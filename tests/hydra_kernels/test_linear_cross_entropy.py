@@ -146,8 +146,9 @@ def test_incoming_gradient_scaling_and_second_backward_raises():
 
 def test_loose_allowance_for_unknown_grad_scale_still_catches_a_wrong_gradient():
     """grad_rounding_atol with a scale that is not a power of two counts both computations'
-    roundings of G (the op's and torch's); a gradient a few bf16 ulps off at one element, or one
-    accumulated in bf16 over chunks (what the fp32 accumulator exists to prevent) must still fail."""
+    roundings of G (the op's and torch's); a gradient off by a few allowances at one element, or
+    one accumulated in bf16 over chunks (what the fp32 accumulator exists to prevent) must still
+    fail."""
     h, w, y = _inputs(21)
     g = 0.7
     got = _run(linear_cross_entropy, h, w, y, torch.bfloat16, "sum", 1e-3, g)
