@@ -13,7 +13,7 @@ def _fake_stdlib(root):
         "os.py": "import sys\n",
         "json/__init__.py": "x = 1\n",
         "json/decoder.py": "y = 2\n",
-        "test/test_os.py": "assert True\n",
+        "test/test_os.py": "import unittest\n",
         "idlelib/idle_test/t.py": "z = 3\n",
         "site-packages/pkg/mod.py": "user code\n",
         "README.txt": "not python\n",

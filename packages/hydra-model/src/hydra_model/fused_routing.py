@@ -68,6 +68,12 @@ def _compile_here(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def _wants_compiled(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` takes the compiled path: switched on, a training call (gradients
+    enabled) and a device it compiles for. The one place this rule lives."""
+    return _state["enabled"] and torch.is_grad_enabled() and _compile_here(t)
+
+
 def _own_code_copy(fn: Callable, name: str) -> Callable:
     """``fn`` with a code object of its own, so that torch.compile's per-code cache and recompile
     limit are per dispatch name, not shared by every name that runs the same function."""
@@ -82,8 +88,7 @@ def _dispatch(name: str, fn: Callable, *args):
     results)."""
     if torch.compiler.is_compiling():
         return fn(*args)
-    use = _state["enabled"] and torch.is_grad_enabled() and _compile_here(args[0])
-    compiled = _compiled.get(name, _NOT_YET) if use else None
+    compiled = _compiled.get(name, _NOT_YET) if _wants_compiled(args[0]) else None
     if compiled is _NOT_YET:
         with _lock:
             if name not in _compiled:
@@ -152,7 +157,7 @@ def router_logits(
     decisions compare these."""
     if torch.compiler.is_compiling():
         return _router_logits(h, weight, bias, eps, with_detached)
-    if _state["enabled"] and torch.is_grad_enabled() and _compile_here(h):
+    if _wants_compiled(h):
         name = "router_logits" if with_detached else "router_logit"
         return _dispatch(name, _router_logits, h, weight, bias, eps, with_detached)
     _counts["router_logits:eager"] += 1
