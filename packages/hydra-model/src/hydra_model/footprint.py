@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hydra_model.config import HydraConfig
+from hydra_model.gpt_config import GPTConfig
 
 if TYPE_CHECKING:
     from hydra_model.model import CCGQAMoDMoRModel
@@ -39,19 +40,28 @@ def attention_widths(cfg: HydraConfig) -> tuple[int, int, int]:
     return cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
 
+def attention_forward_flops(
+    e: int, n_q: int, n_kv: int, d: int, context: int, convs: tuple[int, int] | None = None
+) -> dict[str, float]:
+    """Forward FLOPs per token of one attention layer (model width ``e``, ``n_q``/``n_kv`` heads
+    of size ``d``) whose causal attention sees ``context`` tokens; ``convs`` = CCGQA's
+    (k_seq, k_ch) conv kernels, None for plain GQA. Both project q, k, v (CCGQA's two value
+    halves add up to one v) and the output."""
+    q, kv = n_q * d, n_kv * d
+    out = {"attn_proj": 2.0 * e * (q + 2 * kv) + 2.0 * q * e}
+    if convs is not None:
+        c = q + kv
+        out["attn_conv"] = 2.0 * c * convs[0] + 2.0 * c * d * convs[1]
+    out["attn_core"] = 2.0 * 2.0 * q * (context + 1) / 2.0  # QKᵀ and PV
+    return out
+
+
 def block_forward_flops(cfg: HydraConfig, context: int) -> dict[str, float]:
     """Forward FLOPs per token of one block application whose attention sees ``context`` tokens."""
     e = cfg.dim
     n_q, n_kv, d = attention_widths(cfg)
-    q, kv = n_q * d, n_kv * d
-    out: dict[str, float] = {}
-    if cfg.dense_baseline:
-        out["attn_proj"] = 2.0 * e * (q + 2 * kv) + 2.0 * q * e
-    else:
-        c = q + kv
-        out["attn_proj"] = 2.0 * e * (c + kv) + 2.0 * q * e
-        out["attn_conv"] = 2.0 * c * cfg.conv_kernel_seq + 2.0 * c * d * cfg.conv_kernel_ch
-    out["attn_core"] = 2.0 * 2.0 * q * (context + 1) / 2.0  # QKᵀ and PV
+    convs = None if cfg.dense_baseline else (cfg.conv_kernel_seq, cfg.conv_kernel_ch)
+    out = attention_forward_flops(e, n_q, n_kv, d, context, convs)
     if cfg.moe_enabled:
         out["ffn"] = 2.0 * e * cfg.moe_num_experts + cfg.moe_top_k * 2.0 * 3 * e * cfg.expert_hidden
     else:
@@ -77,8 +87,39 @@ def applications(cfg: HydraConfig, seq_len: int, executed: bool = True) -> list[
     return apps
 
 
-def flops_breakdown(cfg: HydraConfig, seq_len: int, executed: bool = True) -> list[dict[str, Any]]:
-    """Rows of training FLOPs per token: one per block application, routers, LM head."""
+def gpt_flops_breakdown(cfg: GPTConfig, seq_len: int) -> list[dict[str, Any]]:
+    """Rows of training FLOPs per token of the dense GPT: one per layer, then the LM head."""
+    convs = (2, 2) if cfg.attention == "ccgqa" else None  # CCGQAAttention's default kernels
+    rows: list[dict[str, Any]] = []
+    for i in range(cfg.n_layers):
+        parts = attention_forward_flops(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, seq_len, convs)
+        parts["ffn"] = 2.0 * 3 * cfg.dim * cfg.mlp_hidden
+        rows.append(
+            {
+                "name": f"layer{i}",
+                "token_fraction": 1.0,
+                "context": seq_len,
+                "flops": 3.0 * sum(parts.values()),
+            }
+        )
+    rows.append(
+        {
+            "name": "lm_head",
+            "token_fraction": 1.0,
+            "context": seq_len,
+            "flops": 3.0 * 2.0 * cfg.dim * cfg.vocab_size,
+        }
+    )
+    return rows
+
+
+def flops_breakdown(
+    cfg: HydraConfig | GPTConfig, seq_len: int, executed: bool = True
+) -> list[dict[str, Any]]:
+    """Rows of training FLOPs per token: one per block application, routers, LM head (a
+    GPTConfig: one per layer and the LM head, the same executed or not)."""
+    if isinstance(cfg, GPTConfig):
+        return gpt_flops_breakdown(cfg, seq_len)
     rows: list[dict[str, Any]] = []
     for app in applications(cfg, seq_len, executed):
         parts = block_forward_flops(cfg, app.context)
@@ -108,7 +149,7 @@ def flops_breakdown(cfg: HydraConfig, seq_len: int, executed: bool = True) -> li
     return rows
 
 
-def flops_per_token(cfg: HydraConfig, seq_len: int, executed: bool = True) -> float:
+def flops_per_token(cfg: HydraConfig | GPTConfig, seq_len: int, executed: bool = True) -> float:
     """Training FLOPs per token (see :func:`flops_breakdown`)."""
     return float(sum(row["flops"] for row in flops_breakdown(cfg, seq_len, executed)))
 

@@ -1,5 +1,10 @@
 """Saving and loading: a directory (config.json + model.safetensors) or a hydra-train checkpoint
-file (a torch.save dict with "model" = state_dict and "config" = HydraConfig.to_dict())."""
+file (a torch.save dict with "model" = state_dict and "config" = the model config's to_dict()).
+
+Both record the architecture as "arch" ("hydra" or "gpt", see hydra_model.architectures); files
+written before that key existed hold HYDRA models and load as such. :func:`load_model` and
+:func:`load_checkpoint_file` with ``cls=None`` pick the class from the file.
+"""
 
 from __future__ import annotations
 
@@ -8,46 +13,89 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.config import HydraConfig
 
 if TYPE_CHECKING:
-    from hydra_model.model import CCGQAMoDMoRModel
+    from hydra_model.gpt_config import GPTConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "hydra-model/1"
 
 
-def save_pretrained(model: CCGQAMoDMoRModel, path: str | Path) -> Path:
+def save_pretrained(model: nn.Module, path: str | Path) -> Path:
     from safetensors.torch import save_file
 
     from hydra_model import __version__
+    from hydra_model.architectures import arch_of
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": FORMAT, "hydra_model_version": __version__, "config": model.config.to_dict()}
+    meta = {
+        "format": FORMAT,
+        "hydra_model_version": __version__,
+        "arch": arch_of(model),
+        "config": model.config.to_dict(),
+    }
     (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, str(out / WEIGHTS_FILE), metadata={"format": FORMAT})
     return out
 
 
-def read_config(path: str | Path) -> HydraConfig:
-    """The HydraConfig stored in a save_pretrained directory."""
+def read_arch(path: str | Path) -> str:
+    """The architecture a save_pretrained directory holds ("hydra" when it names none)."""
+    from hydra_model.architectures import DEFAULT_ARCH, check_arch
+
+    return check_arch(_read_meta(path).get("arch") or DEFAULT_ARCH)
+
+
+def _read_meta(path: str | Path) -> dict[str, Any]:
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: is {path} a directory written by save_pretrained?")
-    meta = json.loads(file.read_text(encoding="utf-8"))
-    return HydraConfig.from_dict(meta.get("config", meta))
+    return json.loads(file.read_text(encoding="utf-8"))
 
 
-def load_pretrained(
-    cls: type[CCGQAMoDMoRModel], path: str | Path, map_location: Any = "cpu"
-) -> CCGQAMoDMoRModel:
+def read_config(path: str | Path) -> HydraConfig | GPTConfig:
+    """The model config stored in a save_pretrained directory (HydraConfig or GPTConfig)."""
+    from hydra_model.architectures import config_from_dict
+
+    meta = _read_meta(path)
+    return config_from_dict(meta.get("arch"), meta.get("config", meta))
+
+
+def _check_class(cls: type[nn.Module], arch: str, path: str | Path) -> None:
+    from hydra_model.architectures import model_class
+
+    if not issubclass(cls, model_class(arch)):
+        raise ValueError(
+            f"{path} holds a {arch!r} model, not a {cls.__name__}; load it with "
+            "hydra_model.load_model (which picks the class from the file)"
+        )
+
+
+def load_model(path: str | Path, map_location: Any = "cpu", allow_pickle: bool = False) -> nn.Module:
+    """Load a save_pretrained directory or a hydra-train checkpoint file as the class it records
+    (``allow_pickle``: see :func:`load_checkpoint_file`)."""
+    if Path(path).is_dir():
+        return load_pretrained(None, path, map_location)
+    return load_checkpoint_file(None, path, map_location, allow_pickle=allow_pickle)
+
+
+def load_pretrained(cls: type[nn.Module] | None, path: str | Path, map_location: Any = "cpu") -> nn.Module:
+    """Load a save_pretrained directory; ``cls`` None picks the class the directory records."""
     from safetensors.torch import load_file
 
+    from hydra_model.architectures import model_class
+
+    arch = read_arch(path)
+    if cls is None:
+        cls = model_class(arch)
+    _check_class(cls, arch, path)
     config = read_config(path)
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
@@ -72,11 +120,22 @@ def strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
+def checkpoint_arch(config_entry: dict[str, Any]) -> str:
+    """The architecture of a hydra-train checkpoint from its "config" entry: ``config["arch"]``,
+    else the training config's ``arch``, else "hydra" (checkpoints from before the key existed)."""
+    from hydra_model.architectures import DEFAULT_ARCH, check_arch
+
+    train = config_entry.get("train")
+    arch = config_entry.get("arch") or (train.get("arch") if isinstance(train, dict) else None)
+    return check_arch(arch or DEFAULT_ARCH)
+
+
 def load_checkpoint_file(
-    cls: type[CCGQAMoDMoRModel], path: str | Path, map_location: Any = "cpu", allow_pickle: bool = False
-) -> CCGQAMoDMoRModel:
-    """Load a hydra-train checkpoint file. ``allow_pickle`` permits arbitrary pickled objects
-    (only for files you trust); without it only tensors and plain containers are read."""
+    cls: type[nn.Module] | None, path: str | Path, map_location: Any = "cpu", allow_pickle: bool = False
+) -> nn.Module:
+    """Load a hydra-train checkpoint file; ``cls`` None picks the class the file records.
+    ``allow_pickle`` permits arbitrary pickled objects (only for files you trust); without it
+    only tensors and plain containers are read."""
     try:
         blob = torch.load(str(path), map_location=map_location, weights_only=not allow_pickle)
     except Exception as exc:
@@ -91,19 +150,26 @@ def load_checkpoint_file(
         raise ValueError(
             f"{path} is not a hydra-train checkpoint: expected keys 'model' and 'config', got {keys}"
         )
+    from hydra_model.architectures import config_from_dict, model_class
+
     config_dict = dict(blob["config"])
-    # hydra-train stores {"model": <HydraConfig dict>, "train": <TrainConfig dict>}; a bare
-    # HydraConfig dict (e.g. written by hand) is accepted too.
+    arch = checkpoint_arch(config_dict)
+    if cls is None:
+        cls = model_class(arch)
+    _check_class(cls, arch, path)
+    # hydra-train stores {"model": <config dict>, "train": <TrainConfig dict>, "arch": …}; a bare
+    # model config dict (e.g. written by hand) is accepted too.
     if isinstance(config_dict.get("model"), dict):
         config_dict = dict(config_dict["model"])
-    config = HydraConfig.from_dict(config_dict)
+    config_dict.pop("arch", None)
+    config = config_from_dict(arch, config_dict)
     with torch.device("meta"):
         model = cls(config)
     model.load_state_dict(strip_wrapper_prefixes(blob["model"]), strict=True, assign=True)
     return _materialise_buffers(model, torch.device(map_location))
 
 
-def _materialise_buffers(model: CCGQAMoDMoRModel, device: torch.device) -> CCGQAMoDMoRModel:
+def _materialise_buffers(model: nn.Module, device: torch.device) -> nn.Module:
     """Non-persistent buffers (rotary table, statistics) were created on meta: rebuild them."""
     for mod in model.modules():
         for name, buf in list(mod._buffers.items()):
