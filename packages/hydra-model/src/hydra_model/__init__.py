@@ -22,7 +22,7 @@ from hydra_model.config import MODEL_PRESETS, SEED_PARAM_COUNTS, HydraConfig, pr
 from hydra_model.cuda_graph import CUDAGraphStep
 from hydra_model.footprint import compute_memory_footprint, flops_breakdown, flops_per_token
 from hydra_model.fused_routing import compiled_routing_counts, compiled_routing_enabled, set_compiled_routing
-from hydra_model.gpt import GPTModel, create_gpt_model
+from hydra_model.gpt import GPTLayer, GPTModel, create_gpt_model
 from hydra_model.gpt_config import GPT_PRESETS, GPTConfig, gpt_config
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import FUSED_KERNELS_AVAILABLE, RMSNorm, RotaryEmbedding, SwiGLUMLP
@@ -46,6 +46,7 @@ __all__ = [
     "CCGQAMoRBlock",
     "CUDAGraphStep",
     "GPTConfig",
+    "GPTLayer",
     "GPTModel",
     "GQAAttention",
     "GradientCheckpointMixin",

@@ -215,15 +215,13 @@ def _find_tokenizer(checkpoint: Path, tokenizer: Path | None) -> Path:
 
 
 def _load_model(checkpoint: Path, device: str, allow_pickle: bool):
-    from hydra_model.model import CCGQAMoDMoRModel
-    from hydra_model.persistence import load_checkpoint_file
+    """The model the checkpoint holds, as the architecture it records (HYDRA when none)."""
+    from hydra_model.persistence import load_model
 
     if not checkpoint.exists():
         fail(f"--checkpoint {checkpoint} does not exist")
     try:
-        if checkpoint.is_dir():
-            return CCGQAMoDMoRModel.from_pretrained(checkpoint, map_location=device)
-        return load_checkpoint_file(CCGQAMoDMoRModel, checkpoint, device, allow_pickle=allow_pickle)
+        return load_model(checkpoint, map_location=device, allow_pickle=allow_pickle)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         fail(f"could not load {checkpoint}: {exc}")
 

@@ -10,7 +10,8 @@ Layout of a checkpoint (a ``torch.save`` dict, loadable with ``weights_only=True
     rng                      python / numpy / torch CPU / CUDA generator states
     data                     {"position": micro-batches consumed, "seed": data order seed}
     trainer                  loop state: EMAs, skipped steps, tokens seen, validation history
-    config                   {"model": HydraConfig.to_dict(), "train": TrainConfig.to_dict()}
+    config                   {"model": <model config>.to_dict(), "train": TrainConfig.to_dict()}
+                             (the architecture is ``train["arch"]``; absent in older files: HYDRA)
     callbacks                {callback name: callback.state_dict()} (SafeOptimizations lives here)
 
 Names: ``hydra_{model_id}_step{N}.pt`` every ``--save_every`` steps (the last ``--keep_checkpoints``
@@ -141,6 +142,16 @@ def config_differences(saved_model_config: dict[str, Any], current) -> list[str]
 
 
 def check_model_config(ckpt: dict[str, Any], current, path: Path) -> None:
+    """Refuse a checkpoint of another architecture (one line naming both) or another config."""
+    from hydra_model.architectures import arch_of
+    from hydra_model.persistence import checkpoint_arch
+
+    saved_arch, arch = checkpoint_arch(ckpt["config"]), arch_of(current)
+    if saved_arch != arch:
+        raise HydraCheckpointError(
+            f"{path} holds a --arch {saved_arch} model and this run is --arch {arch}: resume with "
+            f"--arch {saved_arch}, or use another --checkpoint_dir to start fresh"
+        )
     diffs = config_differences(ckpt["config"]["model"], current)
     if diffs:
         raise HydraCheckpointError(

@@ -12,6 +12,7 @@ from hydra_kernels.cli_support import add_version_option, console, emit_json, er
 from hydra_kernels.cli_support import opt as _opt
 from hydra_train import __version__
 from hydra_train.cli_options import (
+    Arch,
     BatchSize,
     BlockKV,
     BlockQ,
@@ -94,6 +95,7 @@ H = {
 
 @app.command("run")
 def run(
+    arch: Arch = "hydra",
     model_size: ModelSize = "auto",
     mode: Annotated[str, _opt("--mode", help=H["mode"])] = "testing",
     max_steps: Annotated[int | None, _opt("--max_steps", help=H["max_steps"])] = None,
@@ -163,6 +165,7 @@ def run(
     from hydra_train.run import run_training, summary_rows
 
     cfg = TrainConfig(
+        arch=arch,
         model_size=model_size,
         mode=mode,
         max_steps=max_steps,

@@ -29,6 +29,14 @@ def parse_model_overrides(items: list[str] | None) -> dict[str, Any]:
 
 
 # --- the model, batch and device options of both commands -----------------------------------------
+Arch = Annotated[
+    str,
+    opt(
+        "--arch",
+        help="Architecture: hydra (CCGQA + MoD/MoR routing) or gpt (the dense baseline: unique "
+        "pre-norm layers, GQA, SwiGLU, RoPE; presets of the same sizes).",
+    ),
+]
 ModelSize = Annotated[
     str,
     opt(

@@ -36,6 +36,8 @@ class TrainConfig:
     """Every knob of a training run. ``None``/``"auto"`` means: pick for this device and mode."""
 
     # model
+    #: "hydra" (CCGQA + MoD/MoR routing) or "gpt" (the dense baseline); hydra_model.ARCHITECTURES
+    arch: str = "hydra"
     model_size: str = "auto"
     moe: bool = False
     moe_num_experts: int = 4
@@ -213,6 +215,19 @@ def _check_safe_opts(cfg: TrainConfig) -> None:
         )
 
 
+def _check_arch(cfg: TrainConfig) -> None:
+    """--arch names an architecture, and the routing flags only go with HYDRA."""
+    from hydra_model import ARCHITECTURES
+
+    _check_choice("arch", cfg.arch, ARCHITECTURES)
+    if cfg.arch != "hydra":
+        for flag, value in (("moe", cfg.moe), ("static_routing_mode", cfg.static_routing_mode)):
+            if value:
+                raise HydraTrainError(
+                    f"--{flag} applies to --arch hydra only; --arch {cfg.arch} has no routing"
+                )
+
+
 def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
     """Fill every automatic field for device ``dev`` and validate the rest."""
     _check_choice("mode", cfg.mode, MODES)
@@ -249,6 +264,7 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
         ),
     )
     _check_safe_opts(cfg)
+    _check_arch(cfg)
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise HydraTrainError(f"--min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if not 0.0 < cfg.wsd_decay_frac <= 1.0:
@@ -282,6 +298,7 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
     return out
 
 
-def model_id_for(size: str) -> str:
-    """The id a model size has in the metrics database and in checkpoint names (lower case)."""
-    return size.lower()
+def model_id_for(size: str, arch: str = "hydra") -> str:
+    """The id a model has in the metrics database and in checkpoint names: the size in lower
+    case for HYDRA ("100m"), prefixed by any other architecture ("gpt-100m")."""
+    return size.lower() if arch == "hydra" else f"{arch}-{size.lower()}"

@@ -111,12 +111,13 @@ def load_run_data(cfg: TrainConfig, log: Callable[[str], None]) -> Any:
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
-    """The HYDRA model for ``cfg`` (preset + flags + ``model_overrides``) on ``device``."""
-    from hydra_model import MODEL_PRESETS, create_ccgqa_mod_mor_model
+    """The ``--arch`` model for ``cfg`` (preset + flags + ``model_overrides``) on ``device``."""
+    import hydra_model
 
-    if cfg.model_size not in MODEL_PRESETS:
+    sizes = hydra_model.MODEL_PRESETS  # both architectures have these preset names
+    if cfg.model_size not in sizes:
         raise HydraTrainError(
-            f"--model_size {cfg.model_size!r} is not a preset; choose from {', '.join(MODEL_PRESETS)}"
+            f"--model_size {cfg.model_size!r} is not a preset; choose from {', '.join(sizes)}"
         )
     overrides: dict[str, Any] = {"vocab_size": vocab_size}
     if cfg.chunked_ce:
@@ -127,7 +128,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
         overrides.update(moe_enabled=True, moe_num_experts=cfg.moe_num_experts)
     overrides.update(cfg.model_overrides)
     try:
-        model = create_ccgqa_mod_mor_model(cfg.model_size, **overrides)
+        model = hydra_model.build_model(cfg.arch, cfg.model_size, **overrides)
     except ValueError as exc:
         raise HydraTrainError(f"model config: {exc}") from None
     if cfg.checkpoint_every:
@@ -217,11 +218,11 @@ def _run(
     max_len = model.config.max_seq_len
     for ds in (data.train, data.val):
         ds.check_max_seq_len(max_len)
-    model_id = model_id_for(cfg.model_size)
+    model_id = model_id_for(cfg.model_size, cfg.arch)
     n_params, n_params_ne = _param_counts(model)
     log(
-        f"model: {cfg.model_size} preset, {n_params / 1e6:.2f}M parameters, vocab {data.vocab_size}, "
-        f"device {device}, {cfg.precision}, world size {dist_info.world_size}"
+        f"model: {cfg.arch} {cfg.model_size} preset, {n_params / 1e6:.2f}M parameters, "
+        f"vocab {data.vocab_size}, device {device}, {cfg.precision}, world size {dist_info.world_size}"
     )
 
     if cfg.fsdp and not dist_info.enabled:
@@ -353,6 +354,7 @@ def _run(
         if not summary:
             summary = trainer.summary()
         summary.update(
+            arch=cfg.arch,
             model_size=cfg.model_size,
             params=n_params,
             device=str(device),
@@ -397,7 +399,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("status", s.get("status", "-")),
         (
             "model",
-            f"{s.get('model_size')} ({f(s.get('params', 0) / 1e6, '.2f')}M params), {s.get('device')}, "
+            f"{s.get('arch', 'hydra')} {s.get('model_size')} ({f(s.get('params', 0) / 1e6, '.2f')}M params), "
+            f"{s.get('device')}, "
             f"{s.get('precision')}, world size {s.get('world_size')}",
         ),
         ("data", str(s.get("data"))),

@@ -218,10 +218,10 @@ class TritonKernels(Optimization):
 
 def compile_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules ``--compile_scope blocks`` compiles: every CCGQABlock (attention + FFN), the unit
-    each recursion applies."""
-    from hydra_model import CCGQABlock
+    each recursion applies; in the dense GPT every layer (norms, attention, MLP)."""
+    from hydra_model import CCGQABlock, GPTLayer
 
-    return [m for m in model.modules() if isinstance(m, CCGQABlock)]
+    return [m for m in model.modules() if isinstance(m, (CCGQABlock, GPTLayer))]
 
 
 class CompileModel(Optimization):

@@ -1,0 +1,107 @@
+"""`hydra-train run --arch gpt` end to end on the CPU: train, resume, refuse an arch mismatch,
+then `hydra-model generate` from the checkpoint it wrote."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hydra_model import GPTModel, load_model
+from hydra_model.cli import app as model_app
+from hydra_train.cli import app
+from hydra_train.config import DeviceInfo, TrainConfig, model_id_for, resolve_config
+from hydra_train.errors import HydraTrainError
+
+from .conftest import VOCAB
+
+runner = CliRunner()
+
+#: the tiny GPT preset, narrowed so that a step takes milliseconds
+GPT_OVERRIDES = {"dim": 64, "n_layers": 2, "head_dim": 16, "mlp_hidden": 128, "max_seq_len": 64}
+
+
+def _args(data, ckpt, arch: str, overrides: dict, *extra: str) -> list[str]:
+    args = ["run", "--arch", arch, "--model_size", "tiny", "--dataset", str(data)]
+    args += ["--vocab_size", str(VOCAB), "--seq_len", "32", "--batch_size", "4", "--max_steps", "4"]
+    args += ["--log_every", "2", "--eval_every", "2", "--eval_batches", "2", "--save_every", "2"]
+    args += ["--checkpoint_dir", str(ckpt), "--device", "cpu", "--cpu_threads", "1"]
+    args += ["--experimental_prefetch_threads", "0", "--lr", "3e-3", "--warmup_steps", "1"]
+    for k, v in overrides.items():
+        args += ["--model_override", f"{k}={v}"]
+    return args + list(extra)
+
+
+def _tokenizer(path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog"])}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
+def test_gpt_trains_resumes_refuses_other_arch_and_generates(bin_dataset, tmp_path):
+    ck = tmp_path / "ck"
+    res = runner.invoke(app, _args(bin_dataset, ck, "gpt", GPT_OVERRIDES, "--json"))
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout[res.stdout.index("{") :])
+    assert summary["arch"] == "gpt" and summary["steps"] == 4
+    assert summary["final_val_loss"] < summary["first_val_loss"]
+    final = ck / "hydra_gpt-tiny_final.pt"
+    assert final.is_file() and (ck / "hydra_gpt-tiny_step2.pt").is_file()
+    blob = torch.load(final, weights_only=True)
+    assert blob["config"]["train"]["arch"] == "gpt" and blob["config"]["model"]["n_layers"] == 2
+
+    # resume continues the same run to the new max
+    res = runner.invoke(app, [*_args(bin_dataset, ck, "gpt", GPT_OVERRIDES), "--resume", "--max_steps", "6"])
+    assert res.exit_code == 0, res.output
+    assert "resuming from" in res.output and "hydra_gpt-tiny_final.pt (step 4" in res.output
+    assert torch.load(final, weights_only=True)["step"] == 6
+
+    # a HYDRA run asked to resume the GPT's checkpoints: one clear line, exit 1
+    res = runner.invoke(app, [*_args(bin_dataset, ck, "hydra", {"dim": 64, "max_seq_len": 64}), "--resume"])
+    flat = " ".join(res.output.split())
+    assert res.exit_code == 1, res.output
+    assert (
+        "holds a --arch gpt model and this run is --arch hydra" in flat and "resume with --arch gpt" in flat
+    )
+    assert flat.count("error:") == 1 and "Traceback" not in res.output
+
+    # hydra-model generate picks the class from the checkpoint and decodes like the model itself
+    _tokenizer(tmp_path / "tok.json")
+    gen = ["generate", "--checkpoint", str(final), "--tokenizer", str(tmp_path / "tok.json")]
+    gen += ["--prompt", "the cat sat", "--max_new_tokens", "5", "--device", "cpu", "--json"]
+    res = runner.invoke(model_app, gen)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    model = load_model(final)
+    assert isinstance(model, GPTModel)
+    want = model.generate(torch.tensor([data["prompt_ids"]]), 5)[0, 3:].tolist()
+    assert data["generated_ids"] == want and len(want) == 5
+
+
+def test_arch_flags_are_checked():
+    dev = DeviceInfo("cpu")
+    assert resolve_config(TrainConfig(arch="gpt"), dev).arch == "gpt"
+    with pytest.raises(HydraTrainError, match="--arch 'llama' is not one of: hydra, gpt"):
+        resolve_config(TrainConfig(arch="llama"), dev)
+    with pytest.raises(HydraTrainError, match="--moe applies to --arch hydra only"):
+        resolve_config(TrainConfig(arch="gpt", moe=True), dev)
+    with pytest.raises(HydraTrainError, match="--static_routing_mode applies to --arch hydra only"):
+        resolve_config(TrainConfig(arch="gpt", static_routing_mode=True), dev)
+    assert model_id_for("100M") == "100m" and model_id_for("100M", "gpt") == "gpt-100m"
+    assert TrainConfig.from_dict({"model_size": "tiny"}).arch == "hydra"  # older checkpoints
+
+
+def test_gpt_model_builds_from_train_config_with_chunked_ce():
+    from hydra_train.run import build_model
+
+    cfg = TrainConfig(arch="gpt", model_size="tiny", chunked_ce=True, model_overrides=dict(GPT_OVERRIDES))
+    model = build_model(cfg, VOCAB, torch.device("cpu"))
+    assert isinstance(model, GPTModel) and model.config.use_chunked_ce and model.config.vocab_size == VOCAB
+    with pytest.raises(HydraTrainError, match="unknown GPTConfig field"):
+        build_model(cfg.replace(model_overrides={"mod_capacity": 0.5}), VOCAB, torch.device("cpu"))
