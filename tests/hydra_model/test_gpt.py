@@ -328,3 +328,42 @@ def test_config_dict_round_trip():
     cfg = gpt_config("debug", attention="ccgqa", use_chunked_ce=True)
     assert GPTConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert cfg.diff(cfg.replace(n_layers=3)) == ["n_layers: 6 != 3"]
+
+
+def test_memory_estimate_counts_gpt_layers_and_checkpointing():
+    from hydra_model import compute_memory_footprint
+
+    cfg = gpt_config("debug")
+    with torch.device("meta"):
+        model = GPTModel(cfg)
+    full = compute_memory_footprint(model, 4, 512)
+    assert full == compute_memory_footprint(cfg, 4, 512)
+    assert full["parameters"] == model.num_parameters()
+    deeper = compute_memory_footprint(cfg.replace(n_layers=12), 4, 512)
+    # activations grow linearly with depth: twice the layers, twice the activations
+    assert deeper["activation_mb"] == pytest.approx(2 * full["activation_mb"])
+    model.enable_gradient_checkpointing(every=1)
+    assert compute_memory_footprint(model, 4, 512)["activation_mb"] < full["activation_mb"] / 2
+
+
+def test_cli_sizes_and_info_take_the_arch():
+    from typer.testing import CliRunner
+
+    from hydra_model.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["sizes", "--arch", "gpt", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["model_size"]: r for r in json.loads(res.stdout)["presets"]}
+    assert set(rows) == set(GPT_PRESETS)
+    with torch.device("meta"):
+        want = build_model("gpt", "100M")
+    assert rows["100M"]["parameters"] == want.num_parameters() and rows["100M"]["blocks"] == 12
+    assert rows["100M"]["flops_per_token_executed"] == want.flops_per_token(2048)
+    res = runner.invoke(app, ["info", "--arch", "gpt", "--model_size", "tiny", "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["arch"] == "gpt" and info["config"] == gpt_config("tiny").to_dict()
+    assert sum(r["parameters"] for r in info["parameter_rows"]) == info["parameters"]
+    res = runner.invoke(app, ["sizes", "--arch", "llama"])
+    assert res.exit_code == 2 and "choose one of hydra, gpt" in " ".join(res.output.split())

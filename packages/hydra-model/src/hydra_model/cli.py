@@ -19,12 +19,21 @@ from hydra_kernels.cli_support import (
 )
 from hydra_model import __version__
 
-app = new_app("The HYDRA model: CCGQA attention with MoD/MoR/MoE routing, size presets, generation.")
+app = new_app(
+    "The HYDRA model (CCGQA attention with MoD/MoR/MoE routing) and its dense GPT baseline: "
+    "size presets, per-layer info, generation."
+)
 add_version_option(app, "hydra-model", __version__)
 
 SetOption = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a config field, e.g. --set static_routing_mode=true (repeatable)."),
+]
+
+
+ArchOption = Annotated[
+    str,
+    typer.Option("--arch", help="Architecture: hydra (routed) or gpt (the dense baseline)."),
 ]
 
 
@@ -35,16 +44,36 @@ def _parse_overrides(items: list[str] | None) -> dict[str, Any]:
         fail(f"--set {exc.item!r} is not FIELD=VALUE (e.g. --set mod_capacity=0.5)", code=2)
 
 
-def _meta_model(model_size: str, overrides: dict[str, Any]):
+def _meta_model(model_size: str, overrides: dict[str, Any], arch: str = "hydra"):
     import torch
 
-    from hydra_model.model import create_ccgqa_mod_mor_model
+    from hydra_model.architectures import build_model
 
     try:
         with torch.device("meta"):  # shapes and counts only: nothing is allocated
-            return create_ccgqa_mod_mor_model(model_size, **overrides)
+            return build_model(arch, model_size, **overrides)
     except ValueError as exc:
         fail(str(exc), code=2)
+
+
+def _shape_fields(model) -> dict[str, Any]:
+    """Depth and attention widths of either architecture, under the same keys (a GPT layer is a
+    block applied once; its heads are not latent, the keys keep HYDRA's names for scripts)."""
+    cfg = model.config
+    if hasattr(cfg, "n_layers"):
+        blocks, recursions, hidden = cfg.n_layers, 1, cfg.mlp_hidden
+    else:
+        blocks, recursions, hidden = cfg.n_mor_blocks, cfg.recursions_per_block, cfg.mlp_hidden
+    return {
+        "dim": cfg.dim,
+        "blocks": blocks,
+        "recursions": recursions,
+        "latent_q_heads": cfg.n_heads,
+        "latent_kv_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "mlp_hidden": hidden,
+        "vocab_size": cfg.vocab_size,
+    }
 
 
 @app.command()
@@ -56,40 +85,37 @@ def sizes(
         int, typer.Option("--seq-len", "--seq_len", help="Sequence length for memory and FLOPs.")
     ] = 2048,
     overrides: SetOption = None,
+    arch: ArchOption = "hydra",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Every size preset: parameters, width, blocks × recursions, latent heads, FLOPs, training memory."""
-    from hydra_model.config import MODEL_PRESETS
+    """Every size preset: parameters, width, blocks × recursions, heads, FLOPs, training memory."""
+    from hydra_model.architectures import ARCHITECTURES, presets
     from hydra_model.footprint import compute_memory_footprint
 
+    if arch not in ARCHITECTURES:
+        fail(f"--arch {arch!r}: choose one of {', '.join(ARCHITECTURES)}", code=2)
     extra = _parse_overrides(overrides)
     rows = []
-    for name in MODEL_PRESETS:
-        model = _meta_model(name, extra)
-        cfg = model.config
+    for name in presets(arch):
+        model = _meta_model(name, extra, arch)
         mem = compute_memory_footprint(model, batch_size, seq_len)
         rows.append(
             {
                 "model_size": name,
                 "parameters": model.num_parameters(),
-                "dim": cfg.dim,
-                "blocks": cfg.n_mor_blocks,
-                "recursions": cfg.recursions_per_block,
-                "latent_q_heads": cfg.n_heads,
-                "latent_kv_heads": cfg.n_kv_heads,
-                "head_dim": cfg.head_dim,
-                "mlp_hidden": cfg.mlp_hidden,
-                "vocab_size": cfg.vocab_size,
+                **_shape_fields(model),
                 "flops_per_token_executed": model.flops_per_token(seq_len, executed=True),
                 "flops_per_token_dense": model.flops_per_token(seq_len, executed=False),
                 "estimated_training_gib": mem["estimated_training_mb"] / 1024,
             }
         )
     if as_json:
-        emit_json({"batch_size": batch_size, "seq_len": seq_len, "overrides": extra, "presets": rows})
+        emit_json(
+            {"arch": arch, "batch_size": batch_size, "seq_len": seq_len, "overrides": extra, "presets": rows}
+        )
         return
     table = Table(
-        title=f"HYDRA presets (training memory: B={batch_size}, T={seq_len}, AdamW, bf16 activations)"
+        title=f"{arch} presets (training memory: B={batch_size}, T={seq_len}, AdamW, bf16 activations)"
     )
     for col in (
         "preset",
@@ -121,7 +147,21 @@ def sizes(
 
 def _block_param_rows(model) -> list[dict[str, Any]]:
     rows = [{"name": "embedding (tied LM head)", "parameters": model.embed.weight.numel()}]
-    for i, blk in enumerate(model.blocks):
+    for i, layer in enumerate(getattr(model, "layers", [])):  # the dense GPT
+        attn = sum(p.numel() for p in layer.attn.parameters())
+        ffn = sum(p.numel() for p in layer.mlp.parameters())
+        total = sum(p.numel() for p in layer.parameters())
+        rows.append(
+            {
+                "name": f"layer{i}",
+                "parameters": total,
+                "attention": attn,
+                "ffn": ffn,
+                "routers_norms": total - attn - ffn,
+                "mod_routed": False,
+            }
+        )
+    for i, blk in enumerate(getattr(model, "blocks", [])):
         attn = sum(p.numel() for p in blk.mor.block.attn.parameters())
         ffn = sum(p.numel() for p in blk.mor.block.ffn.parameters())
         total = sum(p.numel() for p in blk.parameters())
@@ -144,19 +184,24 @@ def info(
     model_size: Annotated[str, typer.Option("--model-size", "--model_size", help="Preset name.")] = "100M",
     seq_len: Annotated[int, typer.Option("--seq-len", "--seq_len", help="Sequence length for FLOPs.")] = 2048,
     overrides: SetOption = None,
+    arch: ArchOption = "hydra",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Layer by layer: parameters, and training FLOPs per token executed under routing vs dense."""
+    from hydra_model.architectures import ARCHITECTURES
     from hydra_model.footprint import flops_breakdown
 
+    if arch not in ARCHITECTURES:
+        fail(f"--arch {arch!r}: choose one of {', '.join(ARCHITECTURES)}", code=2)
     extra = _parse_overrides(overrides)
-    model = _meta_model(model_size, extra)
+    model = _meta_model(model_size, extra, arch)
     cfg = model.config
     params = _block_param_rows(model)
     executed = flops_breakdown(cfg, seq_len, executed=True)
     dense = {row["name"]: row["flops"] for row in flops_breakdown(cfg, seq_len, executed=False)}
     flops = [{**row, "dense_flops": dense[row["name"]]} for row in executed]
     summary = {
+        "arch": arch,
         "model_size": model_size,
         "seq_len": seq_len,
         "config": cfg.to_dict(),

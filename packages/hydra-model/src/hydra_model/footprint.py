@@ -18,6 +18,7 @@ from hydra_model.config import HydraConfig
 from hydra_model.gpt_config import GPTConfig
 
 if TYPE_CHECKING:
+    from hydra_model.gpt import GPTModel
     from hydra_model.model import CCGQAMoDMoRModel
 
 
@@ -154,22 +155,27 @@ def flops_per_token(cfg: HydraConfig | GPTConfig, seq_len: int, executed: bool =
     return float(sum(row["flops"] for row in flops_breakdown(cfg, seq_len, executed)))
 
 
-def _activation_elements_per_token(cfg: HydraConfig) -> float:
-    """Elements one block application keeps for the backward per token it processes."""
+def _activation_elements_per_token(cfg: HydraConfig | GPTConfig) -> float:
+    """Elements one block application (a GPT layer) keeps for the backward per token it processes."""
     e = cfg.dim
-    n_q, n_kv, d = attention_widths(cfg)
+    if isinstance(cfg, GPTConfig):
+        n_q, n_kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        hidden, moe, routing = cfg.mlp_hidden, False, 0  # nothing gathered or scattered
+    else:
+        n_q, n_kv, d = attention_widths(cfg)
+        hidden = cfg.moe_top_k * cfg.expert_hidden if cfg.moe_enabled else cfg.mlp_hidden
+        moe = cfg.moe_enabled
+        routing = 2 * e  # gathered input and scattered output copies of the residual
     q, kv = n_q * d, n_kv * d
     attn = 2 * e + (q + 2 * kv) + 4 * (q + kv) + kv + q + e  # norm in/out, proj, convs & norms, v, out
-    hidden = cfg.moe_top_k * cfg.expert_hidden if cfg.moe_enabled else cfg.mlp_hidden
     # norm in/out, gate+up, down out; the dense MLP recomputes its SwiGLU output in the backward
     # (layers._SwiGLUDown), MoE experts keep theirs
-    ffn = 2 * e + 2 * hidden + (hidden if cfg.moe_enabled else 0) + e
-    routing = 2 * e  # gathered input and scattered output copies of the residual
+    ffn = 2 * e + 2 * hidden + (hidden if moe else 0) + e
     return float(attn + ffn + routing)
 
 
 def compute_memory_footprint(
-    model: CCGQAMoDMoRModel | HydraConfig,
+    model: CCGQAMoDMoRModel | GPTModel | HydraConfig | GPTConfig,
     batch_size: int,
     seq_len: int,
     activation_bytes: int = 2,
@@ -178,21 +184,27 @@ def compute_memory_footprint(
     """Estimated training memory (MB) with fp32 weights and grads, AdamW states
     (``optimizer_bytes_per_param``: 8 for fp32 AdamW, 2 for 8-bit) and bf16 activations
     (``activation_bytes``). Routed applications hold activations only for their tokens;
-    gradient checkpointing keeps only the inputs of the checkpointed blocks plus one block."""
+    gradient checkpointing keeps only the inputs of the checkpointed blocks plus one block (a
+    GPT layer counts as a block)."""
+    from hydra_model.gpt import GPTModel
     from hydra_model.model import CCGQAMoDMoRModel
 
-    if isinstance(model, CCGQAMoDMoRModel):
+    if isinstance(model, (CCGQAMoDMoRModel, GPTModel)):
         cfg, every, n_params = model.config, model._checkpoint_every, model.num_parameters()
     else:
         cfg, every = model, 0
         with torch.device("meta"):  # count without allocating
-            n_params = CCGQAMoDMoRModel(cfg).num_parameters()
+            cls = GPTModel if isinstance(cfg, GPTConfig) else CCGQAMoDMoRModel
+            n_params = cls(cfg).num_parameters()
     mb = 1024.0**2
     tokens = batch_size * seq_len
     per_app = _activation_elements_per_token(cfg) * activation_bytes
     per_block: dict[int, float] = {}
-    for app in applications(cfg, seq_len, executed=True):
-        per_block[app.block] = per_block.get(app.block, 0.0) + tokens * app.token_fraction * per_app
+    if isinstance(cfg, GPTConfig):
+        per_block = {i: tokens * per_app for i in range(cfg.n_layers)}
+    else:
+        for app in applications(cfg, seq_len, executed=True):
+            per_block[app.block] = per_block.get(app.block, 0.0) + tokens * app.token_fraction * per_app
     if every:
         kept = [tokens * cfg.dim * 4 if i % every == 0 else v for i, v in per_block.items()]
         activations = sum(kept) + max(per_block.values(), default=0.0)
