@@ -105,3 +105,26 @@ def test_gpt_model_builds_from_train_config_with_chunked_ce():
     assert isinstance(model, GPTModel) and model.config.use_chunked_ce and model.config.vocab_size == VOCAB
     with pytest.raises(HydraTrainError, match="unknown GPTConfig field"):
         build_model(cfg.replace(model_overrides={"mod_capacity": 0.5}), VOCAB, torch.device("cpu"))
+
+
+def test_pretest_runs_on_the_gpt_and_compile_targets_its_layers(tmp_path):
+    from hydra_train.run import build_model
+    from hydra_train.safe_opts.standalone import request_all
+    from hydra_train.safe_opts.toggles import compile_units
+
+    args = ["pretest", "--arch", "gpt", "--model_size", "tiny", "--seq_len", "16", "--batch_size", "2"]
+    args += ["--device", "cpu", "--cpu_threads", "1", "--pretest_warmup_steps", "1", "--pretest_steps", "2"]
+    args += ["--only", "prefetch_threads", "--log_dir", str(tmp_path), "--json"]
+    for k, v in GPT_OVERRIDES.items():
+        args += ["--model_override", f"{k}={v}"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.stdout)
+    assert rec["results"]["prefetch_threads"]["status"] == "PASS"
+    # --all requests static routing only where there is routing
+    assert request_all(TrainConfig(arch="gpt")).static_routing_mode is False
+    assert request_all(TrainConfig(arch="hydra")).static_routing_mode is True
+    model = build_model(
+        TrainConfig(arch="gpt", model_size="tiny", model_overrides=dict(GPT_OVERRIDES)), VOCAB, "cpu"
+    )
+    assert compile_units(model) == list(model.layers)

@@ -10,6 +10,7 @@ from typing import Annotated
 
 from hydra_kernels.cli_support import console, emit_json, err_console, fail, opt
 from hydra_train.cli_options import (
+    Arch,
     BatchSize,
     BlockKV,
     BlockQ,
@@ -101,6 +102,7 @@ def _show(rec: dict) -> None:
 
 
 def pretest(
+    arch: Arch = "hydra",
     model_size: ModelSize = "auto",
     batch_size: BatchSize = None,
     seq_len: SeqLen = None,
@@ -184,6 +186,7 @@ def pretest(
     from hydra_train.safe_opts.standalone import request_all, run_standalone
 
     cfg = TrainConfig(
+        arch=arch,
         model_size=model_size,
         batch_size=batch_size,
         seq_len=seq_len,

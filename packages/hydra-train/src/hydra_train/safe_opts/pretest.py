@@ -127,7 +127,7 @@ class PretestRunner:
         self.log = log
         self.device = trainer.device
         cfg = trainer.model.config
-        self.depth = cfg.n_mor_blocks * cfg.recursions_per_block
+        self.depth = cfg.effective_depth  # block applications (HYDRA) or layers (GPT)
         self.arm_active: tuple[str, ...] = ()
 
     # -- public --------------------------------------------------------------------------------------

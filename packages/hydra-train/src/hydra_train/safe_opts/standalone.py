@@ -55,7 +55,7 @@ def request_all(cfg: TrainConfig) -> TrainConfig:
         triton_kernels=True,
         compile=True,
         eight_bit_adam=True,
-        static_routing_mode=True,
+        static_routing_mode=cfg.arch == "hydra",  # the other architectures have no routing
     )
 
 
