@@ -2,8 +2,9 @@
 batches from a hydra-train dataset, a synthetic learnable stream, or uniform random tokens.
 
 Checkpoints are read through hydra-train (:func:`hydra_train.checkpoint.load_checkpoint`, which
-validates the format) and the model is rebuilt from the HydraConfig stored in them. A
-``save_pretrained`` folder goes through :meth:`CCGQAMoDMoRModel.from_pretrained`.
+validates the format) and the model is rebuilt from the config stored in them, as the architecture
+they record (HYDRA or the dense GPT). A ``save_pretrained`` folder goes through
+:func:`hydra_model.persistence.load_pretrained`, which picks the class the same way.
 """
 
 from __future__ import annotations
@@ -99,31 +100,33 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def model_config_of(ckpt: dict[str, Any]):
-    """The HydraConfig stored in a hydra-train checkpoint (``config.model``)."""
-    from hydra_model import HydraConfig
+    """The model config (HydraConfig or GPTConfig, by the recorded arch) of a hydra-train checkpoint."""
+    from hydra_model.architectures import config_from_dict
+    from hydra_model.persistence import checkpoint_arch
 
     cfg = ckpt.get("config", {})
     model_cfg = cfg.get("model", cfg) if isinstance(cfg, dict) else None
     try:
-        return HydraConfig.from_dict(dict(model_cfg))
+        return config_from_dict(checkpoint_arch(cfg), dict(model_cfg))
     except (TypeError, ValueError) as exc:
         raise DiagError(f"the checkpoint's model config cannot be read: {exc}") from None
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu") -> LoadedModel:
     """The model of a checkpoint file, save_pretrained folder or run folder, on ``device``."""
-    from hydra_model import CCGQAMoDMoRModel
-    from hydra_model.persistence import strip_wrapper_prefixes
+    from hydra_model.architectures import arch_of, model_class
+    from hydra_model.persistence import load_pretrained, strip_wrapper_prefixes
 
     p = resolve_checkpoint(path)
     if p.is_dir():
-        try:
-            model = CCGQAMoDMoRModel.from_pretrained(p, map_location=device)
+        try:  # the class the folder records (HYDRA when it names none)
+            model = load_pretrained(None, p, map_location=device)
         except (ValueError, FileNotFoundError, RuntimeError) as exc:
             raise DiagError(f"could not load {p}: {exc}") from None
         return LoadedModel(model, f"save_pretrained folder {p}", checkpoint_path=p)
     ckpt = read_checkpoint(p)
-    model = CCGQAMoDMoRModel(model_config_of(ckpt))
+    config = model_config_of(ckpt)
+    model = model_class(arch_of(config))(config)
     try:
         model.load_state_dict(strip_wrapper_prefixes(ckpt["model"]), strict=True)
     except RuntimeError as exc:
