@@ -402,3 +402,13 @@ def test_triton_kernels_under_the_interpreter_match_the_references():
     torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-4, rtol=1e-4)
     for n, g in runs[False][1].items():
         torch.testing.assert_close(runs[True][1][n], g, atol=1e-4, rtol=1e-3, msg=n)
+
+
+def test_numpy_integers_become_ints_so_the_config_stays_json():
+    import numpy as np
+
+    cfg = gpt_config("tiny", vocab_size=np.int64(300), n_layers=np.int32(2))
+    assert type(cfg.vocab_size) is int and type(cfg.n_layers) is int
+    assert json.loads(json.dumps(cfg.to_dict()))["vocab_size"] == 300
+    with pytest.raises(ValueError, match="n_layers=True must be a positive integer"):
+        gpt_config("tiny", n_layers=True)
