@@ -1,5 +1,6 @@
 """The dense GPT baseline: preset sizes against HYDRA's, the forward against an independent fp64
-implementation of Llama's maths, causality, cached decoding, compile, persistence, build_model."""
+implementation of Llama's maths, causality, cached decoding, compile, the Triton paths.
+Persistence, build_model and the CLI: test_gpt_persistence.py."""
 
 from __future__ import annotations
 
