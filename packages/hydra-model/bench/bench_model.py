@@ -43,7 +43,7 @@ ORIGINAL_ANCHOR = (90_000, 23.4)
 CONFIGS = {
     "dynamic": {},
     "static": {"static_routing_mode": True},
-    "dense": {"dense_baseline": True},
+    "dense": {"routing_off": True},
 }
 MODES = ("eager", "graph", "compile", "compile+graph")
 

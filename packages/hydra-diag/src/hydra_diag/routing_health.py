@@ -272,7 +272,7 @@ def routing_health(
         "config": {
             **caps,
             "static_routing_mode": cfg.static_routing_mode,
-            "dense_baseline": cfg.dense_baseline,
+            "routing_off": cfg.routing_off,
             "mor_routing": cfg.mor_routing,
             "moe_enabled": cfg.moe_enabled,
             "moe_num_experts": cfg.moe_num_experts if cfg.moe_enabled else None,

@@ -94,7 +94,7 @@ class StaticRouting(Optimization):
         cfg = getattr(trainer.model, "config", None)
         if cfg is None or not routing_wrappers(trainer.model):
             return "the model has no HYDRA routing blocks"
-        if cfg.dense_baseline:
+        if cfg.routing_off:
             return "the dense baseline has no routing"
         return None
 
