@@ -165,6 +165,8 @@ class CCGQAMoRBlock(nn.Module):
         )
         if self.mode == "expert_choice" and cfg.routing == "causal":
             self.mode = "causal"
+        #: the mode a switch to static routing and back returns to
+        self.dynamic_mode = self.mode
         self.block = CCGQABlock(cfg)
         # expert choice / static: one logit per recursion; token choice: logits over depths 1..R
         self.router = None if self.mode == "dense" else nn.Linear(cfg.dim, self.recursions)
@@ -369,7 +371,8 @@ class CCGQAMoDBlockWrapper(nn.Module):
         parent = self.capacity if self.causal is not None else 1.0
         self.mor = CCGQAMoRBlock(cfg, block_index, parent)
         self.router = nn.Linear(cfg.dim, 1) if self.routed else None
-        self.register_buffer("stat_mod", torch.zeros(2), persistent=False)  # [selected_frac, mean prob]
+        # [selected_frac, mean prob, passed_frac (router cleared its threshold, before any budget)]
+        self.register_buffer("stat_mod", torch.zeros(3), persistent=False)
 
     def forward(
         self, h: torch.Tensor, pos: torch.Tensor | None, ctx: RunContext
@@ -377,7 +380,7 @@ class CCGQAMoDBlockWrapper(nn.Module):
         """h [B, S, E], positions (None = 0..S−1) → (new h, auxiliary loss terms)."""
         if not self.routed:
             return self.mor(h, pos, None, ctx)
-        if self.causal is not None:
+        if self.causal is not None and not self.static:
             return self._causal(h, pos, ctx)
         b, s, _ = h.shape
         bce = self.training and not (self.static or self.capacity >= 1.0)
@@ -406,7 +409,7 @@ class CCGQAMoDBlockWrapper(nn.Module):
                 new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
             selected_frac = selected.float().mean()
         with torch.no_grad():
-            self.stat_mod.copy_(torch.stack([selected_frac, weight.detach().mean()]))
+            self.stat_mod.copy_(torch.stack([selected_frac, weight.detach().mean(), selected_frac]))
         return new_h, aux
 
     def _causal(self, h: torch.Tensor, pos: torch.Tensor | None, ctx: RunContext) -> tuple[torch.Tensor, AuxLists]:
@@ -435,5 +438,6 @@ class CCGQAMoDBlockWrapper(nn.Module):
             merge_aux(aux, inner)
             new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
         with torch.no_grad():
-            self.stat_mod.copy_(torch.stack([taken.float().mean(), weight.detach().mean()]))
+            passed = self.causal.threshold.passes(logit.detach()).float().mean()
+            self.stat_mod.copy_(torch.stack([taken.float().mean(), weight.detach().mean(), passed]))
         return new_h, aux

@@ -134,6 +134,9 @@ class HydraConfig:
     mod_capacity: float = 0.75
     #: first and last blocks see every token (MoD off there)
     mod_dense_first_last: bool = True
+    #: MoD routes every ``mod_block_stride``-th block: those with index % stride == stride − 1
+    #: (2: blocks 1, 3, 5, …, the MoD paper's "every other block"); 1 routes them all
+    mod_block_stride: int = 1
     mod_aux_weight: float = 0.01
 
     # Mixture-of-Recursions
@@ -216,6 +219,8 @@ class HydraConfig:
         """Whether block ``block_index`` routes tokens with MoD (Python-level, fixed per config)."""
         if self.routing_off or not self.mod_enabled:
             return False
+        if block_index % self.mod_block_stride != self.mod_block_stride - 1:
+            return False
         return not (self.mod_dense_first_last and block_index in (0, self.n_mor_blocks - 1))
 
     # --- validation ------------------------------------------------------------------------
@@ -236,6 +241,7 @@ class HydraConfig:
             "conv_kernel_seq",
             "conv_kernel_ch",
             "moe_num_experts",
+            "mod_block_stride",
         ):
             if int(getattr(self, name)) < 1:
                 bad(f"{name}={getattr(self, name)} must be a positive integer")

@@ -181,6 +181,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
                         "selected_frac": blk.stat_mod[0].clone(),
                         "capacity": float(self.config.mod_capacity),
                         "router_prob_mean": blk.stat_mod[1].clone(),
+                        "passed_frac": blk.stat_mod[2].clone(),
                     }
                 )
             if blk.mor.mode != "dense":
