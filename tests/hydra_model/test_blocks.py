@@ -1,5 +1,6 @@
-"""Routing semantics of the blocks (the expert-choice ablation): MoD top-k and threshold, MoR capacity schedule and nesting,
-token choice, gathered tokens keep their positions, static == dynamic at capacity 1."""
+"""Routing semantics of the blocks (the expert-choice ablation): MoD top-k and threshold, MoR
+capacity schedule and nesting, token choice, gathered tokens keep their positions, static ==
+dynamic at capacity 1. Causal routing has its own module, test_causal_routing.py."""
 
 from __future__ import annotations
 

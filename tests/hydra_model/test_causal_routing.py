@@ -83,7 +83,7 @@ def test_threshold_records_the_quantile_and_commits_an_ema():
     thr.record(logit, cand)
     assert thr.tau.item() == 0 and thr.has_pending.item() == 1  # recorded, not yet used
     values = logit[cand].double().sort(descending=True).values
-    first = values[int(math.floor(0.25 * cand.sum().item()))].item()
+    first = values[math.floor(0.25 * cand.sum().item())].item()
     thr.commit()
     assert thr.tau.item() == pytest.approx(first)
     assert (logit[cand] > thr.tau).sum().item() == math.floor(0.25 * cand.sum().item())

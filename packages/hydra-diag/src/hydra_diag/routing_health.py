@@ -97,7 +97,8 @@ def collect_routing(model: torch.nn.Module, batches: list, mode: str) -> dict[st
         model.train(was_training)
     out: dict[str, Any] = {"mod": [], "mor": [], "moe": [], "probe_vs_model_max_diff": probe_gap}
     for layer, rows in sorted(per["mod"].items()):
-        row = {"layer": layer, **_mean_rows(rows, ("selected_frac", "capacity", "router_prob_mean", "passed_frac"))}
+        keys = ("selected_frac", "capacity", "router_prob_mean", "passed_frac")
+        row = {"layer": layer, **_mean_rows(rows, keys)}
         row.update(probe.mod.get(layer).summary() if layer in probe.mod else {})
         out["mod"].append(row)
     for layer, rows in sorted(per["mor"].items()):

@@ -305,7 +305,7 @@ class CCGQAMoRBlock(nn.Module):
             prob = torch.sigmoid(logit)
             gate = self.alpha * prob
             _add(aux, "router_z", masked_mean(logit.pow(2), active))
-            router = self.causal[str(r)] if str(r) in self.causal else None
+            router = self.causal[str(r)] if str(r) in self.causal else None  # noqa: SIM401
             if router is None:  # capacity 1: every candidate goes
                 h, moe_loss = self._run_block(h, r, ctx, pos, gate, member=active)
                 taken = active
@@ -412,7 +412,9 @@ class CCGQAMoDBlockWrapper(nn.Module):
             self.stat_mod.copy_(torch.stack([selected_frac, weight.detach().mean(), selected_frac]))
         return new_h, aux
 
-    def _causal(self, h: torch.Tensor, pos: torch.Tensor | None, ctx: RunContext) -> tuple[torch.Tensor, AuxLists]:
+    def _causal(
+        self, h: torch.Tensor, pos: torch.Tensor | None, ctx: RunContext
+    ) -> tuple[torch.Tensor, AuxLists]:
         """Causal capacity routing (causal_routing.py): the taken tokens, gathered into a fixed
         ⌈capacity · S⌉ rows (unused rows masked), go through the MoR block; the update is
         σ(logit)·(out − in). Decoding one token skips the block when it is not taken."""

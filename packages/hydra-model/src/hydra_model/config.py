@@ -337,7 +337,7 @@ def upgrade_legacy_config(d: dict[str, Any]) -> dict[str, Any]:
     out = dict(d)
     dense = bool(out.pop("dense_baseline"))
     out["routing_off"] = bool(out.get("routing_off", False)) or dense
-    if _LEGACY_FULL_DICT <= set(d) and "routing" not in d:
+    if set(d) >= _LEGACY_FULL_DICT and "routing" not in d:
         out["routing"] = "expert_choice"
     return out
 

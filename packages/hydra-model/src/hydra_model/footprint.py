@@ -67,10 +67,7 @@ def applications(cfg: HydraConfig, seq_len: int, executed: bool = True) -> list[
     apps = []
     r_total = cfg.recursions_per_block
     fixed_shape_dense = (
-        cfg.static_routing_mode
-        or cfg.routing_off
-        or not cfg.mor_enabled
-        or cfg.mor_routing == "token_choice"
+        cfg.static_routing_mode or cfg.routing_off or not cfg.mor_enabled or cfg.mor_routing == "token_choice"
     )
     causal = cfg.routing == "causal"
     for i in range(cfg.n_mor_blocks):
