@@ -237,3 +237,24 @@ def test_qk_mean_matrix_matches_the_head_formula():
     want_q = torch.stack([(q_pre[:, h] + k_pre[:, h // groups]) / 2 for h in range(hq)], 1)
     want_k = torch.stack([want_q[:, g * groups : (g + 1) * groups].mean(1) for g in range(hkv)], 1)
     torch.testing.assert_close(u @ m.t(), torch.cat([want_q.reshape(4, -1), want_k.reshape(4, -1)], -1))
+
+
+def test_folded_weight_is_reused_without_grad_and_rebuilt_when_a_conv_changes(monkeypatch):
+    torch.manual_seed(7)
+    attn = CCGQAAttention(24, 4, 2, 6, 4)
+    rope = RotaryEmbedding(4, 16)
+    x = torch.randn(2, 9, 24)
+    built = []
+    real = ccgqa_mod.folded_qk_weight
+    monkeypatch.setattr(ccgqa_mod, "folded_qk_weight", lambda *a: built.append(1) or real(*a))
+    with torch.no_grad():
+        first = attn(x, *rope.tables(9))
+        again = attn(x, *rope.tables(9))
+        assert len(built) == 1 and torch.equal(first, again)
+        attn.conv_ch.weight.mul_(1.5)  # an in-place change (an optimizer step) invalidates it
+        changed = attn(x, *rope.tables(9))
+        assert len(built) == 2
+    fresh = attn(x, *rope.tables(9))  # with grad: built every call, as before
+    assert len(built) == 3
+    torch.testing.assert_close(changed, fresh.detach())
+    assert (changed - first).abs().max() > 1e-4

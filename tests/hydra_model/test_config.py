@@ -118,4 +118,4 @@ def test_derived_widths():
     assert cfg.mor_capacity_schedule == (1.0, 0.75, 0.5, 0.25)
     assert cfg.mlp_hidden == math.ceil(16 / 3 * 768 / 64) * 64
     assert [cfg.mod_routed(i) for i in range(8)] == [False] + [True] * 6 + [False]
-    assert not preset_config("100M", dense_baseline=True).mod_routed(3)
+    assert not preset_config("100M", routing_off=True).mod_routed(3)

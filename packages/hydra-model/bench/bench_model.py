@@ -44,7 +44,7 @@ ORIGINAL_ANCHOR = (90_000, 23.4)
 CONFIGS = {
     "dynamic": {},
     "static": {"static_routing_mode": True},
-    "dense": {"dense_baseline": True},
+    "dense": {"routing_off": True},
     # the dense GPT baseline of the same preset size (hydra_model.build_model("gpt", ...))
     "gpt": {"arch": "gpt"},
     "gpt-ccgqa": {"arch": "gpt", "attention": "ccgqa"},

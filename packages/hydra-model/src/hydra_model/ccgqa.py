@@ -136,14 +136,23 @@ class CCGQAAttention(nn.Module):
         k_total = self.conv_context + 1
         n = length - self.conv_context
         taps = window.unfold(1, k_total, 1).reshape(b, n, c * k_total)  # [B, n, C·K]: [c, s] = u[t+s, c]
-        weight, bias = folded_qk_weight(
-            self.conv_seq.weight,
-            self.conv_seq.bias,
-            self.conv_ch.weight,
-            self.conv_ch.bias,
-            self.qk_mean_mix,
-        )
+        weight, bias = self._folded()
         return F.linear(taps, weight, bias)
+
+    def _folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The folded conv + q-k-mean weight. Without gradients (evaluation, decoding) it is built
+        once and kept until a conv parameter changes (their version counters and storage say
+        so): rebuilding it was most of a decode step's time."""
+        params = (self.conv_seq.weight, self.conv_seq.bias, self.conv_ch.weight, self.conv_ch.bias)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return folded_qk_weight(*params, self.qk_mean_mix)
+        key = tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in params)
+        cached = getattr(self, "_folded_cache", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, folded_qk_weight(*params, self.qk_mean_mix))
+            self._folded_cache = cached
+        return cached[1]
 
     def forward(
         self,

@@ -1,5 +1,5 @@
 """Plain grouped-query attention (no compression, no convs, no q-k mean, no value shift, no QK
-norm) with the decoding cache: the attention of HYDRA's ``dense_baseline`` ablation (partial RoPE)
+norm) with the decoding cache: the attention of HYDRA's ``routing_off`` ablation (partial RoPE)
 and of the dense GPT (:mod:`hydra_model.gpt`, RoPE over the whole head).
 
 ``w_qkv`` stacks W_q (``n_heads·head_dim`` rows), W_k and W_v (``n_kv_heads·head_dim`` rows each),
