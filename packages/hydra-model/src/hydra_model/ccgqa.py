@@ -84,6 +84,13 @@ def folded_qk_weight(
     return weight, bias
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensor (shape-only tracing, e.g. FLOP counting): it has no storage to key a cache."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 class CCGQAAttention(nn.Module):
     """Compressed convolutional grouped-query attention on x [B, n, E] → [B, n, E]."""
 
@@ -144,7 +151,7 @@ class CCGQAAttention(nn.Module):
         once and kept until a conv parameter changes (their version counters and storage say
         so): rebuilding it was most of a decode step's time."""
         params = (self.conv_seq.weight, self.conv_seq.bias, self.conv_ch.weight, self.conv_ch.bias)
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or _is_fake(params[0]):
             return folded_qk_weight(*params, self.qk_mean_mix)
         key = tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in params)
         cached = getattr(self, "_folded_cache", None)
