@@ -75,26 +75,77 @@ def test_take_first_k_lists_taken_rows_first_in_time_order():
     assert member.tolist() == [[True, True, False], [True, True, False]]
 
 
-def test_threshold_records_the_quantile_and_commits_an_ema():
+def _grid_quantile(values: list[float], grid: list[float], target: float) -> float:
+    """Independent reference: the share of values above each grid point, and the point where
+    that share crosses ``target`` by linear interpolation (clamped to the grid's ends)."""
+    frac = [sum(v > g for v in values) / len(values) for g in grid]
+    if frac[0] <= target:
+        return grid[0]
+    for k in range(1, len(grid)):
+        if frac[k] <= target:
+            f_lo, f_hi = frac[k - 1], frac[k]
+            return grid[k - 1] + (f_lo - target) / (f_lo - f_hi) * (grid[k] - grid[k - 1])
+    return grid[-1]
+
+
+def test_threshold_commit_reads_the_quantile_off_the_grid_and_blends_an_ema():
     thr = RouterThreshold(target=0.25, momentum=0.9)
     g = torch.Generator().manual_seed(3)
-    logit = torch.randn(3, 40, generator=g)
+    logit = torch.randn(3, 40, generator=g) * 0.7 + 0.2
     cand = torch.rand(3, 40, generator=g) < 0.6
+    grid = thr.grid().tolist()
     thr.record(logit, cand)
-    assert thr.tau.item() == 0 and thr.has_pending.item() == 1  # recorded, not yet used
-    values = logit[cand].double().sort(descending=True).values
-    first = values[math.floor(0.25 * cand.sum().item())].item()
+    assert thr.tau.item() == 0  # recorded, not yet used
+    values = logit[cand].tolist()
+    first = _grid_quantile(values, grid, 0.25)
     thr.commit()
-    assert thr.tau.item() == pytest.approx(first)
-    assert (logit[cand] > thr.tau).sum().item() == math.floor(0.25 * cand.sum().item())
-    logit2 = torch.randn(3, 40, generator=g)
+    assert thr.tau.item() == pytest.approx(first, abs=1e-5)
+    exact = sorted(values, reverse=True)[math.floor(0.25 * len(values))]
+    assert abs(first - exact) <= grid[1] - grid[0]  # within one grid step of the order statistic
+    std = torch.tensor(values).std(unbiased=False).item()
+    assert thr.spread.item() == pytest.approx(std, rel=1e-4)
+    # second step: the grid has re-centred; the new quantile is blended in
+    logit2 = torch.randn(2, 50, generator=g) * 0.7 + 0.2
+    grid2 = thr.grid().tolist()
+    second = _grid_quantile(logit2.reshape(-1).tolist(), grid2, 0.25)
     thr.record(logit2, None)
-    second = logit2.reshape(-1).double().sort(descending=True).values[30].item()
-    thr.record(logit2, None)  # a recomputation records the same value again: harmless
     thr.commit()
-    assert thr.tau.item() == pytest.approx(0.9 * first + 0.1 * second, rel=1e-6)
-    thr.commit()  # nothing pending: unchanged
-    assert thr.tau.item() == pytest.approx(0.9 * first + 0.1 * second, rel=1e-6)
+    assert thr.tau.item() == pytest.approx(0.9 * first + 0.1 * second, abs=1e-5)
+
+
+def test_threshold_records_add_up_and_a_rejected_step_changes_nothing():
+    g = torch.Generator().manual_seed(4)
+    logit = torch.randn(4, 30, generator=g)
+    whole, halves = RouterThreshold(0.5, 0.9), RouterThreshold(0.5, 0.9)
+    whole.record(logit, None)
+    halves.record(logit[:2], None)  # micro-batches of one step (or ranks, all-reduced)
+    halves.record(logit[2:], None)
+    whole.commit()
+    halves.commit()
+    assert torch.equal(whole.tau, halves.tau) and torch.allclose(whole.spread, halves.spread)
+    before = {k: v.clone() for k, v in whole.state_dict().items()}
+    whole.record(logit * 3 + 1, None)
+    whole.commit(torch.tensor(False))
+    for k, v in whole.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert whole.moments.sum() == 0  # the record was dropped
+
+
+def test_threshold_recentres_when_the_quantile_falls_off_the_grid():
+    thr = RouterThreshold(0.5, 0.99)
+    thr.record(torch.zeros(1, 8), None)
+    thr.commit()
+    far = torch.linspace(20, 30, 64).view(1, -1)  # far above the grid τ ± 4·spread
+    thr.record(far, None)
+    thr.commit()
+    # re-centred on mean + z·std (z = 0 at target ½), the spread reset to the data's: the next
+    # grid covers the logits and reads the quantile off it again
+    assert thr.tau.item() == pytest.approx(25.0, abs=1e-4)
+    assert thr.spread.item() == pytest.approx(far.std(unbiased=False).item(), rel=1e-4)
+    thr.record(far, None)
+    thr.commit()
+    exact = far.median().item()
+    assert abs(thr.tau.item() - exact) < 0.5
 
 
 def _mixed_model(**overrides):

@@ -43,12 +43,12 @@ def model():
 
 
 def loss(m, x):
-    """A training-mode loss that leaves the model as it found it (a training forward moves the
-    causal routing thresholds, as BatchNorm moves its running statistics)."""
+    """A training-mode loss that leaves the model as it found it (a training forward would move
+    the causal routing thresholds, as BatchNorm moves its running statistics)."""
     base = m._orig_mod if hasattr(m, "_orig_mod") else m
-    state = {k: v.clone() for k, v in base.state_dict().items()}
+    base.threshold_commit = "manual"
     out = m(x, x).loss.detach()
-    base.load_state_dict(state)
+    base.commit_router_thresholds(torch.tensor(False))  # drop the record
     return out
 
 

@@ -34,6 +34,8 @@ class CacheSlot:
 
     capacity: int
     entry: AttentionCache | None = None
+    #: CCGQA: the folded conv weight and bias, built once per generation (ccgqa.py)
+    folded: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ cumulative sum of p: a cumsum and a cummin, no loop, no host sync. Token t is ta
 
 The threshold τ is a buffer: training (gradients on) moves it towards the (1 − target) quantile
 of each batch's router logits over the candidate tokens, an exponential moving average with
-``momentum``, committed at the start of the next training step (so a step routes with one τ);
+``momentum``, committed between steps (so a step routes with one τ; see RouterThreshold);
 evaluation and decoding read it unchanged. The router itself
 learns from the LM loss through the gate σ(logit) that scales the routed update.
 
@@ -29,7 +29,7 @@ the host's gather size and the device's budget can never disagree by a rounding.
 
 from __future__ import annotations
 
-import math
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -80,55 +80,98 @@ def take_first_k(taken: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return idx, member
 
 
-class RouterThreshold(nn.Module):
-    """The threshold τ of one routing point: the running (1 − target) quantile of its logits.
+#: grid points on which a training step counts how many candidate logits lie above (see below)
+GRID_POINTS = 65
+#: the grid spans τ ± GRID_HALF_WIDTH · spread (spread: a running standard deviation of logits)
+GRID_HALF_WIDTH = 4.0
 
-    A training forward only *records* its batch quantile; the next training forward *commits*
-    it into τ before routing anything (:meth:`commit`, called by the model outside any
-    checkpointed region). So τ is constant within a step: gradient checkpointing's recomputation
-    routes exactly as the forward did, and re-recording the same value is harmless."""
+
+class RouterThreshold(nn.Module):
+    """The threshold τ of one routing point: a running estimate of the (1 − target) quantile of
+    its logits over the candidate tokens.
+
+    A training forward *records* additive statistics: on a fixed grid of GRID_POINTS values
+    around τ, how many candidates lie above each, plus the candidates' count, sum and sum of
+    squares. Being sums, records of micro-batches (or of DDP ranks, all-reduced) add up to the
+    record of the whole batch exactly. A *commit* reads the quantile off the grid (linear
+    interpolation between the two points the target share falls between), folds it into τ as an
+    EMA with ``momentum`` (taken as it is at the first commit; when it falls off the grid, τ
+    re-centres on the normal approximation mean + z·std and the spread is reset) and updates the
+    spread. The model commits at the start of the next
+    training forward by default (like BatchNorm, this works in any loop); a trainer that owns
+    its step commits after each optimizer step instead (``threshold_commit = "manual"``),
+    passing whether the step was applied, so that a skipped step leaves τ as it was. τ is
+    constant within a step: gradient checkpointing's recomputation routes as the forward did; it
+    records the same sums a second time, which scales the record without changing its ratios."""
 
     def __init__(self, target: float, momentum: float) -> None:
         super().__init__()
         self.target = float(target)
         self.momentum = float(momentum)
+        #: the standard normal's (1 − target) quantile: the re-centring guess is mean + z · std
+        self.z = statistics.NormalDist().inv_cdf(min(max(1.0 - self.target, 1e-6), 1 - 1e-6))
         self.register_buffer("tau", torch.zeros(()))
-        #: 0 until the first commit (which then takes the recorded quantile as it is)
+        self.register_buffer("spread", torch.ones(()))
+        #: 0 until the first commit
         self.register_buffer("seen", torch.zeros(()))
-        self.register_buffer("pending", torch.zeros(()))
-        self.register_buffer("has_pending", torch.zeros(()))
+        # the record lives from a forward to the next commit: not part of a checkpoint
+        self.register_buffer("above", torch.zeros(GRID_POINTS), persistent=False)
+        self.register_buffer("moments", torch.zeros(3), persistent=False)  # count, sum, sum of squares
 
     def extra_repr(self) -> str:
         return f"target={self.target:g}, momentum={self.momentum:g}"
 
-    @torch.no_grad()
-    def record(self, logit: torch.Tensor, candidates: torch.Tensor | None) -> None:
-        """Remember the value of ``logit`` [B, n] above which a ``target`` share of the
-        ``candidates`` (all when None) lies. No host sync."""
-        flat = logit.detach().float().reshape(-1)
-        if candidates is None:
-            count = torch.full((), flat.numel(), device=flat.device, dtype=torch.long)
-            ranked = flat.sort(descending=True).values
-        else:
-            cand = candidates.reshape(-1)
-            count = cand.sum()
-            ranked = flat.masked_fill(~cand, -math.inf).sort(descending=True).values
-        # ranked[j] with j = ⌊target · count⌋: exactly j candidates lie above it (ties aside)
-        j = (count.float() * self.target).floor().long().clamp(max=flat.numel() - 1)
-        j = torch.minimum(j, (count - 1).clamp(min=0))
-        self.pending.copy_(ranked.gather(0, j.view(1)).squeeze(0))
-        self.has_pending.copy_((count > 0).to(self.has_pending.dtype))
+    def grid(self) -> torch.Tensor:
+        """The GRID_POINTS values [K] this step's record counts against."""
+        steps = torch.linspace(-GRID_HALF_WIDTH, GRID_HALF_WIDTH, GRID_POINTS, device=self.tau.device)
+        return self.tau + self.spread * steps
 
     @torch.no_grad()
-    def commit(self) -> None:
-        """Fold the recorded quantile into τ (an EMA; the first one is taken as it is)."""
-        blended = torch.where(
-            self.seen > 0, self.momentum * self.tau + (1 - self.momentum) * self.pending, self.pending
-        )
-        ready = self.has_pending > 0
+    def record(self, logit: torch.Tensor, candidates: torch.Tensor | None) -> None:
+        """Add this forward's statistics of ``logit`` [B, n] over ``candidates`` (all when None)
+        to the record. Non-finite logits are left out. No host sync."""
+        x = logit.detach().float().reshape(-1)
+        keep = torch.isfinite(x)
+        if candidates is not None:
+            keep = keep & candidates.reshape(-1)
+        w = keep.float()
+        x = torch.where(keep, x, torch.zeros_like(x))
+        above = ((x.unsqueeze(0) > self.grid().unsqueeze(1)).float() * w).sum(dim=1)  # [K]
+        self.above.add_(above)
+        self.moments.add_(torch.stack([w.sum(), (x * w).sum(), (x * x * w).sum()]))
+
+    @torch.no_grad()
+    def commit(self, applied: torch.Tensor | None = None) -> None:
+        """Fold the record into τ and the spread and clear it; with ``applied`` False (a bool
+        tensor: the optimizer step did not go through) only clear it. No host sync."""
+        count, total, squares = self.moments.unbind()
+        ready = count > 0
+        if applied is not None:
+            ready = ready & applied.to(device=ready.device, dtype=torch.bool)
+        safe = count.clamp(min=1.0)
+        frac = self.above / safe  # [K], non-increasing along the grid
+        grid = self.grid()
+        # i: grid points whose share above exceeds the target; the quantile lies after the i-th
+        i = (frac > self.target).sum()
+        lo = (i - 1).clamp(0, GRID_POINTS - 1)
+        hi = i.clamp(0, GRID_POINTS - 1)
+        f_lo, f_hi, g_lo, g_hi = frac[lo], frac[hi], grid[lo], grid[hi]
+        step = torch.where(f_lo > f_hi, (f_lo - self.target) / (f_lo - f_hi).clamp(min=1e-12), 0.0)
+        quantile = g_lo + step.clamp(0, 1) * (g_hi - g_lo)
+        mean = total / safe
+        std = (squares / safe - mean * mean).clamp(min=0).sqrt().clamp(min=1e-3)
+        # off the grid, the grid says only "beyond this end": re-centre on a normal approximation
+        # of the quantile and take the spread as it is, so the next grid covers the logits
+        off_grid = (i == 0) | (i == GRID_POINTS)
+        quantile = torch.where(off_grid, mean + self.z * std, quantile)
+        take = (self.seen == 0) | off_grid
+        blended = torch.where(take, quantile, self.momentum * self.tau + (1 - self.momentum) * quantile)
+        spread = torch.where(take, std, self.momentum * self.spread + (1 - self.momentum) * std)
         self.tau.copy_(torch.where(ready, blended, self.tau))
-        self.seen.copy_(torch.maximum(self.seen, self.has_pending))
-        self.has_pending.zero_()
+        self.spread.copy_(torch.where(ready, spread, self.spread))
+        self.seen.copy_(torch.where(ready, torch.ones_like(self.seen), self.seen))
+        self.above.zero_()
+        self.moments.zero_()
 
     def passes(self, logit: torch.Tensor) -> torch.Tensor:
         return logit > self.tau

@@ -84,13 +84,6 @@ def folded_qk_weight(
     return weight, bias
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    """A FakeTensor (shape-only tracing, e.g. FLOP counting): it has no storage to key a cache."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
 class CCGQAAttention(nn.Module):
     """Compressed convolutional grouped-query attention on x [B, n, E] → [B, n, E]."""
 
@@ -136,30 +129,27 @@ class CCGQAAttention(nn.Module):
         mix = qk_mean_matrix(self.n_heads, self.n_kv_heads, self.head_dim)
         self.qk_mean_mix = mix.to(self.qk_mean_mix.device, self.qk_mean_mix.dtype)
 
-    def _conv_qk(self, window: torch.Tensor) -> torch.Tensor:
+    def _conv_qk(self, window: torch.Tensor, slot: CacheSlot | None = None) -> torch.Tensor:
         """Steps 2–3 on a time-major window [B, n + K−1, C] of packed pre-conv inputs (K−1 rows of
         left context) → pre-norm [q;k] [B, n, C]: both convs and the q-k mean as one matmul."""
         b, length, c = window.shape
         k_total = self.conv_context + 1
         n = length - self.conv_context
         taps = window.unfold(1, k_total, 1).reshape(b, n, c * k_total)  # [B, n, C·K]: [c, s] = u[t+s, c]
-        weight, bias = self._folded()
+        weight, bias = self._folded(slot)
         return F.linear(taps, weight, bias)
 
-    def _folded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The folded conv + q-k-mean weight. Without gradients (evaluation, decoding) it is built
-        once and kept until a conv parameter changes (their version counters and storage say
-        so): rebuilding it was most of a decode step's time."""
+    def _folded(self, slot: CacheSlot | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The folded conv + q-k-mean weight. A decoding slot keeps it for the whole generation
+        (the weights cannot change while decoding): rebuilding it every token was most of a
+        decode step's time. Anywhere else it is built per call (a cache keyed on the parameters
+        would go stale under optimizers that update them in place without a version bump)."""
         params = (self.conv_seq.weight, self.conv_seq.bias, self.conv_ch.weight, self.conv_ch.bias)
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or _is_fake(params[0]):
+        if slot is None or torch.is_grad_enabled():
             return folded_qk_weight(*params, self.qk_mean_mix)
-        key = tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in params)
-        cached = getattr(self, "_folded_cache", None)
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                cached = (key, folded_qk_weight(*params, self.qk_mean_mix))
-            self._folded_cache = cached
-        return cached[1]
+        if slot.folded is None:
+            slot.folded = folded_qk_weight(*params, self.qk_mean_mix)
+        return slot.folded
 
     def forward(
         self,
@@ -193,7 +183,7 @@ class CCGQAAttention(nn.Module):
             window = F.pad(u, (0, 0, self.conv_context, 0))  # [B, n + K−1, C]
         else:
             window = torch.cat([entry.conv_state.to(u.dtype), u], dim=1)
-        qk = self._conv_qk(window)  # [B, n, C]
+        qk = self._conv_qk(window, slot)  # [B, n, C]
         q, k = qk.split([self.q_dim, self.kv_dim], dim=-1)
         q, k = q.view(b, n, hq, d), k.view(b, n, hkv, d)
 

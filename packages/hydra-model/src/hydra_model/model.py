@@ -65,6 +65,15 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
             else None
         )
         self.blocks = nn.ModuleList(CCGQAMoDBlockWrapper(config, i) for i in range(config.n_mor_blocks))
+        #: who commits the causal routing thresholds: "forward" (each training forward, the
+        #: default) or "manual" (the training loop, via commit_router_thresholds)
+        self.threshold_commit = "forward"
+        # DDP broadcasts buffers from rank 0 at every forward; the thresholds' per-step records
+        # are per-rank sums (all-reduced before a commit) and must not be overwritten between
+        # micro-batches
+        self._ddp_params_and_buffers_to_ignore = [
+            name for name, _ in self.named_buffers() if name.endswith((".above", ".moments"))
+        ]
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.reset_parameters()
 
@@ -102,6 +111,19 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
         """The causal routing points' thresholds (empty for other routings)."""
         return [m for m in self.modules() if isinstance(m, RouterThreshold)]
 
+    def commit_router_thresholds(self, applied: torch.Tensor | None = None) -> None:
+        """Fold the last training forward's router statistics into the causal thresholds; with
+        ``applied`` False (a bool tensor, e.g. the step's finiteness) drop them instead. A
+        trainer that calls this after each optimizer step sets ``threshold_commit = "manual"``;
+        by default (``"forward"``) every training forward commits the one before it."""
+        for threshold in self.router_thresholds():
+            threshold.commit(applied)
+
+    def router_threshold_records(self) -> list[torch.Tensor]:
+        """The thresholds' pending records (additive sums): a data-parallel trainer all-reduces
+        them (summing) before :meth:`commit_router_thresholds` so every rank commits the same τ."""
+        return [t for thr in self.router_thresholds() for t in (thr.above, thr.moments)]
+
     def moe_layers(self) -> list[MoEFFN]:
         return [m for m in self.modules() if isinstance(m, MoEFFN)]
 
@@ -122,9 +144,8 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
                 pos = torch.full((b, 1), cache.seq_len, dtype=torch.long, device=input_ids.device)
         elif s > cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds max_seq_len={cfg.max_seq_len}")
-        if self.training and torch.is_grad_enabled():
-            for threshold in self.router_thresholds():
-                threshold.commit()  # last step's quantile, outside any checkpointed region
+        if self.training and torch.is_grad_enabled() and self.threshold_commit == "forward":
+            self.commit_router_thresholds()  # last step's quantile, outside any checkpointed region
         moes = self.moe_layers()
         for moe in moes:
             if self.training and moe.balancing == "loss_free":
