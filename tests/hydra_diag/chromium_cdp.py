@@ -109,7 +109,9 @@ def headless_chromium(profile_dir: Path, width: int = 1400, height: int = 1700) 
         end = time.monotonic() + 60
         while not (port_file.is_file() and port_file.read_text().strip()):
             if proc.poll() is not None:
-                raise RuntimeError(f"chromium exited ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(
+                    f"chromium exited ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}"
+                )
             if time.monotonic() > end:
                 raise TimeoutError("chromium did not open its DevTools port within 60 s")
             time.sleep(0.1)
@@ -119,7 +121,11 @@ def headless_chromium(profile_dir: Path, width: int = 1400, height: int = 1700) 
         tab = next(t for t in targets if t.get("type") == "page")
         page = Page(tab["webSocketDebuggerUrl"])
         page.call(
-            "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
         )
         try:
             yield page

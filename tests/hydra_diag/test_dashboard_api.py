@@ -30,9 +30,9 @@ def test_runs_endpoint_is_the_runs_table(served):
         "JOIN steps s ON s.run_id=r.run_id GROUP BY r.run_id ORDER BY r.started_at",
     )
     assert got["database"] == str(db.resolve()) or Path(got["database"]).samefile(db)
-    assert [(r["run_id"], r["status"], r["end_step"], r["last_step"], r["logged_steps"]) for r in got["runs"]] == [
-        (w["run_id"], w["status"], w["end_step"], w["last"], w["n"]) for w in want
-    ]
+    assert [
+        (r["run_id"], r["status"], r["end_step"], r["last_step"], r["logged_steps"]) for r in got["runs"]
+    ] == [(w["run_id"], w["status"], w["end_step"], w["last"], w["n"]) for w in want]
 
 
 def test_run_endpoint_holds_every_row(served, tiny_run):
@@ -44,19 +44,38 @@ def test_run_endpoint_holds_every_row(served, tiny_run):
     steps = db_rows(db, "SELECT * FROM steps WHERE run_id=? ORDER BY step", (rid,))
     assert [s["step"] for s in got["steps"]] == [s["step"] for s in steps] == list(range(2, 17, 2))
     for g, s in zip(got["steps"], steps, strict=True):
-        for key in ("loss", "ema_short", "ema_medium", "ema_long", "lr", "grad_norm", "tokens_per_s", "memory_mb"):
+        for key in (
+            "loss",
+            "ema_short",
+            "ema_medium",
+            "ema_long",
+            "lr",
+            "grad_norm",
+            "tokens_per_s",
+            "memory_mb",
+        ):
             assert g[key] == s[key], key
         assert g["skipped_steps"] == s["skipped_steps"]
     evals = db_rows(db, "SELECT step, val_loss, val_ppl FROM evals WHERE run_id=? ORDER BY step", (rid,))
     assert got["evals"] == evals and len(evals) >= 2
-    mod = db_rows(db, "SELECT step, layer, selected_frac FROM routing_mod WHERE run_id=? ORDER BY step, layer", (rid,))
+    mod = db_rows(
+        db, "SELECT step, layer, selected_frac FROM routing_mod WHERE run_id=? ORDER BY step, layer", (rid,)
+    )
     assert [(r["step"], r["layer"], r["selected_frac"]) for r in got["routing_mod"]] == [
         (r["step"], r["layer"], r["selected_frac"]) for r in mod
     ]
     assert mod and {r["layer"] for r in mod} == {1}
-    mor = db_rows(db, "SELECT step, layer, avg_depth, expected_depth FROM routing_mor WHERE run_id=? ORDER BY step, layer", (rid,))
+    mor = db_rows(
+        db,
+        "SELECT step, layer, avg_depth, expected_depth FROM routing_mor WHERE run_id=? ORDER BY step, layer",
+        (rid,),
+    )
     assert got["routing_mor"] == mor
-    moe = db_rows(db, "SELECT step, layer, entropy, utilization FROM routing_moe WHERE run_id=? ORDER BY step, layer", (rid,))
+    moe = db_rows(
+        db,
+        "SELECT step, layer, entropy, utilization FROM routing_moe WHERE run_id=? ORDER BY step, layer",
+        (rid,),
+    )
     assert [(m["step"], m["layer"], m["entropy"], m["utilization"]) for m in got["routing_moe"]] == [
         (m["step"], m["layer"], m["entropy"], json.loads(m["utilization"])) for m in moe
     ]
@@ -74,7 +93,11 @@ def test_run_endpoint_holds_every_row(served, tiny_run):
         "prefetch_threads": cfg["experimental_prefetch_threads"] > 0,
     }
     requested = got["safe_opts"]["requested"]
-    assert {n for n, on in flags.items() if on} == set(requested) - {"8bit_adam", "triton_kernels", "static_routing"}
+    assert {n for n, on in flags.items() if on} == set(requested) - {
+        "8bit_adam",
+        "triton_kernels",
+        "static_routing",
+    }
     assert {n for n, s in got["safe_opts"]["status"].items() if s["status"] == "REQUESTED"} == set(requested)
     assert got["safe_opts"]["anomalies"] == []
 
@@ -97,7 +120,9 @@ def test_static_files_and_unknown_paths(served):
     assert code == 200 and ctype.startswith("text/html")
     assert b'src="/static/plotly.min.js"' in html and b"/static/dashboard.js" in html and b"http" not in html
     code, js, _ = get(url + "static/plotly.min.js")
-    assert code == 200 and js == (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
+    assert (
+        code == 200 and js == (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
+    )
     for name in ("dashboard.js", "dashboard.css"):
         assert get(url + "static/" + name)[0] == 200
     assert "no such page" in get_json(url + "static/other.js", 404)["error"]
@@ -110,7 +135,7 @@ def test_the_store_cannot_write(tiny_run):
 
     conn = connect_ro(tiny_run.folder / "training.db")
     try:
-        with pytest.raises(sqlite3.OperationalError, match="readonly|read-only|query_only"):
+        with pytest.raises(sqlite3.OperationalError, match=r"readonly|read-only|query_only"):
             conn.execute("DELETE FROM steps")
     finally:
         conn.close()
@@ -122,7 +147,9 @@ def test_new_steps_appear_while_a_run_writes(tmp_path):
     writer is never refused (no 'database is locked')."""
     from hydra_train.metrics_db import DB_NAME, TrainingDB
 
-    row = dict(loss=3.0, lr=1e-3, grad_norm=1.0, tokens_per_s=100.0, ema_short=3.0, ema_medium=3.0, ema_long=3.0)
+    row = dict(
+        loss=3.0, lr=1e-3, grad_norm=1.0, tokens_per_s=100.0, ema_short=3.0, ema_medium=3.0, ema_long=3.0
+    )
     synthetic_db(tmp_path, [dict(step=1, **row)], status="running")
     committed: dict[int, float] = {}
     errors: list[BaseException] = []
@@ -136,7 +163,7 @@ def test_new_steps_appear_while_a_run_writes(tmp_path):
                     db.commit()
                     committed[step] = time.monotonic()
                     time.sleep(0.1)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+        except BaseException as exc:
             errors.append(exc)
 
     with serving(tmp_path) as url:

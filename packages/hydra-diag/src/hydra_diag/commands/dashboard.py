@@ -36,8 +36,12 @@ def dashboard_cmd(
     except DiagError as exc:
         fail(str(exc))
     if host not in _LOCAL:
-        err_console.print(f"warning: serving on {host}: anyone who can reach it sees the run", highlight=False)
-    console.print(f"dashboard of {store.path} at {server.url} (Ctrl-C stops it)", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"warning: serving on {host}: anyone who can reach it sees the run", highlight=False
+        )
+    console.print(
+        f"dashboard of {store.path} at {server.url} (Ctrl-C stops it)", highlight=False, soft_wrap=True
+    )
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:

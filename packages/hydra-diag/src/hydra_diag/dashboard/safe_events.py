@@ -67,14 +67,13 @@ def safe_opts_report(folder: Path, run: dict[str, Any], config: dict[str, Any]) 
     requested = requested_optimizations(config)
     status: dict[str, dict[str, Any]] = {}
     for name in requested or []:
-        status[name] = {"status": "REQUESTED", "reason": "no pretest logged (not applicable here?)", "step": None}
+        why = "no verdict logged: not applicable on this device, or pretests skipped"
+        status[name] = {"status": "REQUESTED", "reason": why, "step": None}
     anomalies = []
     for ev in events:
         kind, name = ev.get("event"), ev.get("name")
         if kind == "anomaly":
-            anomalies.append(
-                {k: ev.get(k) for k in ("at_step", "kind", "name", "value", "baseline", "time")}
-            )
+            anomalies.append({k: ev.get(k) for k in ("at_step", "kind", "name", "value", "baseline", "time")})
             continue
         new = _VERDICT.get(str(ev.get("status"))) if kind == "pretest" else _ACTION.get(str(kind))
         if name and new:

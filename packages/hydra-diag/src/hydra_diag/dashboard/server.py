@@ -59,7 +59,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
     server: DashboardServer
     protocol_version = "HTTP/1.1"  # keep-alive: the page's polls reuse one connection
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+    def log_message(self, format: str, *args: Any) -> None:
         if self.server.verbose:
             super().log_message(format, *args)
 
@@ -75,10 +75,10 @@ class DashboardHandler(BaseHTTPRequestHandler):
     def _json(self, obj: Any, status: int = 200) -> None:
         self._send(status, json.dumps(obj, allow_nan=False).encode(), "application/json")
 
-    def do_HEAD(self) -> None:  # noqa: N802 - the stdlib's name
+    def do_HEAD(self) -> None:
         self.do_GET()
 
-    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+    def do_GET(self) -> None:
         url = urlparse(self.path)
         try:
             if url.path in self.server.files:

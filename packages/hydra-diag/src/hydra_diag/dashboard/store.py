@@ -78,7 +78,9 @@ def check_database(path: str | Path) -> Path:
     with open(p, "rb") as f:
         header = f.read(len(SQLITE_HEADER))
     if not header:
-        raise DiagError(f"{p} is an empty file (0 bytes), not a metrics database yet: start a hydra-train run")
+        raise DiagError(
+            f"{p} is an empty file (0 bytes), not a metrics database yet: start a hydra-train run"
+        )
     if header != SQLITE_HEADER:
         raise DiagError(
             f"{p} is not an SQLite database (no SQLite header): pass the {p.name} a hydra-train run wrote"

@@ -130,7 +130,8 @@ function renderCards(d) {
 function plot(id, traces, layout = {}) {
   const points = traces.reduce((n, t) => n + (t.z ? t.z.length : t.x.length), 0);
   const base = {
-    margin: { l: 55, r: 55, t: 8, b: 36 }, showlegend: true, legend: { orientation: "h", y: -0.18 },
+    margin: { l: 55, r: 55, t: 26, b: 36 }, showlegend: true, autosize: true,
+    legend: { orientation: "h", x: 0, y: 1.0, yanchor: "bottom" },
     xaxis: { title: { text: "step" } }, uirevision: state.selected, font: { size: 11 },
     annotations: points ? [] : [{ text: "nothing logged for this run", showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5 }],
   };
@@ -170,7 +171,7 @@ function render() {
   plot("chart-mem", [
     line(x, col(s, "memory_mb"), "memory MiB"),
     line(x, col(s, "skipped_steps"), "skipped steps (total)", { yaxis: "y2", line: { dash: "dot", color: COLORS[1] } }),
-  ], { yaxis2: { overlaying: "y", side: "right", rangemode: "tozero" } });
+  ], { yaxis2: { overlaying: "y", side: "right", rangemode: "tozero", tickformat: "d" } });
   const mod = d.rows.routing_mod, modSteps = [...new Set(col(mod, "step"))];
   const modLayers = byLayer(mod);
   const heat = modLayers.length ? [{
