@@ -127,6 +127,8 @@ def headless_chromium(profile_dir: Path, width: int = 1400, height: int = 1700) 
             deviceScaleFactor=1,
             mobile=False,
         )
+        # no scrollbar: a full-page capture lays the page out at the width the charts were drawn at
+        page.call("Emulation.setScrollbarsHidden", hidden=True)
         try:
             yield page
         finally:

@@ -96,7 +96,7 @@ def test_page_draws_every_chart_from_the_run(tiny_run, tmp_path):
         assert charts[chart]["lines"] >= len(charts[chart]["traces"]), chart  # plotly drew each line
 
 
-def _train_args(data: Path, ckpt: Path, steps: int) -> list[str]:
+def _train_args(data: Path, ckpt: Path, steps: int, lr: str) -> list[str]:
     return [
         *("run", "--dataset", str(data), "--vocab-size", str(VOCAB), "--model_size", "tiny", "--moe"),
         *(
@@ -109,31 +109,36 @@ def _train_args(data: Path, ckpt: Path, steps: int) -> list[str]:
         ),
         *("--seq_len", "32", "--batch-size", "4", "--max_steps", str(steps), "--log_every", "2"),
         *("--eval_every", "20", "--eval_batches", "2", "--save_every", "0", "--checkpoint_dir", str(ckpt)),
-        *("--device", "cpu", "--cpu_threads", "1", "--lr", "3e-3", "--warmup_steps", "5"),
+        *("--device", "cpu", "--cpu_threads", "1", "--lr", lr, "--warmup_steps", "5"),
         # one optimization that CPU can pretest, so that SafeOptimizations has a status to show
         *("--experimental_prefetch_threads", "1", "--pretest_warmup_steps", "1", "--pretest_steps", "2"),
     ]
 
 
+@pytest.mark.slow
 def test_page_follows_a_live_training_run(tmp_path):
     """`hydra-train run` writes while the page is open: the steps it shows grow, trailing the
-    database by a few seconds at most; the run is then interrupted (Ctrl-C) and shown so."""
+    database by a few seconds at most; an earlier run is ticked and overlaid; the live run is then
+    interrupted (Ctrl-C) and shown so."""
     from hydra_diag.synthetic import write_bigram_dataset
 
     data = write_bigram_dataset(tmp_path / "data", VOCAB, 8000, 3000, seed=0)
     ckpt = tmp_path / "ckpt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    train = [sys.executable, "-m", "hydra_train"]
+    subprocess.run([*train, *_train_args(data, ckpt, 40, "1e-3")], env=env, check=True, capture_output=True)
+    db = ckpt / "training.db"
+    earlier = db_rows(db, "SELECT run_id FROM runs")[0]["run_id"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hydra_train", *_train_args(data, ckpt, 100_000)],
+        [*train, *_train_args(data, ckpt, 100_000, "3e-3")],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=env,
     )
-    db = ckpt / "training.db"
     keep = os.environ.get("HYDRA_DASHBOARD_SCREENSHOT")
     try:
         end = time.monotonic() + 120
-        while not (db.is_file() and _last_step(db) >= 2):
+        while _last_step(db) < 2:
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.monotonic() < end, "the training wrote no step in 120 s"
             time.sleep(0.2)
@@ -145,6 +150,15 @@ def test_page_follows_a_live_training_run(tmp_path):
                 "return s && s.rows.steps.length ? s.rows.steps[s.rows.steps.length - 1].step : 0; })()"
             )
             first = page.wait_for(shown)
+            assert page.evaluate("window.hydraDashboard.selected") != earlier  # the newest run first
+            page.evaluate(  # tick the earlier run: its curves join the comparison
+                "[...document.querySelectorAll('#runs li')].find((li) => li.innerText.includes("
+                f"{earlier!r})).querySelector('input').click()"
+            )
+            compare = (
+                f"{CHARTS_JS}['chart-compare'].traces.find((t) => t.name === {earlier + ' EMA short'!r})"
+            )
+            assert page.wait_for(compare)["n"] == 20  # 40 steps logged every 2
             target = max(first + 60, 160 if keep else 0)  # the docs screenshot wants a longer curve
             written: dict[int, float] = {}  # logged step -> when this test first saw it in the database
             delays: list[float] = []  # from then until the page showed it
@@ -177,5 +191,8 @@ def test_page_follows_a_live_training_run(tmp_path):
 
 
 def _last_step(db: Path) -> int:
-    rows = db_rows(db, "SELECT max(step) AS s FROM steps") if db.is_file() else []
-    return (rows[0]["s"] or 0) if rows else 0
+    """The last logged step of the run in progress (0 before it logs one)."""
+    if not db.is_file():
+        return 0
+    sql = "SELECT max(s.step) AS s FROM steps s JOIN runs r ON r.run_id=s.run_id WHERE r.status='running'"
+    return db_rows(db, sql)[0]["s"] or 0

@@ -181,3 +181,10 @@ def test_safe_opts_status_replays_the_event_log(tmp_path):
         }
     ]
     assert len(rep["events"]) == 6
+
+
+def test_help_explains_the_command(runner):
+    res = invoke(runner, ["dashboard", "--help"])
+    assert res.exit_code == 0, res.output
+    for needle in ("CHECKPOINT_DIR", "--port", "--host", "training.db", "read"):
+        assert needle in res.output, needle

@@ -13,7 +13,10 @@ _LOCAL = ("127.0.0.1", "localhost", "::1")
 def dashboard_cmd(
     checkpoint_dir: Annotated[
         str,
-        typer.Argument(help="The run's --checkpoint_dir (it holds training.db), or the database file."),
+        typer.Argument(
+            metavar="CHECKPOINT_DIR",
+            help="The run's --checkpoint_dir (it holds training.db), or the database file.",
+        ),
     ] = "checkpoints",
     port: Annotated[int, opt("--port", help="TCP port to serve on.")] = 8050,
     host: Annotated[

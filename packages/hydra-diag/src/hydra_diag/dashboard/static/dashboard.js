@@ -6,7 +6,7 @@
 const POLL_MS = 2000;
 const TABLES = ["steps", "evals", "adaptive_lr", "routing_mod", "routing_mor", "routing_moe"];
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
-const state = { runs: [], selected: null, compared: new Set(), data: {}, polls: 0, renders: 0, busy: false, dirty: true };
+const state = { runs: [], selected: null, compared: new Set(), data: {}, polls: 0, renders: 0, busy: false, dirty: true, follow: true };
 window.hydraDashboard = state; // read by the browser test and handy in the devtools console
 
 function runData(id) {
@@ -52,9 +52,13 @@ async function tick() {
     const r = await getJSON("/api/runs");
     state.runs = r.runs;
     document.getElementById("database").textContent = r.database;
-    if (!state.selected && r.runs.length) {
-      state.selected = r.runs[r.runs.length - 1].run_id; // the newest run
-      state.compared.add(state.selected);
+    const newest = r.runs.length ? r.runs[r.runs.length - 1].run_id : null;
+    if (state.follow && newest && newest !== state.selected) {
+      // until a run is clicked, show the newest one: a run started later takes over the page
+      state.compared.delete(state.selected);
+      state.selected = newest;
+      state.compared.add(newest);
+      state.dirty = true;
     }
     let fresh = 0;
     for (const id of new Set([state.selected, ...state.compared])) fresh += await pull(id);
@@ -100,7 +104,7 @@ function renderRuns() {
     text.append(el("div", r.run_id), el("div", `${r.model_id} · `, "meta"));
     text.lastChild.append(el("span", r.status, "status-" + r.status), ` · step ${r.last_step ?? "-"}`);
     li.append(box, text);
-    li.onclick = () => { state.selected = r.run_id; state.dirty = true; tick(); };
+    li.onclick = () => { state.selected = r.run_id; state.follow = false; state.dirty = true; tick(); };
     ul.append(li);
   }
 }
@@ -114,7 +118,7 @@ function renderCards(d) {
   const vals = d.rows.evals.map((e) => e.val_loss).filter((v) => v !== null);
   const cards = [
     ["status", run.status], ["step", lastStep.step], ["loss", fmt(lastStep.loss)],
-    ["EMA short", fmt(lastStep.ema_short)], ["best val loss", fmt(vals.length ? Math.min(...vals) : null)],
+    ["EMA short", fmt(lastStep.ema_short)], ["best val loss", fmt(vals.length ? vals.reduce((a, b) => Math.min(a, b)) : null)],
     ["tokens/s", fmt(lastStep.tokens_per_s, 3)], ["memory MiB", fmt(lastStep.memory_mb, 4)],
     ["skipped steps", lastStep.skipped_steps ?? "-"], ["model", `${run.model_id || "-"} (${run.params ? (run.params / 1e6).toFixed(2) + "M" : "?"})`],
     ["device", run.device || "-"],
@@ -135,7 +139,7 @@ function plot(id, traces, layout = {}) {
     xaxis: { title: { text: "step" } }, uirevision: state.selected, font: { size: 11 },
     annotations: points ? [] : [{ text: "nothing logged for this run", showarrow: false, xref: "paper", yref: "paper", x: 0.5, y: 0.5 }],
   };
-  Plotly.react(id, traces, { ...base, ...layout, xaxis: { ...base.xaxis, ...(layout.xaxis || {}) } }, { responsive: true, displaylogo: false });
+  Plotly.react(id, traces, { ...base, ...layout, xaxis: { ...base.xaxis, ...(layout.xaxis || {}) } }, { responsive: true, displayModeBar: false }); // drag zooms, a double click resets
 }
 
 const line = (x, y, name, extra = {}) => ({ x, y, name, type: "scatter", mode: "lines", ...extra });
@@ -168,10 +172,11 @@ function render() {
   plot("chart-lr", [line(col(d.rows.adaptive_lr, "step"), col(d.rows.adaptive_lr, "lr"), "lr", { text: phases })], { yaxis: { exponentformat: "e" } });
   plot("chart-grad", [line(x, col(s, "grad_norm"), "grad norm")]);
   plot("chart-tps", [line(x, col(s, "tokens_per_s"), "tokens/s")]);
+  const skippedMax = s.reduce((m, r) => Math.max(m, r.skipped_steps || 0), 1); // integer ticks
   plot("chart-mem", [
     line(x, col(s, "memory_mb"), "memory MiB"),
     line(x, col(s, "skipped_steps"), "skipped steps (total)", { yaxis: "y2", line: { dash: "dot", color: COLORS[1] } }),
-  ], { yaxis2: { overlaying: "y", side: "right", rangemode: "tozero", tickformat: "d" } });
+  ], { yaxis2: { overlaying: "y", side: "right", range: [0, 1.1 * skippedMax], dtick: skippedMax < 10 ? 1 : null, tickformat: "d" } });
   const mod = d.rows.routing_mod, modSteps = [...new Set(col(mod, "step"))];
   const modLayers = byLayer(mod);
   const heat = modLayers.length ? [{
