@@ -1,7 +1,8 @@
 """The dashboard page in headless Chromium (over the DevTools protocol): every chart drawn with the
 points the database holds, and the page following a `hydra-train run` while it writes.
 
-Without a Chromium these tests say so loudly and skip; CI installs Debian's package (.ci/run).
+Without a Chromium these tests say so loudly and skip; CI installs Debian's package and sets
+HYDRA_REQUIRE_CHROMIUM=1 (.ci/run), which turns a missing browser into a failure.
 Set ``HYDRA_DASHBOARD_SCREENSHOT=path.png`` to keep the live run's screenshot (docs/dashboard.png
 is made that way).
 """
@@ -24,6 +25,11 @@ from .conftest import VOCAB, assert_png
 from .dashboard_helpers import db_rows, serving
 
 pytest.importorskip("websocket", reason="the DevTools client needs websocket-client (hatch env test has it)")
+if find_chromium() is None and os.environ.get("HYDRA_REQUIRE_CHROMIUM"):
+    # .ci/run sets it: CI must run these tests, not skip them
+    pytest.fail(
+        "no Chromium found and HYDRA_REQUIRE_CHROMIUM is set (apt-get install chromium)", pytrace=False
+    )
 if find_chromium() is None:
     warnings.warn(
         "NO CHROMIUM ON THIS MACHINE: the dashboard browser tests are SKIPPED "

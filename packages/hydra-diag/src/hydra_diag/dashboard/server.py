@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import json
+import socket
 import sqlite3
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -116,6 +117,8 @@ class DashboardServer(ThreadingHTTPServer):
     def __init__(self, store: DashboardStore, host: str, port: int, verbose: bool = False):
         self.store, self.verbose = store, verbose
         self.files = static_files()
+        if ":" in host:  # an IPv6 address such as ::1
+            self.address_family = socket.AF_INET6
         try:
             super().__init__((host, port), DashboardHandler)
         except OSError as exc:
