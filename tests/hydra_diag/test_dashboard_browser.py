@@ -9,6 +9,7 @@ is made that way).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -98,6 +99,15 @@ def test_page_draws_every_chart_from_the_run(tiny_run, tmp_path):
     assert len(charts["chart-mor"]["traces"]) == 2 * len(layers["routing_mor"])
     assert sum(t["n"] for t in charts["chart-moe"]["traces"]) == 2 * count["routing_moe"] > 0
     assert len(charts["chart-moe"]["traces"]) == 2 * len(layers["routing_moe"])
+    last_moe = db_rows(
+        db,
+        "SELECT utilization FROM routing_moe WHERE run_id=? AND step=(SELECT max(step) FROM routing_moe "
+        "WHERE run_id=?)",
+        (rid, rid),
+    )
+    shares = sum(len(json.loads(r["utilization"])) for r in last_moe)
+    assert _n(charts["chart-moe-util"], "utilisation") == shares == 3 * 4  # 3 layers, 4 experts
+    assert charts["chart-moe-util"]["heatmaps"] == 1
     for chart in ("chart-loss", "chart-compare", "chart-lr", "chart-grad", "chart-tps", "chart-mem"):
         assert charts[chart]["lines"] >= len(charts[chart]["traces"]), chart  # plotly drew each line
 

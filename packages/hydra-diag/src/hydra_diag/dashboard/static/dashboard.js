@@ -200,6 +200,13 @@ function render() {
     moe.push(line(col(rows, "step"), col(rows, "kl_to_uniform"), `layer ${l} KL`, { line: { color, dash: "dot" }, yaxis: "y2" }));
   });
   plot("chart-moe", moe, { yaxis2: { overlaying: "y", side: "right", title: { text: "KL" } } });
+  const moeLast = d.rows.routing_moe.filter((r) => r.step === d.cursor.routing_moe);
+  const util = moeLast.length ? [{
+    type: "heatmap", name: "utilisation", colorscale: "Viridis", zmin: 0, colorbar: { title: { text: "share" } },
+    x: (moeLast[0].utilization || []).map((_, e) => `expert ${e}`), y: moeLast.map((r) => `layer ${r.layer}`),
+    z: moeLast.map((r) => r.utilization || []),
+  }] : [];
+  plot("chart-moe-util", util, { showlegend: false, xaxis: { title: { text: `expert (step ${d.cursor.routing_moe})` } } });
   renderSafe(d.safe);
   state.renders += 1;
 }
