@@ -167,3 +167,16 @@ def test_shard_writer_is_atomic(tmp_path):
     assert shard.max_token_id == 65535
     with pytest.raises(ValueError, match="does not fit"), TokenShardWriter(tmp_path / "t.bin", 2) as w:
         w.append(np.array([70000], dtype=np.uint32))
+
+
+def test_hydra_train_dataset_pyenv(tmp_path, monkeypatch):
+    """``--dataset pyenv`` in hydra-train: the corpus of the (here: fake) environment, both splits."""
+    import hydra_train.pyenv_corpus as pc
+    from hydra_train.data_sources import load_data
+
+    root = _tree(tmp_path / "tree")
+    monkeypatch.setattr(pc, "environment_roots", lambda: pc.dedupe_roots(_roots(root)))
+    monkeypatch.setenv("HYDRA_CACHE_DIR", str(tmp_path / "cache"))
+    bundle = load_data("pyenv", seq_len=16, vocab_size=VOCAB, default_vocab=32000, log=str)
+    assert bundle.vocab_size <= VOCAB and bundle.train.num_windows > bundle.val.num_windows > 0
+    assert bundle.tokenizer_path.is_file() and "pyenv" in bundle.description
