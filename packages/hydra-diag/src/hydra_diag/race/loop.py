@@ -15,10 +15,15 @@ the clock's reading. Nothing is read back to the host per step; the clock is rea
 ``torch.cuda.synchronize()`` runs at every clock boundary (evaluations, the end), so the recorded
 training seconds include all GPU work of the steps.
 
-Evaluation runs the uncompiled module (the same parameters; no compiled graphs for eval shapes):
+Evaluation calls the module itself, not the ``torch.compile`` wrapper (the same parameters; no
+whole-model graphs traced for evaluation; with ``blocks`` the compiled blocks are inside the module
+and compile their evaluation variants on first use, outside the clock). It runs in
 ``model.eval()`` (the routing generation uses) and, for routed models, ``model.train()`` under
 ``torch.no_grad()``; parameters and buffers are restored after the training-mode pass, so routing
 state that a training-mode forward updates (thresholds, balancing biases) is left untouched.
+
+Recompilations after the warm-up (shapes that change during training) happen on the clock and are
+counted in it: they are a cost of the model. ``graphs_compiled_in_training`` says how many there were.
 """
 
 from __future__ import annotations
@@ -58,6 +63,13 @@ class RaceSettings:
         from dataclasses import asdict
 
         return {**asdict(self), "betas": list(BETAS)}
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has produced in this process so far (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _sync(device: torch.device) -> None:
@@ -188,6 +200,7 @@ def race_one(
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     setup_s = time.perf_counter() - t_setup
+    graphs_at_start, eval_graphs = graphs_compiled(), [0]
 
     tokens_per_step = data.batch_size * data.seq_len
     marks = [s.budget_s * i / s.evals for i in range(1, s.evals + 1)]
@@ -199,6 +212,7 @@ def race_one(
 
     def record(clock_s: float) -> None:
         say(f"evaluating at {clock_s:.0f} s")
+        g0 = graphs_compiled()
         ev = evaluate(model, val, device, train_mode=False)
         tr = evaluate(model, val, device, train_mode=True) if cfg.routed else None
         evals.append(
@@ -214,6 +228,7 @@ def race_one(
                 "val_loss_train_mode": tr,
             }
         )
+        eval_graphs[0] += graphs_compiled() - g0
 
     record(0.0)
     next_mark, last_log = 0, time.perf_counter()
@@ -267,6 +282,9 @@ def race_one(
         "final_val_loss": evals[-1]["val_loss"],
         "final_val_loss_train_mode": evals[-1]["val_loss_train_mode"],
         "final_train_loss": last_train_loss,
+        # recompilations inside the timed part (new shapes after the warm-up) are counted in the
+        # clock; this says whether there were any (0 for a static-shape model)
+        "graphs_compiled_in_training": graphs_compiled() - graphs_at_start - eval_graphs[0],
         "evals": evals,
     }
     return result  # the caller releases memory once this frame (model, optimizer) is gone
