@@ -171,10 +171,10 @@ def test_merge_roundtrip_and_refusals(raced, tmp_path, runner):
     res = invoke(runner, ["race", "merge", a, b])
     assert res.exit_code == 1 and "settings.budget_s differs" in res.stderr
     other = _split(doc, "hydra")
-    other["data"]["cache_key"] = "0000"
+    other["data"]["val_digest"] = "0000"
     b.write_text(json.dumps(other))
     res = invoke(runner, ["race", "merge", a, b])
-    assert res.exit_code == 1 and "data.cache_key differs" in res.stderr
+    assert res.exit_code == 1 and "data.val_digest differs" in res.stderr
     res = invoke(runner, ["race", "merge", a, a])
     assert res.exit_code == 1 and "configuration gpt is in both" in res.stderr
     (tmp_path / "bad.json").write_text("{}")

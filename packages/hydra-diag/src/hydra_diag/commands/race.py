@@ -47,6 +47,8 @@ def _finish(doc, json_path: str | None, plots: Path | None) -> None:
     from hydra_diag.race.render import render_race
     from hydra_diag.race.results import write_document
 
+    if json_path not in (None, "-"):
+        write_document(doc, json_path)  # first: a failing plot must not lose the measurements
     if plots is not None:
         doc["plots"] = [str(p) for p in plot_race(doc, plots)]
     if json_path is not None:

@@ -10,6 +10,7 @@ order, so they sample every package), always the same ones.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,14 @@ class RaceData:
     def epochs(self, steps: int) -> float:
         """Passes over the training split that ``steps`` batches make."""
         return steps * self.batch_size / self.train_windows
+
+    def val_digest(self) -> str:
+        """sha1 of the validation windows' tokens: the data's identity when runs are merged (the
+        corpus cache key follows file mtimes, which a fresh machine from the same image may not keep)."""
+        h = hashlib.sha1()
+        for j in self.val_ids:
+            h.update(np.asarray(self.val.window(j), dtype="<i8").tobytes())
+        return h.hexdigest()[:16]
 
     def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The fixed validation windows in batches of at most ``batch_size``."""
@@ -110,6 +119,7 @@ def load_race_data(
         train_windows=data.train_windows,
         train_tokens_windowed=data.train_tokens,
         val_windows_used=len(data.val_ids),
+        val_digest=data.val_digest(),
         vocab_size=vocab,
     )
     data.summary = summary

@@ -34,7 +34,7 @@ MUST_MATCH = (
     "settings.grad_clip",
     "settings.seed",
     "data.name",
-    "data.cache_key",
+    "data.val_digest",
     "data.vocab_size",
     "data.train_windows",
     "environment.device_name",
