@@ -122,7 +122,8 @@ def run_cmd(
         opt("--corpus_root", help="pyenv: use this source tree instead of the interpreter's (repeatable)."),
     ] = None,
     vocab_size: Annotated[
-        int, opt("--vocab_size", help="BPE vocabulary of the pyenv corpus.", min=300)
+        int,
+        opt("--vocab_size", help="pyenv: BPE vocabulary (at least 300); shards: their vocabulary.", min=2),
     ] = 32000,
     device: Annotated[str, opt("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")] = "auto",
     seed: Annotated[int, opt("--seed", help="Data order and initialisation seed.")] = 1337,

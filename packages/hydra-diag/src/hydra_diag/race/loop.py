@@ -193,7 +193,7 @@ def race_one(
     evaluate(model, val[:1], device, train_mode=False)
     _sync(device)
     restore(model, initial)
-    del choice
+    del choice, initial
     choice = new_optimizer()
     opt = choice.optimizer
     if cuda:

@@ -100,6 +100,10 @@ class RaceProgress:
                 f"{self.name} {clock:.0f}/{self.budget:.0f} s: {text}; race ETA {_hms(self.eta(clock))}"
             )
 
+    def warn(self, msg: str) -> None:
+        """Printed even with --quiet: something the reader of the results must know."""
+        err_console.print(f"[bold red]warning:[/] {msg}", highlight=False, soft_wrap=True)
+
     def done(self, result: dict[str, Any]) -> None:
         msg = (
             f"{result['name']}: {result.get('status')}, val {result.get('final_val_loss', float('nan')):.3f} "

@@ -1,7 +1,7 @@
 """The race's tables, readable at 80 columns: one row per configuration in each.
 
-1. the run: parameters, executed GFLOP per token (forward + backward), tokens/s, setup seconds,
-   tokens seen, epochs over the training split;
+1. the run: parameters, executed GFLOP per token (forward + backward; "GF/tok"), tokens/s, setup
+   seconds, tokens seen, epochs over the training split (and a status column when one failed);
 2. validation loss (inference-mode routing) at each evaluation time, then the final figure with
    training-mode routing (routed models only).
 """
@@ -28,15 +28,31 @@ def _si(x: float | None) -> str:
 
 
 def _table(title: str) -> Table:
-    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    return Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+        collapse_padding=True,
+    )
+
+
+def _name_column(t: Table, runs: list[dict[str, Any]]) -> None:
+    width = max((len(r["name"]) for r in runs), default=6)
+    t.add_column("config", no_wrap=True, min_width=width)
 
 
 def run_table(doc: dict[str, Any]) -> Table:
+    runs = doc["runs"]
     t = _table("race: the runs (same tokens, same order, same optimizer)")
-    for col in ("config", "params", "GFLOP/tok", "tok/s", "setup s", "tokens", "epochs", "status"):
-        t.add_column(col, justify="left" if col in ("config", "status") else "right")
-    for r in doc["runs"]:
-        t.add_row(
+    _name_column(t, runs)
+    show_status = any(r.get("status") != "ok" for r in runs)
+    cols = ("params", "GF/tok", "tok/s", "setup s", "tokens", "epochs") + (("status",) if show_status else ())
+    for col in cols:
+        t.add_column(col, justify="left" if col == "status" else "right")
+    for r in runs:
+        cells = [
             r["name"],
             _si(r.get("params")),
             _f(r["flops_per_token"] / 1e9 if r.get("flops_per_token") else None, ".3g"),
@@ -44,8 +60,8 @@ def run_table(doc: dict[str, Any]) -> Table:
             _f(r.get("setup_s"), ".0f"),
             _si(r.get("tokens")),
             _f(r.get("epochs"), ".2f"),
-            r.get("status", "-"),
-        )
+        ]
+        t.add_row(*cells, *([r.get("status", "-")] if show_status else []))
     return t
 
 
@@ -54,7 +70,7 @@ def loss_table(doc: dict[str, Any]) -> Table:
     budget = doc["settings"]["budget_s"]
     n = doc["settings"]["evals"]
     t = _table("validation CE at training time (eval-mode routing)")
-    t.add_column("config")
+    _name_column(t, runs)
     for i in range(1, n + 1):
         t.add_column(f"{budget * i / n:.0f}s", justify="right")
     t.add_column("train-mode", justify="right")
@@ -72,8 +88,8 @@ def header_lines(doc: dict[str, Any]) -> list[str]:
     s, d, e = doc["settings"], doc["data"], doc["environment"]
     return [
         f"data: {d.get('description')}",
-        f"model size {s['model_size']}, {s['budget_s']:.0f} s of training each, batch {s['batch_size']} x "
-        f"{s['seq_len']}, {s['val_windows']} validation windows, seed {s['seed']}",
+        f"{s['model_size']}, {s['budget_s']:.0f} s of training each, batch {s['batch_size']}x{s['seq_len']}, "
+        f"{s['val_windows']} val windows, seed {s['seed']}",
         f"device: {e.get('device_name')}, torch {e.get('torch')}, triton {e.get('triton')}, {e.get('date')}",
     ]
 

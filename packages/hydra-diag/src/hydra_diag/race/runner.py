@@ -58,5 +58,10 @@ def run_race(
             result = {**cfg.to_dict(), "status": "failed", "error": last[:500], "evals": []}
             progress.say(f"FAILED: {last[:200]}")
         progress.done(result)
+        if (result.get("epochs") or 0) > 1:
+            progress.warn(
+                f"{cfg.name} went over the training split {result['epochs']:.2f} times (repeated tokens): "
+                "use a larger corpus (--extensions) or a shorter budget"
+            )
         doc["runs"].append(result)
     return doc
