@@ -15,6 +15,8 @@ import pytest
 from tests.hydra_diag.conftest import _one_thread_reference_kernels, assert_png, invoke
 
 STD = Path(sysconfig.get_paths()["stdlib"])
+#: real standard-library packages, 0.8 MB: small, and two of their files hash into validation
+STD_PACKAGES = ("json", "email", "logging", "importlib")
 BUDGET, EVALS, B, T = 2.0, 2, 4, 32
 TINY_SETS = [
     "--set",
@@ -52,10 +54,7 @@ def race_args(out: Path, *extra: str) -> list[str]:
         400,
         "--lr",
         3e-3,
-        "--corpus-root",
-        STD / "json",
-        "--corpus-root",
-        STD / "email",
+        *[a for pkg in STD_PACKAGES for a in ("--corpus-root", STD / pkg)],
         *TINY_SETS,
         "--log-every",
         0.5,
@@ -69,8 +68,8 @@ def race_args(out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def raced(tmp_path_factory, runner):
-    if not (STD / "json").is_dir():
-        pytest.skip("this interpreter ships without the json package's sources")
+    if not all((STD / pkg).is_dir() for pkg in STD_PACKAGES):
+        pytest.skip("this interpreter ships without the standard library's sources")
     _one_thread_reference_kernels()  # module fixtures run before the per-test autouse one
     out = tmp_path_factory.mktemp("race")
     mp = pytest.MonkeyPatch()

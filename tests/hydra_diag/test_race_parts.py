@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,3 +211,16 @@ def test_compiled_model_after_restore_matches_a_fresh_model():
     torch.testing.assert_close(got.loss.detach(), want.loss.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.ce_loss.detach(), want.ce_loss.detach(), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_corpus_roots_option(tmp_path):
+    from hydra_diag.race.data import corpus_tree_roots
+    from hydra_train.pyenv_corpus import environment_roots
+
+    (tmp_path / "extra").mkdir()
+    roots = corpus_tree_roots([tmp_path / "extra"])
+    assert roots == [("extra", tmp_path / "extra")]
+    both = corpus_tree_roots([Path("env"), tmp_path / "extra"])
+    assert both == [*environment_roots(), ("extra", tmp_path / "extra")]
+    with pytest.raises(DiagError, match="no such folder"):
+        corpus_tree_roots([tmp_path / "missing"])

@@ -119,7 +119,11 @@ def run_cmd(
     ] = None,
     corpus_roots: Annotated[
         list[Path] | None,
-        opt("--corpus_root", help="pyenv: use this source tree instead of the interpreter's (repeatable)."),
+        opt(
+            "--corpus_root",
+            help="pyenv: build from this source tree instead of the interpreter's (repeatable; the "
+            "word env adds the interpreter's own folders).",
+        ),
     ] = None,
     vocab_size: Annotated[
         int,
@@ -215,7 +219,11 @@ def corpus_cmd(
     ] = None,
     corpus_roots: Annotated[
         list[Path] | None,
-        opt("--corpus_root", help="Use this source tree instead of the interpreter's (repeatable)."),
+        opt(
+            "--corpus_root",
+            help="Build from this source tree instead of the interpreter's (repeatable; the word env "
+            "adds the interpreter's own folders).",
+        ),
     ] = None,
     vocab_size: Annotated[int, opt("--vocab_size", help="BPE vocabulary.", min=300)] = 32000,
     seq_len: Annotated[

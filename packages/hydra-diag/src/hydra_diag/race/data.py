@@ -75,6 +75,22 @@ class RaceData:
         return out
 
 
+def corpus_tree_roots(paths: list[Path]) -> list[tuple[str, Path]]:
+    """``--corpus-root`` folders as (label, folder): the word ``env`` stands for the interpreter's
+    own library and package folders; any other folder's files are keyed under its name."""
+    from hydra_train.pyenv_corpus import environment_roots
+
+    roots: list[tuple[str, Path]] = []
+    for p in paths:
+        if str(p) == "env":
+            roots += environment_roots()
+        elif not Path(p).is_dir():
+            raise DiagError(f"--corpus-root: no such folder {p}")
+        else:
+            roots.append((Path(p).resolve().name or "root", Path(p)))
+    return roots
+
+
 def load_race_data(
     dataset: str,
     *,
@@ -94,11 +110,7 @@ def load_race_data(
         from hydra_train.pyenv_corpus import load_pyenv_corpus
         from hydra_train.shards import open_shard
 
-        roots = [("site", Path(p)) for p in corpus_roots] if corpus_roots else None
-        if roots:
-            missing = [str(p) for _, p in roots if not p.is_dir()]
-            if missing:
-                raise DiagError(f"--corpus-root: no such folder {', '.join(missing)}")
+        roots = corpus_tree_roots(corpus_roots) if corpus_roots else None
         corpus = load_pyenv_corpus(vocab_size=vocab_size, extensions=extensions, roots=roots, log=progress)
         vocab = corpus.vocab_size
         train = TokenDataset([open_shard(corpus.train_path)], seq_len, vocab, name="pyenv:train")
