@@ -34,6 +34,7 @@ MUST_MATCH = (
     "settings.grad_clip",
     "settings.seed",
     "data.name",
+    "data.extensions",
     "data.val_digest",
     "data.vocab_size",
     "data.train_windows",
