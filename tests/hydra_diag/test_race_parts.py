@@ -58,11 +58,12 @@ def test_config_table_and_sets():
     sets = parse_sets(
         ["hydra.mod_capacity=0.125", "*.use_chunked_ce=true", "gpt.lr=1.2e-3", "gpt.compile=blocks"]
     )
-    assert sets == {
-        "hydra": {"mod_capacity": 0.125},
-        "*": {"use_chunked_ce": True},
-        "gpt": {"lr": 1.2e-3, "compile": "blocks"},
-    }
+    assert sets == [
+        ("hydra", {"mod_capacity": 0.125}),
+        ("*", {"use_chunked_ce": True}),
+        ("gpt", {"lr": 1.2e-3}),
+        ("gpt", {"compile": "blocks"}),
+    ]
     cfgs = resolve_configs(["gpt", "gpt-ccgqa", "hydra"], sets, lr=6e-4, compile_default="model")
     gpt, ccgqa, hydra = cfgs
     assert (gpt.lr, gpt.compile, gpt.overrides) == (1.2e-3, "blocks", {"use_chunked_ce": True})
@@ -74,20 +75,34 @@ def test_config_table_and_sets():
     assert (
         hydra.overrides == {"mod_capacity": 0.125, "use_chunked_ce": True} and hydra.routed and not gpt.routed
     )
-    off = resolve_configs(["hydra-routing-off"], {}, lr=1e-3, compile_default="model")[0]
+    off = resolve_configs(["hydra-routing-off"], [], lr=1e-3, compile_default="model")[0]
     assert not off.routed
+    # wildcards, and the later of two settings wins
+    wild = parse_sets(["hydra*.compile=blocks", "hydra-no-mod.compile=none", "*.dim=96"])
+    got = {
+        c.name: (c.compile, c.overrides.get("dim"))
+        for c in resolve_configs(list(RACE_CONFIGS), wild, lr=1e-3, compile_default="model")
+    }
+    assert got["gpt"] == got["gpt-ccgqa"] == ("model", 96)
+    assert got["hydra"] == got["hydra-expert-choice"] == ("blocks", 96) and got["hydra-no-mod"] == (
+        "none",
+        96,
+    )
     for bad, needle in (
         (["nope.dim=3"], "no configuration 'nope'"),
+        (["x*.dim=3"], "no configuration 'x\\*'"),
         (["dim=3"], "CONFIG.FIELD=VALUE"),
         (["hydra.dim"], "CONFIG.FIELD=VALUE"),
     ):
         with pytest.raises(DiagError, match=needle):
             parse_sets(bad)
     with pytest.raises(DiagError, match="learning rate"):
-        resolve_configs(["gpt"], {"gpt": {"lr": -1}}, lr=1e-3, compile_default="model")
+        resolve_configs(["gpt"], [("gpt", {"lr": -1})], lr=1e-3, compile_default="model")
     with pytest.raises(DiagError, match=r"configuration hydra .*bogus"):
         check_buildable(
-            resolve_configs(["hydra"], {"hydra": {"bogus": 1}}, lr=1e-3, compile_default="model"), "tiny", {}
+            resolve_configs(["hydra"], [("hydra", {"bogus": 1})], lr=1e-3, compile_default="model"),
+            "tiny",
+            {},
         )
     with pytest.raises(DiagError, match="twice"):
         parse_config_names("gpt,gpt")
@@ -118,7 +133,7 @@ def test_every_entrant_sees_the_same_batches(bigram, monkeypatch):
     data = bigram()
     settings = RaceSettings(model_size="tiny", budget_s=0.6, evals=1, warmup_steps=1, log_every_s=100)
     cfgs = resolve_configs(
-        ["gpt", "hydra"], {"gpt": GPT_TINY, "hydra": HYDRA_TINY}, lr=1e-3, compile_default="model"
+        ["gpt", "hydra"], [("gpt", GPT_TINY), ("hydra", HYDRA_TINY)], lr=1e-3, compile_default="model"
     )
     results = {}
     for cfg in cfgs:

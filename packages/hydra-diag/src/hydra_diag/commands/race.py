@@ -83,8 +83,9 @@ def run_cmd(
         list[str] | None,
         opt(
             "--set",
-            help="CONFIG.FIELD=VALUE or *.FIELD=VALUE (repeatable): a model-config field of one or every "
-            "configuration (hydra.mod_capacity=0.125, *.use_chunked_ce=true), or lr / compile.",
+            help="CONFIG.FIELD=VALUE (repeatable; CONFIG a name or a wildcard such as * or hydra*): a "
+            "model-config field (hydra.mod_capacity=0.125, '*.use_chunked_ce=true'), or the race's own "
+            "lr or compile (model, blocks, none) for those configurations. A later --set wins.",
         ),
     ] = None,
     lr: Annotated[float, opt("--lr", help="Peak learning rate of every configuration.", min=0.0)] = 6e-4,

@@ -4,14 +4,16 @@ Each entry is (arch, model overrides, what it is). ``arch`` goes to ``hydra_mode
 the overrides are fields of that arch's config (GPTConfig or HydraConfig). To add or change a
 configuration, edit :data:`RACE_CONFIGS`; nothing else names them.
 
-``--set`` items are ``CONFIG.FIELD=VALUE`` (one configuration) or ``*.FIELD=VALUE`` (every one);
-VALUE is read as JSON (``true``, ``0.125``, ``"ccgqa"``) else kept as text. Two fields belong to
-the race rather than the model: ``lr`` (that configuration's peak learning rate) and ``compile``
+``--set`` items are ``CONFIG.FIELD=VALUE``: CONFIG is a name or a shell-style wildcard over the
+names (``*`` every configuration, ``hydra*`` every HYDRA one); VALUE is read as JSON (``true``,
+``0.125``, ``"ccgqa"``) else kept as text; a later item wins. Two fields belong to the race rather
+than the model: ``lr`` (that configuration's peak learning rate) and ``compile``
 (``model``, ``blocks`` or ``none``; see :mod:`hydra_diag.race.loop`).
 """
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,40 +80,47 @@ def parse_config_names(spec: str | None) -> list[str]:
     return names
 
 
-def parse_sets(items: list[str] | None) -> dict[str, dict[str, Any]]:
-    """``["hydra.mod_capacity=0.125", "*.use_chunked_ce=true"]`` → ``{"hydra": {...}, "*": {...}}``."""
+def parse_sets(items: list[str] | None) -> list[tuple[str, dict[str, Any]]]:
+    """``["hydra*.compile=blocks", "*.use_chunked_ce=true"]`` → ``[("hydra*", {"compile": "blocks"}),
+    ("*", {"use_chunked_ce": True})]``: (pattern, setting) in command-line order. A pattern is a
+    configuration name or a shell-style wildcard over the names; one that matches none is an error."""
     from hydra_kernels.cli_support import AssignmentError, parse_assignments
 
-    out: dict[str, dict[str, Any]] = {}
+    out: list[tuple[str, dict[str, Any]]] = []
     for item in items or []:
         target, dot, _ = item.partition(".")
         if not dot or "=" not in item or "=" in target:
             raise DiagError(
                 f"--set {item!r}: write CONFIG.FIELD=VALUE (e.g. hydra.mod_capacity=0.125) or *.FIELD=VALUE"
             )
-        if target != "*" and target not in RACE_CONFIGS:
+        if not fnmatch.filter(RACE_CONFIGS, target):
             raise DiagError(
-                f"--set {item!r}: no configuration {target!r}; choose from *, {', '.join(RACE_CONFIGS)}"
+                f"--set {item!r}: no configuration {target!r}; choose from *, {', '.join(RACE_CONFIGS)} "
+                "(wildcards such as hydra* allowed)"
             )
         try:
-            out.setdefault(target, {}).update(parse_assignments([item[len(target) + 1 :]]))
+            out.append((target, parse_assignments([item[len(target) + 1 :]])))
         except AssignmentError:
             raise DiagError(f"--set {item!r}: write CONFIG.FIELD=VALUE") from None
     return out
 
 
 def resolve_configs(
-    names: list[str], sets: dict[str, dict[str, Any]], *, lr: float, compile_default: str
+    names: list[str], sets: list[tuple[str, dict[str, Any]]], *, lr: float, compile_default: str
 ) -> list[RaceConfig]:
-    """The entrants in order, ``*`` settings first then each configuration's own."""
+    """The entrants in order: the table's overrides, then every ``--set`` whose pattern matches the
+    name, in command-line order (a later one wins)."""
     out = []
     for name in names:
         arch, base, desc = RACE_CONFIGS[name]
-        merged = {**base, **sets.get("*", {}), **sets.get(name, {})}
+        merged = dict(base)
+        for pattern, setting in sets:
+            if fnmatch.fnmatchcase(name, pattern):
+                merged.update(setting)
         cfg = RaceConfig(name, arch, {}, lr=lr, compile=compile_default, description=desc)
         for k, v in merged.items():
             if k == "lr":
-                if not isinstance(v, (int, float)) or v <= 0:
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                     raise DiagError(f"--set {name}.lr={v!r}: the learning rate must be a positive number")
                 cfg.lr = float(v)
             elif k == "compile":
