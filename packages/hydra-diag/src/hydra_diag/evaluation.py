@@ -124,7 +124,9 @@ def eval_checkpoint(
 def _available(dataset: str) -> bool:
     from pathlib import Path
 
-    return dataset in ("stdlib", "stdlib-full", "synthetic") or Path(dataset).exists()
+    from hydra_train.config import EMBEDDED_CORPORA
+
+    return dataset in (*EMBEDDED_CORPORA, "synthetic") or Path(dataset).exists()
 
 
 def _recorded_val_loss(path) -> float | None:

@@ -248,7 +248,9 @@ def batches_for(
     vocab = model.config.vocab_size
     if dataset is None and train_config:
         recorded = train_config.get("dataset")
-        if recorded and (recorded in ("stdlib", "stdlib-full") or Path(recorded).exists()):
+        from hydra_train.config import EMBEDDED_CORPORA
+
+        if recorded and (recorded in EMBEDDED_CORPORA or Path(recorded).exists()):
             dataset = recorded
             tokenizer = tokenizer or train_config.get("tokenizer")
     if dataset in (None, "random"):

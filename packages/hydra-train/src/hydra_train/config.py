@@ -27,8 +27,9 @@ FP8_FORMATS = ("e4m3", "e5m2")
 FP8_SCALINGS = ("row", "tensor")
 COMPILE_SCOPES = ("blocks", "model")
 
-#: Default corpus names that need no files: the Python standard library's own source.
-EMBEDDED_CORPORA = ("stdlib", "stdlib-full")  # see hydra_train.corpus
+#: Default corpus names that need no files: the Python standard library's own source, and "pyenv"
+#: (every .py of the standard library and installed packages; hydra_train.pyenv_corpus).
+EMBEDDED_CORPORA = ("stdlib", "stdlib-full", "pyenv")  # see hydra_train.corpus
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 ``--dataset`` is one of
 
+* ``pyenv``: every ``.py`` of the interpreter's library and installed packages
+  (:mod:`hydra_train.pyenv_corpus`), with its own cached tokenizer and shards;
 * ``stdlib`` / ``stdlib-full``: the embedded corpus (:mod:`hydra_train.corpus`), tokenized with its
   cached BPE; the token ids are cached too, as ``.bin`` shards under
   ``<cache>/corpora/<corpus>-<fingerprint>-v<vocab>/{train,val}.bin``;
@@ -65,7 +67,20 @@ def resolve_dataset_path(name: str) -> Path:
     raise HydraDataError(f"dataset {name!r} not found; looked for {' and '.join(tried)}{hint}")
 
 
+def _pyenv(vocab_size: int, seq_len: int, log) -> DataBundle:
+    from hydra_train.pyenv_corpus import load_pyenv_corpus
+
+    corpus = load_pyenv_corpus(vocab_size=vocab_size, log=log)
+    log(f"corpus {corpus.describe()}")
+    vocab = corpus.vocab_size
+    train = TokenDataset([open_shard(corpus.train_path)], seq_len, vocab, name="pyenv:train")
+    val = TokenDataset([open_shard(corpus.val_path)], seq_len, vocab, name="pyenv:val")
+    return DataBundle(train, val, vocab, seq_len, corpus.describe(), corpus.tokenizer_path)
+
+
 def _embedded(name: str, vocab_size: int, seq_len: int, log) -> DataBundle:
+    if name == "pyenv":
+        return _pyenv(vocab_size, seq_len, log)
     corpus = load_stdlib_corpus(name)
     log(f"corpus {corpus.describe()}")
     cache = cache_dir()

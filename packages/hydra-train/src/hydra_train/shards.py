@@ -79,6 +79,50 @@ def write_token_shard(path: str | Path, tokens, max_token_id: int | None = None)
     return p
 
 
+class TokenShardWriter:
+    """Write a ``.bin`` shard piece by piece (bounded memory): ``append`` 1-D id arrays, and on a
+    clean exit the header gets the final count and largest id and the file is renamed into place
+    (atomic like :func:`write_token_shard`: a crash leaves no partial shard under ``path``).
+    ``width`` is the bytes per token, 2 (ids < 65536) or 4."""
+
+    def __init__(self, path: str | Path, width: int):
+        if width not in (2, 4):
+            raise ValueError(f"width must be 2 or 4 bytes per token, got {width}")
+        self.path, self.width = Path(path), width
+        self.count, self.top = 0, -1
+        self._dtype = np.dtype("<u" + str(width))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self._f = open(self._tmp, "wb")  # noqa: SIM115 - closed in __exit__
+        self._f.write(HEADER.pack(MAGIC, 1, width, 0, -1))
+
+    def append(self, ids: np.ndarray) -> None:
+        if ids.size == 0:
+            return
+        top = int(ids.max())
+        if top >= 2 ** (8 * self.width) or int(ids.min()) < 0:
+            raise ValueError(f"token id {top} does not fit {self.width} bytes per token")
+        self.top = max(self.top, top)
+        self._f.write(ids.astype(self._dtype, copy=False).tobytes())
+        self.count += int(ids.size)
+
+    def __enter__(self) -> TokenShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._f.seek(0)
+                self._f.write(HEADER.pack(MAGIC, 1, self.width, self.count, self.top))
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            self._f.close()
+            if exc_type is None:
+                os.replace(self._tmp, self.path)
+        finally:
+            self._tmp.unlink(missing_ok=True)
+
+
 def _open_bin(path: Path) -> Shard:
     sidecar = path.with_name(path.name + ".json")
     size = path.stat().st_size

@@ -1,0 +1,138 @@
+"""The race's data: one deterministic stream of ``[B, T]`` training windows and one fixed set of
+validation windows, shared by every configuration.
+
+Training batch ``k`` is hydra-train's :class:`~hydra_train.dataset.BatchPlan` batch ``k`` (windows
+of ``T + 1`` tokens in a permutation seeded by ``seed`` and the epoch), so every configuration that
+reaches step ``k`` has seen exactly the same tokens in the same order. Validation uses
+``val_windows`` windows spread evenly over the validation split (the split's files are in hash
+order, so they sample every package), always the same ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hydra_diag.output import DiagError, Progress, no_progress
+
+
+@dataclass
+class RaceData:
+    train: Any  # TokenDataset or WindowView
+    val: Any
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    seed: int
+    val_windows: int
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from hydra_train.dataset import BatchPlan
+
+        self.plan = BatchPlan(self.train, self.batch_size, seed=self.seed)
+        n = self.val.num_windows
+        k = min(self.val_windows, n)
+        self.val_ids = sorted({int(i) for i in np.linspace(0, n - 1, k).round()})
+
+    @property
+    def train_windows(self) -> int:
+        return int(self.train.num_windows)
+
+    @property
+    def train_tokens(self) -> int:
+        """Tokens of the training split that windows cover (what one epoch is)."""
+        return self.train_windows * self.seq_len
+
+    def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training batch ``k``: (input_ids, targets), ``[B, T]`` int64 on the CPU."""
+        return self.plan.batch(k)
+
+    def epochs(self, steps: int) -> float:
+        """Passes over the training split that ``steps`` batches make."""
+        return steps * self.batch_size / self.train_windows
+
+    def val_digest(self) -> str:
+        """sha1 of the validation windows' tokens: the data's identity when runs are merged (the
+        corpus cache key follows file mtimes, which a fresh machine from the same image may not keep)."""
+        h = hashlib.sha1()
+        for j in self.val_ids:
+            h.update(np.asarray(self.val.window(j), dtype="<i8").tobytes())
+        return h.hexdigest()[:16]
+
+    def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The fixed validation windows in batches of at most ``batch_size``."""
+        out = []
+        for i in range(0, len(self.val_ids), self.batch_size):
+            rows = np.stack([self.val.window(j) for j in self.val_ids[i : i + self.batch_size]])
+            t = torch.from_numpy(rows)
+            out.append((t[:, :-1], t[:, 1:]))
+        return out
+
+
+def corpus_tree_roots(paths: list[Path]) -> list[tuple[str, Path]]:
+    """``--corpus-root`` folders as (label, folder): the word ``env`` stands for the interpreter's
+    own library and package folders; any other folder's files are keyed under its name."""
+    from hydra_train.pyenv_corpus import environment_roots
+
+    roots: list[tuple[str, Path]] = []
+    for p in paths:
+        if str(p) == "env":
+            roots += environment_roots()
+        elif not Path(p).is_dir():
+            raise DiagError(f"--corpus-root: no such folder {p}")
+        else:
+            roots.append((Path(p).resolve().name or "root", Path(p)))
+    return roots
+
+
+def load_race_data(
+    dataset: str,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    val_windows: int,
+    vocab_size: int,
+    extensions: str | None = None,
+    corpus_roots: list[Path] | None = None,
+    progress: Progress = no_progress,
+) -> RaceData:
+    """``pyenv`` (the default; ``corpus_roots`` replaces the interpreter's folders), or anything
+    hydra-train's ``--dataset`` takes (a folder of shards ...)."""
+    if dataset == "pyenv":
+        from hydra_train.dataset import TokenDataset
+        from hydra_train.pyenv_corpus import load_pyenv_corpus
+        from hydra_train.shards import open_shard
+
+        roots = corpus_tree_roots(corpus_roots) if corpus_roots else None
+        corpus = load_pyenv_corpus(vocab_size=vocab_size, extensions=extensions, roots=roots, log=progress)
+        vocab = corpus.vocab_size
+        train = TokenDataset([open_shard(corpus.train_path)], seq_len, vocab, name="pyenv:train")
+        val = TokenDataset([open_shard(corpus.val_path)], seq_len, vocab, name="pyenv:val")
+        summary = {"name": "pyenv", "description": corpus.describe(), **corpus.summary()}
+    else:
+        if extensions or corpus_roots:
+            raise DiagError("--extensions and --corpus-root apply to --dataset pyenv only")
+        from hydra_train.data_sources import load_data
+
+        bundle = load_data(
+            dataset, seq_len=seq_len, vocab_size=vocab_size, default_vocab=vocab_size, log=progress
+        )
+        train, val, vocab = bundle.train, bundle.val, bundle.vocab_size
+        summary = {"name": dataset, "description": bundle.description, "cache_key": None}
+    data = RaceData(train, val, vocab, seq_len, batch_size, seed, val_windows)
+    summary.update(
+        train_windows=data.train_windows,
+        train_tokens_windowed=data.train_tokens,
+        val_windows_used=len(data.val_ids),
+        val_digest=data.val_digest(),
+        vocab_size=vocab,
+    )
+    data.summary = summary
+    return data

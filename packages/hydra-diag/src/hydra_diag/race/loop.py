@@ -1,0 +1,300 @@
+"""One entrant of the race: build, compile and warm up (setup, not timed), then train against the
+clock with evaluations at fixed points of training time (clock paused while they run).
+
+Setup: the model is built (seeded), moved to the device, compiled (CUDA: ``torch.compile`` of the
+whole model by default; ``blocks`` compiles each attention+FFN block with dynamic shapes, as
+hydra-train's ``--compile_scope blocks`` does; the CPU runs eager fp32), and ``warmup_steps``
+training steps run so that compilation and autotuning happen now. Then every parameter and buffer
+is copied back IN PLACE to its value from before the warm-up (compiled code keeps referencing the
+same tensors), the optimizer is built afresh and the clock starts. ``setup_s`` is all of that.
+
+Training step: bf16 autocast on CUDA, ``out.loss.backward()`` (CE plus the model's weighted
+auxiliary losses), gradient-norm clip, AdamW (betas 0.9/0.95, weight decay on matrices only, fused
+on CUDA; hydra-train's ``build_optimizer``), learning rate from :mod:`hydra_diag.race.schedule` at
+the clock's reading. Nothing is read back to the host per step; the clock is read on the host and
+``torch.cuda.synchronize()`` runs at every clock boundary (evaluations, the end), so the recorded
+training seconds include all GPU work of the steps.
+
+Evaluation calls the module itself, not the ``torch.compile`` wrapper (the same parameters; no
+whole-model graphs traced for evaluation; with ``blocks`` the compiled blocks are inside the module
+and compile their evaluation variants on first use, outside the clock). It runs in
+``model.eval()`` (the routing generation uses) and, for routed models, ``model.train()`` under
+``torch.no_grad()``; parameters and buffers are restored after the training-mode pass, so routing
+state that a training-mode forward updates (thresholds, balancing biases) is left untouched.
+
+Recompilations after the warm-up (shapes that change during training) happen on the clock and are
+counted in it: they are a cost of the model. ``graphs_compiled_in_training`` says how many there were.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hydra_diag.race.configs import RaceConfig
+from hydra_diag.race.data import RaceData
+from hydra_diag.race.schedule import lr_factor
+
+BETAS = (0.9, 0.95)
+
+
+@dataclass
+class RaceSettings:
+    model_size: str
+    budget_s: float
+    evals: int = 6
+    warmup_frac: float = 0.05
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup_steps: int = 3
+    seed: int = 1337
+    compile: bool = True
+    log_every_s: float = 10.0
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {**asdict(self), "betas": list(BETAS)}
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has produced in this process so far (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (persistent or not), by name."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in _state_tensors(model).items()}
+
+
+@torch.no_grad()
+def restore(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Copy ``saved`` back into the model's own tensors, in place (compiled code keeps its refs)."""
+    for k, v in _state_tensors(model).items():
+        v.copy_(saved[k])
+    for p in model.parameters():
+        p.grad = None
+
+
+def build_entrant(cfg: RaceConfig, model_size: str, vocab_size: int, seq_len: int) -> torch.nn.Module:
+    from hydra_model.architectures import build_config, build_model
+
+    extra: dict[str, Any] = {"vocab_size": vocab_size}
+    if "max_seq_len" not in cfg.overrides and build_config(cfg.arch, model_size).max_seq_len < seq_len:
+        extra["max_seq_len"] = seq_len
+    return build_model(cfg.arch, model_size, **{**extra, **cfg.overrides})
+
+
+def compile_entrant(model: torch.nn.Module, scope: str):
+    """What the step calls: the compiled model, or the model with its blocks compiled."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if scope == "model":
+        return torch.compile(model)
+    from hydra_train.safe_opts.toggles import compile_units
+
+    for unit in compile_units(model):
+        unit.compile(dynamic=True)
+    return model
+
+
+def autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model, batches, device: torch.device, train_mode: bool) -> float:
+    """Mean validation CE per token over ``batches`` with training- or inference-mode routing."""
+    was = model.training
+    saved = snapshot(model) if train_mode else None
+    model.train(train_mode)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    try:
+        with autocast(device):
+            for x, y in batches:
+                out = model(x.to(device), targets=y.to(device))
+                total += out.ce_loss.double() * y.numel()
+                count += y.numel()
+    finally:
+        if saved is not None:
+            restore(model, saved)
+        model.train(was)
+    return float(total.item() / count)
+
+
+def race_one(
+    cfg: RaceConfig,
+    data: RaceData,
+    s: RaceSettings,
+    device: torch.device,
+    say: Callable[[str], None],
+    tick: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Race ``cfg`` for ``s.budget_s`` seconds of training; the per-configuration result."""
+    from hydra_train.optim import build_optimizer
+
+    cuda = device.type == "cuda"
+    t_setup = time.perf_counter()
+    torch.manual_seed(s.seed)
+    say("building")
+    model = build_entrant(cfg, s.model_size, data.vocab_size, data.seq_len).to(device).train()
+    n_params = int(model.num_parameters())
+    fpt = float(model.flops_per_token(data.seq_len, executed=True))
+    fpt_dense = float(model.flops_per_token(data.seq_len, executed=False))
+    initial = snapshot(model)
+    scope = cfg.compile if (cuda and s.compile) else "none"
+    fwd = compile_entrant(model, scope) if scope != "none" else model
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def new_optimizer():
+        return build_optimizer(model, lr=cfg.lr, weight_decay=s.weight_decay, betas=BETAS, log=say)
+
+    def step(k: int, opt, lr: float) -> torch.Tensor:
+        x, y = data.batch(k)
+        if cuda:
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with autocast(device):
+            out = fwd(x, targets=y)
+        out.loss.backward()
+        if s.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.ce_loss.detach()
+
+    val = data.val_batches()
+    choice = new_optimizer()
+    for i in range(s.warmup_steps):
+        say(f"warm-up step {i + 1}/{s.warmup_steps} (compiling)" if scope != "none" else "warm-up")
+        step(i, choice.optimizer, cfg.lr * 0.01)
+    evaluate(model, val[:1], device, train_mode=False)
+    _sync(device)
+    restore(model, initial)
+    del choice, initial
+    choice = new_optimizer()
+    opt = choice.optimizer
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    setup_s = time.perf_counter() - t_setup
+    graphs_at_start, eval_graphs = graphs_compiled(), [0]
+
+    tokens_per_step = data.batch_size * data.seq_len
+    marks = [s.budget_s * i / s.evals for i in range(1, s.evals + 1)]
+    evals: list[dict[str, Any]] = []
+    status, k, clock = "ok", 0, 0.0
+    recent: list[torch.Tensor] = []
+    last_lr = [0.0]
+    last_train_loss: float | None = None
+
+    def record(clock_s: float) -> None:
+        say(f"evaluating at {clock_s:.0f} s")
+        g0 = graphs_compiled()
+        ev = evaluate(model, val, device, train_mode=False)
+        tr = evaluate(model, val, device, train_mode=True) if cfg.routed else None
+        evals.append(
+            {
+                "elapsed_s": clock_s,
+                "steps": k,
+                "tokens": k * tokens_per_step,
+                "flops": k * tokens_per_step * fpt,
+                "epochs": data.epochs(k),
+                "lr": last_lr[0],  # what the last step used: peak × f(clock at that step's start)
+                "train_loss": last_train_loss,
+                "val_loss": ev,
+                "val_loss_train_mode": tr,
+            }
+        )
+        eval_graphs[0] += graphs_compiled() - g0
+
+    record(0.0)
+    next_mark, last_log = 0, time.perf_counter()
+    seg = time.perf_counter()
+    while True:
+        now = clock + time.perf_counter() - seg
+        if now >= marks[next_mark] or status != "ok":
+            _sync(device)
+            clock += time.perf_counter() - seg
+            if recent:
+                last_train_loss = float(torch.stack(recent).float().mean())
+                recent.clear()
+            record(clock)
+            next_mark += 1
+            tick({"clock": clock, "tokens": k * tokens_per_step, "loss": last_train_loss, "eval": evals[-1]})
+            if next_mark == len(marks) or status != "ok":
+                break
+            seg = time.perf_counter()
+            continue
+        lr = cfg.lr * lr_factor(now, s.budget_s, s.warmup_frac, s.min_lr_ratio)
+        loss = step(k, opt, lr)
+        last_lr[0] = lr
+        k += 1
+        recent.append(loss)
+        if len(recent) > 64:
+            recent.pop(0)
+        if time.perf_counter() - last_log >= s.log_every_s:
+            last_log = time.perf_counter()
+            last_train_loss = float(loss)  # one host read per log interval
+            if not math.isfinite(last_train_loss):
+                status = "diverged"
+            at = clock + time.perf_counter() - seg  # host time: the GPU may still be a step or two behind
+            tick({"clock": at, "tokens": k * tokens_per_step, "loss": last_train_loss, "lr": lr})
+
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    result = {
+        **cfg.to_dict(),
+        "status": status if all(math.isfinite(e["val_loss"]) for e in evals) else "diverged",
+        "compile": scope,
+        "optimizer": choice.name,
+        "params": n_params,
+        "flops_per_token": fpt,
+        "flops_per_token_dense": fpt_dense,
+        "setup_s": setup_s,
+        "train_s": clock,
+        "steps": k,
+        "tokens": k * tokens_per_step,
+        "tokens_per_s": k * tokens_per_step / clock if clock > 0 else None,
+        "epochs": data.epochs(k),
+        "peak_memory_gib": peak,
+        "final_val_loss": evals[-1]["val_loss"],
+        "final_val_loss_train_mode": evals[-1]["val_loss_train_mode"],
+        "final_train_loss": last_train_loss,
+        # recompilations inside the timed part (new shapes after the warm-up) are counted in the
+        # clock; this says whether there were any (0 for a static-shape model)
+        "graphs_compiled_in_training": graphs_compiled() - graphs_at_start - eval_graphs[0],
+        "evals": evals,
+    }
+    return result  # the caller releases memory once this frame (model, optimizer) is gone
+
+
+def release(device: torch.device) -> None:
+    """Free the last entrant's memory and compiled code (the next one compiles from scratch)."""
+    gc.collect()
+    if device.type == "cuda":
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()

@@ -1,0 +1,108 @@
+"""The race's tables, readable at 80 columns: one row per configuration in each.
+
+1. the run: parameters, executed GFLOP per token (forward + backward; "GF/tok"), tokens/s, setup
+   seconds, tokens seen, epochs over the training split (and a status column when one failed);
+2. validation loss (inference-mode routing) at each evaluation time, then the final figure with
+   training-mode routing (routed models only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+
+def _f(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _si(x: float | None) -> str:
+    if x is None:
+        return "-"
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _table(title: str) -> Table:
+    return Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+        collapse_padding=True,
+    )
+
+
+def _name_column(t: Table, runs: list[dict[str, Any]]) -> None:
+    width = max((len(r["name"]) for r in runs), default=6)
+    t.add_column("config", no_wrap=True, min_width=width)
+
+
+def run_table(doc: dict[str, Any]) -> Table:
+    runs = doc["runs"]
+    t = _table("race: the runs (same tokens, same order, same optimizer)")
+    _name_column(t, runs)
+    show_status = any(r.get("status") != "ok" for r in runs)
+    cols = ("params", "GF/tok", "tok/s", "setup s", "tokens", "epochs") + (("status",) if show_status else ())
+    for col in cols:
+        t.add_column(col, justify="left" if col == "status" else "right")
+    for r in runs:
+        cells = [
+            r["name"],
+            _si(r.get("params")),
+            _f(r["flops_per_token"] / 1e9 if r.get("flops_per_token") else None, ".3g"),
+            _si(r.get("tokens_per_s")),
+            _f(r.get("setup_s"), ".0f"),
+            _si(r.get("tokens")),
+            _f(r.get("epochs"), ".2f"),
+        ]
+        t.add_row(*cells, *([r.get("status", "-")] if show_status else []))
+    return t
+
+
+def loss_table(doc: dict[str, Any]) -> Table:
+    runs = doc["runs"]
+    budget = doc["settings"]["budget_s"]
+    n = doc["settings"]["evals"]
+    t = _table("validation CE at training time (eval-mode routing)")
+    _name_column(t, runs)
+    for i in range(1, n + 1):
+        t.add_column(f"{budget * i / n:.0f}s", justify="right")
+    t.add_column("train-mode", justify="right")
+    best = min((r["final_val_loss"] for r in runs if r.get("final_val_loss") is not None), default=None)
+    for r in runs:
+        cells = [_f(e.get("val_loss"), ".3f") for e in r.get("evals", [])[1:]]
+        cells += ["-"] * (n - len(cells))
+        if best is not None and r.get("final_val_loss") == best:
+            cells[-1] = f"[bold]{cells[-1]}[/]"
+        t.add_row(r["name"], *cells, _f(r.get("final_val_loss_train_mode"), ".3f"))
+    return t
+
+
+def header_lines(doc: dict[str, Any]) -> list[str]:
+    s, d, e = doc["settings"], doc["data"], doc["environment"]
+    return [
+        f"data: {d.get('description')}",
+        f"{s['model_size']}, {s['budget_s']:.0f} s of training each, batch {s['batch_size']}x{s['seq_len']}, "
+        f"{s['val_windows']} val windows, seed {s['seed']}",
+        f"device: {e.get('device_name')}, torch {e.get('torch')}, triton {e.get('triton')}, {e.get('date')}",
+    ]
+
+
+def render_race(doc: dict[str, Any], console) -> None:
+    for line in header_lines(doc):
+        console.print(line, highlight=False, markup=False)
+    console.print(run_table(doc))
+    console.print(loss_table(doc))
+    over = [r["name"] for r in doc["runs"] if (r.get("epochs") or 0) > 1]
+    if over:
+        console.print(
+            f"[bold red]warning:[/] {', '.join(over)} went over the training split more than once "
+            "(repeated tokens): use a larger corpus (--extensions) or a shorter budget",
+            highlight=False,
+        )

@@ -1,0 +1,135 @@
+"""The race's JSON document: settings, data, environment and one entry per configuration; loading
+saved documents and merging runs made separately (refused when they were not run alike).
+
+Merging is how long races are split (``gpt`` in one process, ``hydra`` in another): the runs must
+share every field of :data:`MUST_MATCH` (the data, the sequence and batch shape, the budget, the
+evaluation points, the schedule, the device), and a configuration may appear in only one of them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra_diag.output import DiagError, jsonable
+
+KIND = "hydra-diag race"
+VERSION = 1
+#: dotted paths that must agree between runs that are merged into one table
+MUST_MATCH = (
+    "settings.model_size",
+    "settings.budget_s",
+    "settings.seq_len",
+    "settings.batch_size",
+    "settings.evals",
+    "settings.val_windows",
+    "settings.warmup_frac",
+    "settings.min_lr_ratio",
+    "settings.weight_decay",
+    "settings.grad_clip",
+    "settings.seed",
+    "data.name",
+    "data.extensions",
+    "data.val_digest",
+    "data.vocab_size",
+    "data.train_windows",
+    "environment.device_name",
+)
+
+
+def environment(device) -> dict[str, Any]:
+    """Where and how the race ran: device, library versions, date, the exact command."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = device.type == "cuda"
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device)
+        if cuda
+        else f"cpu ({platform.processor() or 'cpu'})",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda if cuda else None,
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "command": "hydra-diag " + shlex.join(sys.argv[1:]),
+    }
+
+
+def new_document(settings: dict[str, Any], data: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kind": KIND,
+        "version": VERSION,
+        "settings": settings,
+        "data": data,
+        "environment": env,
+        "runs": [],
+    }
+
+
+def _get(doc: dict[str, Any], dotted: str) -> Any:
+    cur: Any = doc
+    for part in dotted.split("."):
+        cur = cur.get(part) if isinstance(cur, dict) else None
+    return cur
+
+
+def load_document(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DiagError(f"{path}: no such file") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DiagError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise DiagError(f"{path}: not a race result (written by hydra-diag race run --json)")
+    return doc
+
+
+def merge_documents(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One document from several runs; DiagError naming the field (or configuration) that clashes."""
+    if not docs:
+        raise DiagError("race merge needs at least one JSON file")
+    first_name, first = docs[0]
+    for name, doc in docs[1:]:
+        for field in MUST_MATCH:
+            a, b = _get(first, field), _get(doc, field)
+            if a != b:
+                raise DiagError(f"cannot merge {name} with {first_name}: {field} differs ({b!r} vs {a!r})")
+    merged = json.loads(json.dumps(first))
+    merged["runs"] = []
+    merged["merged_from"] = []
+    seen: dict[str, str] = {}
+    for name, doc in docs:
+        for run in doc.get("runs", []):
+            if run["name"] in seen:
+                raise DiagError(
+                    f"cannot merge: configuration {run['name']} is in both {seen[run['name']]} and {name}"
+                )
+            seen[run["name"]] = name
+            merged["runs"].append({**run, "source": name})
+        env = doc.get("environment", {})
+        merged["merged_from"].append({"file": name, "command": env.get("command"), "date": env.get("date")})
+    return merged
+
+
+def write_document(doc: dict[str, Any], path: str) -> None:
+    """``path`` "-" prints to stdout; otherwise the file (folders created)."""
+    text = json.dumps(jsonable(doc), indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text, encoding="utf-8")

@@ -1,0 +1,67 @@
+"""The race from start to end: check every configuration, load the data once, race each entrant in
+turn (an entrant that fails, e.g. out of memory, is recorded as failed and the others still run),
+and return the JSON document."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+
+from hydra_diag.output import DiagError
+from hydra_diag.race.configs import RaceConfig, check_buildable
+from hydra_diag.race.data import RaceData
+from hydra_diag.race.loop import RaceSettings, race_one, release
+from hydra_diag.race.progress import RaceProgress
+from hydra_diag.race.results import environment, new_document
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise DiagError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DiagError(f"--device {spec}: no CUDA GPU is visible here")
+    if dev.type not in ("cpu", "cuda"):
+        raise DiagError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def run_race(
+    cfgs: list[RaceConfig],
+    data: RaceData,
+    settings: RaceSettings,
+    device: torch.device,
+    progress: RaceProgress,
+    extra_settings: dict[str, Any],
+) -> dict[str, Any]:
+    check_buildable(cfgs, settings.model_size, {"vocab_size": data.vocab_size})
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # the same TF32 matmuls for every entrant
+    doc = new_document(
+        {**settings.to_dict(), **extra_settings, "seq_len": data.seq_len, "batch_size": data.batch_size},
+        data.summary,
+        environment(device),
+    )
+    for cfg in cfgs:
+        progress.start(cfg.name)
+        try:
+            result = race_one(cfg, data, settings, device, progress.say, progress.tick)
+            release(device)
+        except Exception as exc:  # one entrant failing (OOM, a compile error) must not lose the others
+            release(device)
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            result = {**cfg.to_dict(), "status": "failed", "error": last[:500], "evals": []}
+            progress.say(f"FAILED: {last[:200]}")
+        progress.done(result)
+        if (result.get("epochs") or 0) > 1:
+            progress.warn(
+                f"{cfg.name} went over the training split {result['epochs']:.2f} times (repeated tokens): "
+                "use a larger corpus (--extensions) or a shorter budget"
+            )
+        doc["runs"].append(result)
+    return doc
