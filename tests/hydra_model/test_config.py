@@ -16,6 +16,7 @@ from hydra_model import (
     create_ccgqa_mod_mor_model,
     preset_config,
 )
+from hydra_model.config import HYDRA_V1_100M
 
 
 def _meta_params(name: str, **kw) -> int:
@@ -58,7 +59,7 @@ def test_preset_widths_and_hand_count(name):
 def test_seed_table_dims_and_depths():
     table = {
         "debug": (512, 2, 2),
-        "100M": (768, 8, 4),
+        "100M": (768, 12, 2),  # changed from the seed's 8 × 4 for the race (config.py)
         "250M": (1024, 10, 4),
         "500M": (1280, 16, 4),
         "1B": (1792, 20, 4),
@@ -115,17 +116,23 @@ def test_derived_widths():
     cfg = preset_config("100M")
     assert (cfg.head_dim, cfg.q_latent_dim, cfg.kv_latent_dim) == (64, 256, 128)
     assert cfg.rotary_dim == 32
-    assert cfg.mor_capacity_schedule == (1.0, 0.75, 0.5, 0.25)
-    assert cfg.mlp_hidden == math.ceil(16 / 3 * 768 / 64) * 64
-    assert [cfg.mod_routed(i) for i in range(8)] == [False] + [True] * 6 + [False]
+    assert cfg.mor_capacity_schedule == (1.0, 0.5)
+    assert cfg.mlp_hidden == math.ceil(3.25 * 768 / 64) * 64
+    assert [i for i in range(12) if cfg.mod_routed(i)] == [1, 3, 5, 7, 9]  # every other, not the last
+    v1 = HydraConfig(**HYDRA_V1_100M)
+    assert v1.mor_capacity_schedule == (1.0, 0.75, 0.5, 0.25)
+    assert v1.mlp_hidden == math.ceil(16 / 3 * 768 / 64) * 64
+    assert [v1.mod_routed(i) for i in range(8)] == [False] + [True] * 6 + [False]
     assert not preset_config("100M", routing_off=True).mod_routed(3)
 
 
 def test_mod_block_stride_routes_every_other_block():
-    cfg = preset_config("100M", mod_block_stride=2)
+    cfg = HydraConfig(**{**HYDRA_V1_100M, "mod_block_stride": 2})
     assert [i for i in range(8) if cfg.mod_routed(i)] == [1, 3, 5]  # the last block stays dense
-    cfg = preset_config("100M", mod_block_stride=2, mod_dense_first_last=False)
+    cfg = cfg.replace(mod_dense_first_last=False)
     assert [i for i in range(8) if cfg.mod_routed(i)] == [1, 3, 5, 7]
+    cfg = cfg.replace(mod_block_stride=1, mod_dense_first_last=True)
+    assert [i for i in range(8) if cfg.mod_routed(i)] == [1, 2, 3, 4, 5, 6]
     assert not any(preset_config("100M", mod_enabled=False).mod_routed(i) for i in range(8))
     with pytest.raises(ValueError, match="mod_block_stride"):
         preset_config("100M", mod_block_stride=0)

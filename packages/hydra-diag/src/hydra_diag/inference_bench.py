@@ -4,7 +4,9 @@ how fast greedy generation runs, for the dense GPT and HYDRA side by side.
 FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` over one inference-mode
 forward of a model built on fake tensors (shapes only: a 100M model at 2048 tokens counts in
 seconds on a CPU, and routed shapes are fixed, so the count does not depend on the data). Matrix
-products and attention are what it counts; elementwise work is not.
+products and attention are what it counts; elementwise work is not. torch has no formula for the
+CPU attention kernel, so one is added here: QKᵀ and PV, 4·B·Hq·Sq·Sk·d, halved when causal
+(every query sees about half the keys), the same rule for every model.
 
 Generation is timed as a person would see it: prompt → ``model.generate(max_new_tokens=N)``,
 greedy, after one warm-up generation of the same length; tokens/s counts new tokens only.
@@ -16,6 +18,17 @@ import time
 from typing import Any
 
 import torch
+
+
+def _cpu_attention_flops(
+    query, key, value, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs
+) -> int:
+    """FLOPs of ``aten._scaled_dot_product_flash_attention_for_cpu`` from its input shapes
+    (query [B, Hq, Sq, d], key [B, Hkv, Sk, d]; GQA repeats keys, so Hq counts)."""
+    b, hq, sq, d = query
+    sk = key[2]
+    flops = 4 * b * hq * sq * sk * d
+    return flops // 2 if is_causal else flops
 
 
 def count_eval_flops(arch: str, model_size: str, seq_len: int, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +46,8 @@ def count_eval_flops(arch: str, model_size: str, seq_len: int, overrides: dict[s
         with FakeTensorMode():
             model = build_model(arch, model_size, **overrides).eval()
             tokens = torch.zeros(1, seq_len, dtype=torch.long)
-            with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            extra = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops}
+            with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=extra) as counter:
                 model(tokens)
             params = model.num_parameters()
     finally:
@@ -61,7 +75,9 @@ def time_generation(
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
         if out.shape[1] != prompt.shape[1] + new_tokens:
-            raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} new tokens, asked {new_tokens}")
+            raise RuntimeError(
+                f"generate returned {out.shape[1] - prompt.shape[1]} new tokens, asked {new_tokens}"
+            )
         return elapsed
 
     once()  # warm-up: kernels, autotuning, caches
@@ -96,7 +112,9 @@ def bench_inference(
     from hydra_diag.race.configs import parse_config_names, parse_sets, resolve_configs
     from hydra_model import build_model
 
-    cfgs = resolve_configs(parse_config_names(",".join(names)), parse_sets(sets), lr=1.0, compile_default="none")
+    cfgs = resolve_configs(
+        parse_config_names(",".join(names)), parse_sets(sets), lr=1.0, compile_default="none"
+    )
     dev = torch.device(device)
     rows = []
     for cfg in cfgs:
@@ -116,7 +134,10 @@ def bench_inference(
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    env = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__}
+    env = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
     return {"model_size": model_size, "device": env, "rows": rows}
 
 

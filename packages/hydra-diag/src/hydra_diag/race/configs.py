@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra_diag.output import DiagError
+from hydra_model.config import HYDRA_V1_100M
 
 #: name -> (arch, model overrides, description)
 RACE_CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -28,6 +29,7 @@ RACE_CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
     "hydra-no-mor": ("hydra", {"mor_enabled": False}, "HYDRA without Mixture-of-Recursions"),
     "hydra-routing-off": ("hydra", {"routing_off": True}, "HYDRA's recursive blocks, no routers"),
     "hydra-expert-choice": ("hydra", {"routing": "expert_choice"}, "HYDRA with top-k expert-choice routing"),
+    "hydra-v1": ("hydra", dict(HYDRA_V1_100M), "HYDRA's 100M preset before the race (8 x 4, MoD 0.75)"),
 }
 DEFAULT_CONFIGS = ("gpt", "hydra")
 RACE_FIELDS = ("lr", "compile")
