@@ -26,4 +26,6 @@ for pkg in hydra-kernels hydra-model hydra-train hydra-diag; do
   "$py" -m pip show -q "$pkg" >/dev/null || { echo "$pkg missing after installing hydra-diag" >&2; exit 1; }
   "$work/venv/bin/$pkg" --version
 done
+# the dashboard's page and plotly.js must come with the wheels (no CDN at run time)
+"$py" -c "from hydra_diag.dashboard.server import static_files as f; [p.read_bytes() for p, _ in f().values()]"
 echo "standalone install check passed"

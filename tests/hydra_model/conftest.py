@@ -42,6 +42,7 @@ SMALL = dict(
 #: The routing modes every mode-wise test covers.
 MODES: dict[str, dict] = {
     "dynamic": {},
+    "expert_choice": {"routing": "expert_choice"},
     "static": {"static_routing_mode": True},
     "moe": {"moe_enabled": True, "moe_num_experts": 3, "moe_top_k": 2},
     "moe_loss_free": {
@@ -51,7 +52,7 @@ MODES: dict[str, dict] = {
         "moe_balancing": "loss_free",
     },
     "token_choice": {"mor_routing": "token_choice", "ponder_weight": 0.1},
-    "dense_baseline": {"dense_baseline": True},
+    "routing_off": {"routing_off": True},
 }
 
 

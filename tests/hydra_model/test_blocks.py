@@ -1,5 +1,6 @@
-"""Routing semantics of the blocks: MoD top-k and threshold, MoR capacity schedule and nesting,
-token choice, gathered tokens keep their positions, static == dynamic at capacity 1."""
+"""Routing semantics of the blocks (the expert-choice ablation): MoD top-k and threshold, MoR
+capacity schedule and nesting, token choice, gathered tokens keep their positions, static ==
+dynamic at capacity 1. Causal routing has its own module, test_causal_routing.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _ctx(cfg):
 
 
 def test_mod_training_routes_exactly_top_k_and_weights_the_update():
-    cfg = small_config(mod_capacity=0.4, mod_dense_first_last=False)
+    cfg = small_config(mod_capacity=0.4, mod_dense_first_last=False, routing="expert_choice")
     torch.manual_seed(0)
     wrapper = CCGQAMoDBlockWrapper(cfg, 1).train()
     ctx = _ctx(cfg)
@@ -57,7 +58,9 @@ def test_positions_matter_for_gathered_tokens():
 
 
 def test_mor_expert_choice_follows_the_capacity_schedule_and_nests(monkeypatch):
-    cfg = small_config(recursions_per_block=4, mod_dense_first_last=True, n_mor_blocks=1)
+    cfg = small_config(
+        recursions_per_block=4, mod_dense_first_last=True, n_mor_blocks=1, routing="expert_choice"
+    )
     torch.manual_seed(2)
     wrapper = CCGQAMoDBlockWrapper(cfg, 0).train()
     picked = []
@@ -80,7 +83,7 @@ def test_mor_expert_choice_follows_the_capacity_schedule_and_nests(monkeypatch):
 
 
 def test_eval_routes_by_threshold_on_the_router():
-    cfg = small_config(mod_dense_first_last=False, mod_capacity=0.5)
+    cfg = small_config(mod_dense_first_last=False, mod_capacity=0.5, routing="expert_choice")
     torch.manual_seed(3)
     wrapper = CCGQAMoDBlockWrapper(cfg, 0).eval()
     h = torch.randn(3, 19, cfg.dim)

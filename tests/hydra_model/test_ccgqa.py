@@ -237,3 +237,23 @@ def test_qk_mean_matrix_matches_the_head_formula():
     want_q = torch.stack([(q_pre[:, h] + k_pre[:, h // groups]) / 2 for h in range(hq)], 1)
     want_k = torch.stack([want_q[:, g * groups : (g + 1) * groups].mean(1) for g in range(hkv)], 1)
     torch.testing.assert_close(u @ m.t(), torch.cat([want_q.reshape(4, -1), want_k.reshape(4, -1)], -1))
+
+
+def test_folded_weight_is_built_once_per_decoding_slot_and_per_call_elsewhere(monkeypatch):
+    torch.manual_seed(7)
+    attn = CCGQAAttention(24, 4, 2, 6, 4)
+    rope = RotaryEmbedding(4, 16)
+    x = torch.randn(2, 9, 24)
+    built = []
+    real = ccgqa_mod.folded_qk_weight
+    monkeypatch.setattr(ccgqa_mod, "folded_qk_weight", lambda *a: built.append(1) or real(*a))
+    with torch.no_grad():
+        attn(x, *rope.tables(9))
+        attn(x, *rope.tables(9))
+        assert len(built) == 2  # no slot: built per call (weights may change between calls)
+        slot = CacheSlot(16)
+        attn(x[:, :5], *rope.tables(5), slot=slot)  # prefill
+        for t in range(5, 9):
+            cos, sin = rope.tables(positions=torch.full((2, 1), t))
+            attn(x[:, t : t + 1], cos, sin, slot=slot)
+        assert len(built) == 3  # one build for the prefill and every decode step after it

@@ -118,4 +118,24 @@ def test_derived_widths():
     assert cfg.mor_capacity_schedule == (1.0, 0.75, 0.5, 0.25)
     assert cfg.mlp_hidden == math.ceil(16 / 3 * 768 / 64) * 64
     assert [cfg.mod_routed(i) for i in range(8)] == [False] + [True] * 6 + [False]
-    assert not preset_config("100M", dense_baseline=True).mod_routed(3)
+    assert not preset_config("100M", routing_off=True).mod_routed(3)
+
+
+def test_mod_block_stride_routes_every_other_block():
+    cfg = preset_config("100M", mod_block_stride=2)
+    assert [i for i in range(8) if cfg.mod_routed(i)] == [1, 3, 5]  # the last block stays dense
+    cfg = preset_config("100M", mod_block_stride=2, mod_dense_first_last=False)
+    assert [i for i in range(8) if cfg.mod_routed(i)] == [1, 3, 5, 7]
+    assert not any(preset_config("100M", mod_enabled=False).mod_routed(i) for i in range(8))
+    with pytest.raises(ValueError, match="mod_block_stride"):
+        preset_config("100M", mod_block_stride=0)
+
+
+def test_legacy_config_dicts_load_as_they_were_trained():
+    old = preset_config("debug").to_dict()
+    del old["routing"], old["routing_off"]
+    old["dense_baseline"] = False
+    assert HydraConfig.from_dict(old).routing == "expert_choice"  # saved before causal routing
+    old["dense_baseline"] = True
+    assert HydraConfig.from_dict(old).routing_off
+    assert preset_config("debug").routing == "causal"

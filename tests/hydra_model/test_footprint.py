@@ -19,9 +19,16 @@ def _hand_flops(cfg, seq, executed):
     q, kv = hq * d, hkv * d
     total = 0.0
     for block in range(cfg.n_mor_blocks):
-        n = math.ceil(cfg.mod_capacity * seq) if (executed and cfg.mod_routed(block)) else seq
+        routed = executed and cfg.mod_routed(block)
+        n = math.ceil(cfg.mod_capacity * seq) if routed else seq
+        parent = cfg.mod_capacity if routed else 1.0
         for cap in cfg.mor_capacity_schedule:
-            m = math.ceil(cap * n) if executed else n
+            if not executed or cap >= 1:
+                m = n
+            elif cfg.routing == "causal":  # budget ⌈parent · cap · S⌉ of the whole sequence
+                m = min(n, math.ceil(parent * cap * seq - 1e-9))
+            else:  # expert choice: top ⌈cap · n⌉ of the MoD-selected n
+                m = math.ceil(cap * n)
             per_token = (
                 2 * e * (q + 2 * kv)  # W_q, W_k, W_v1, W_v2
                 + 2 * (q + kv) * cfg.conv_kernel_seq  # depthwise conv
@@ -36,9 +43,10 @@ def _hand_flops(cfg, seq, executed):
     return 3 * total / seq
 
 
+@pytest.mark.parametrize("routing", ["causal", "expert_choice"])
 @pytest.mark.parametrize("executed", [True, False])
-def test_flops_match_hand_count(executed):
-    cfg = small_config(n_mor_blocks=4, mod_capacity=0.6)
+def test_flops_match_hand_count(executed, routing):
+    cfg = small_config(n_mor_blocks=4, mod_capacity=0.6, routing=routing)
     for seq in (7, 64):
         model = create_ccgqa_mod_mor_model("tiny", **cfg.to_dict())
         assert model.flops_per_token(seq, executed=executed) == pytest.approx(
@@ -53,7 +61,7 @@ def test_executed_flops_are_below_dense_only_when_routing_skips_work():
     )
     for mode in (
         dict(static_routing_mode=True),
-        dict(dense_baseline=True),
+        dict(routing_off=True),
         dict(mor_routing="token_choice", mod_capacity=1.0),
     ):
         cfg = preset_config("100M", **mode)

@@ -52,15 +52,15 @@ def test_eval_is_causal(mode):
             got = model(x2).logits
             # the per-expert MoE loop batches rows differently when other tokens change: ≤ 1e-5
             torch.testing.assert_close(got[:, : t + 1], ref[:, : t + 1], atol=1e-5, rtol=0)
-    if mode not in ("static", "dense_baseline"):
+    if mode not in ("static", "routing_off"):
         assert 0 < stats["mod"][0]["selected_frac"] < 1
     if mode in ("dynamic", "moe", "moe_loss_free", "token_choice"):
         assert any(0 < s["avg_depth"] - 1 < 2 for s in stats["mor"])
 
 
-def test_train_mode_top_k_is_not_causal_but_eval_is():
+def test_expert_choice_training_is_not_causal():
     """A sanity check that the causality test can fail: top-k over the sequence sees the future."""
-    model = small_model(mod_capacity=0.3).train()
+    model = small_model(mod_capacity=0.3, routing="expert_choice").train()
     x = random_tokens(1, 23)
     x2 = x.clone()
     x2[:, 12:] = random_tokens(1, 11, seed=9)
@@ -101,13 +101,13 @@ def test_routing_stats_are_detached_tensors_and_convert():
                 if isinstance(value, torch.Tensor):
                     assert not value.requires_grad, key
     py = routing_stats_to_python(stats)
-    assert py["mod"][0]["selected_frac"] == pytest.approx(math.ceil(0.75 * 11) / 11)
+    assert 0 < py["mod"][0]["selected_frac"] <= math.ceil(0.75 * 11) / 11  # within the budget
     assert len(py["mor"][0]["depth_hist"]) == 4
     assert sum(py["moe"][0]["utilization"]) == pytest.approx(1.0)
 
 
-def test_dense_baseline_has_no_routers_and_plain_attention():
-    model = small_model(dense_baseline=True)
+def test_routing_off_has_no_routers_and_plain_attention():
+    model = small_model(routing_off=True)
     names = [n for n, _ in model.named_parameters()]
     assert not any("router" in n or "conv" in n or "temperature" in n for n in names)
     assert model.routing_stats() == {"mod": [], "mor": [], "moe": []}
@@ -128,7 +128,9 @@ def test_compiles_fullgraph_without_graph_breaks():
     and matches eager in loss and gradients."""
     model = small_model(n_mor_blocks=1, recursions_per_block=2, mod_dense_first_last=False).train()
     x, y = random_tokens(2, 12), random_tokens(2, 12, seed=2)
+    model.threshold_commit = "manual"  # no commits: both forwards route with the same thresholds
     eager = model(x, targets=y)
+    frac = routing_stats_to_python(model.routing_stats())["mod"][0]["selected_frac"]
     eager.loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -139,7 +141,8 @@ def test_compiles_fullgraph_without_graph_breaks():
     torch.testing.assert_close(out.loss, eager.loss)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-5, msg=n)
-    assert routing_stats_to_python(model.routing_stats())["mod"][0]["selected_frac"] == pytest.approx(0.75)
+    assert routing_stats_to_python(model.routing_stats())["mod"][0]["selected_frac"] == pytest.approx(frac)
+    assert 0 < frac <= 0.75
 
 
 def test_triton_kernels_under_the_interpreter_match_the_references():
@@ -162,6 +165,7 @@ def test_triton_kernels_under_the_interpreter_match_the_references():
     model = create_ccgqa_mod_mor_model("tiny", **cfg).train()
     x, y = random_tokens(1, 6, vocab=37), random_tokens(1, 6, vocab=37, seed=3)
     runs = {}
+    model.threshold_commit = "manual"  # no commits: both runs route with the same thresholds
     for use_triton in (False, True):
         hydra_kernels.set_use_triton_kernels(use_triton)
         hydra_kernels.reset_fallback_counts()

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from hydra_model import GPTModel, load_model
 from hydra_model.cli import app as model_app
+from hydra_train.callbacks import TrainerCallback
 from hydra_train.cli import app
 from hydra_train.config import DeviceInfo, TrainConfig, model_id_for, resolve_config
 from hydra_train.errors import HydraTrainError
@@ -128,3 +129,41 @@ def test_pretest_runs_on_the_gpt_and_compile_targets_its_layers(tmp_path):
         TrainConfig(arch="gpt", model_size="tiny", model_overrides=dict(GPT_OVERRIDES)), VOCAB, "cpu"
     )
     assert compile_units(model) == list(model.layers)
+
+
+class CrashAt(TrainerCallback):
+    name = "crash"
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, step, metrics):
+        if step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def test_gpt_resume_equals_the_uninterrupted_run(bin_dataset, tmp_path):
+    """6 steps straight, or a crash at step 4 and a resume from the step-3 checkpoint: the same
+    final weights and validation losses, bit for bit."""
+    from hydra_train.run import run_training
+
+    from .conftest import tiny_config
+
+    def cfg(folder, **kw):
+        kw = {"max_steps": 6, "save_every": 3, "eval_every": 3, **kw}
+        return tiny_config(
+            bin_dataset, tmp_path / folder, arch="gpt", model_overrides=dict(GPT_OVERRIDES), **kw
+        )
+
+    run_training(cfg("a"))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_training(cfg("b"), callbacks=[CrashAt(4)])
+    assert sorted(p.name for p in (tmp_path / "b").glob("*.pt")) == ["hydra_gpt-tiny_step3.pt"]
+    s = run_training(cfg("b", resume=True))
+    assert s["resumed_from"] is not None and s["arch"] == "gpt" and s["steps"] == 6
+    a = torch.load(tmp_path / "a" / "hydra_gpt-tiny_final.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "hydra_gpt-tiny_final.pt", weights_only=True)
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert [v for _, v in a["trainer"]["val_history"]] == [v for _, v in b["trainer"]["val_history"]]

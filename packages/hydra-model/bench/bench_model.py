@@ -3,6 +3,7 @@
     python packages/hydra-model/bench/bench_model.py          # 100M: dynamic, static, dense × eager, graph
     python packages/hydra-model/bench/bench_model.py --modes eager,graph,compile,compile+graph
     python packages/hydra-model/bench/bench_model.py --model-size 500M --configs dynamic --modes graph
+    python packages/hydra-model/bench/bench_model.py --configs gpt,gpt-ccgqa,dynamic --modes eager,graph
 
 Per (config, mode): bf16 autocast, fp32 weights, fused AdamW, B=8 × T=2048 random tokens over a
 32000 vocabulary. Modes: ``eager``; ``graph`` (the whole step — forward, backward, AdamW — captured
@@ -43,7 +44,10 @@ ORIGINAL_ANCHOR = (90_000, 23.4)
 CONFIGS = {
     "dynamic": {},
     "static": {"static_routing_mode": True},
-    "dense": {"dense_baseline": True},
+    "dense": {"routing_off": True},
+    # the dense GPT baseline of the same preset size (hydra_model.build_model("gpt", ...))
+    "gpt": {"arch": "gpt"},
+    "gpt-ccgqa": {"arch": "gpt", "attention": "ccgqa"},
 }
 MODES = ("eager", "graph", "compile", "compile+graph")
 
@@ -90,7 +94,9 @@ def compile_model(model, scope: str):
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if scope == "model":
         return torch.compile(model, dynamic=False)
-    for wrapper in model.blocks:
+    for layer in getattr(model, "layers", []):  # the dense GPT: every layer, fixed shapes
+        layer.compile(dynamic=False)
+    for wrapper in getattr(model, "blocks", []):
         # blocks: routed lengths vary, one symbolic-shape graph; blocks-static: one per length
         wrapper.mor.block.compile(dynamic=scope == "blocks")
     return model
@@ -139,13 +145,14 @@ def locate_first_sync(fwd, params, data: torch.Tensor) -> str:
 
 
 def build(args, name: str, extra: dict, capturable: bool):
-    from hydra_model import create_ccgqa_mod_mor_model
+    from hydra_model import build_model
 
     torch.manual_seed(0)
     dev = torch.device(args.device)
     overrides = {**CONFIGS[name], **extra, "vocab_size": args.vocab_size, "use_chunked_ce": args.chunked_ce}
     overrides["max_seq_len"] = max(args.seq_len, 2048)
-    model = create_ccgqa_mod_mor_model(args.model_size, **overrides).to(dev).train()
+    arch = overrides.pop("arch", "hydra")
+    model = build_model(arch, args.model_size, **overrides).to(dev).train()
     if args.checkpoint_every:
         model.enable_gradient_checkpointing(every=args.checkpoint_every)
     fused = dev.type == "cuda"
@@ -293,14 +300,14 @@ def print_table(env: dict, args, results: list[dict]) -> None:
         f"B={args.batch_size} T={args.seq_len}, bf16 autocast, fused AdamW, chunked CE {args.chunked_ce}"
     )
     head = (
-        f"{'config':<9}{'mode':<22}{'params':>8}{'ms':>8}{'tok/s':>10}{'peak GiB':>10}{'GFLOP/tok':>11}"
+        f"{'config':<10}{'mode':<22}{'params':>8}{'ms':>8}{'tok/s':>10}{'peak GiB':>10}{'GFLOP/tok':>11}"
         f"{'MFU':>7}{'vs 90K':>8}{'syncs':>7}"
     )
     print(head)
     print("-" * len(head))
     for r in results:
         print(
-            f"{r['config']:<9}{r['mode']:<22}{r['params'] / 1e6:>7.1f}M{r['step_ms']:>8.1f}"
+            f"{r['config']:<10}{r['mode']:<22}{r['params'] / 1e6:>7.1f}M{r['step_ms']:>8.1f}"
             f"{r['tokens_per_s'] / 1e3:>9.1f}K{r['peak_gib']:>10.1f}"
             f"{r['flops_per_token_executed'] / 1e9:>11.2f}"
             f"{r['mfu'] * 100:>6.1f}%{r['tokens_per_s'] / ORIGINAL_ANCHOR[0]:>7.2f}×"

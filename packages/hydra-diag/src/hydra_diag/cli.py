@@ -9,6 +9,7 @@ from typing import Annotated
 from hydra_diag import __version__
 from hydra_diag.cliutil import opt
 from hydra_diag.commands import analyze, bench, convert, db, evaluate, health, moe, profile, race, sweep
+from hydra_diag.commands.dashboard import dashboard_cmd
 from hydra_kernels.cli_support import add_version_option, console, emit_json, new_app
 
 app = new_app("Diagnostics and benchmarks for HYDRA models, kernels and runs.")
@@ -24,6 +25,7 @@ app.add_typer(moe.app, name="moe")
 app.add_typer(convert.app, name="convert")
 app.add_typer(db.app, name="db")
 app.add_typer(race.app, name="race")
+app.command("dashboard")(dashboard_cmd)
 
 
 @app.command("tools")

@@ -19,7 +19,7 @@ from hydra_diag.harness import StepHarness, free_cuda, is_oom, peak_flops
 from hydra_diag.loading import build_model, parse_overrides, require_cuda_device
 from hydra_diag.output import DiagError, Progress, no_progress
 
-MODEL_CONFIGS = {"dynamic": {}, "static": {"static_routing_mode": True}, "dense": {"dense_baseline": True}}
+MODEL_CONFIGS = {"dynamic": {}, "static": {"static_routing_mode": True}, "dense": {"routing_off": True}}
 
 
 def _device(device: str | None, tool: str) -> torch.device:

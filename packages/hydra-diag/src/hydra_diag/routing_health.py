@@ -97,7 +97,8 @@ def collect_routing(model: torch.nn.Module, batches: list, mode: str) -> dict[st
         model.train(was_training)
     out: dict[str, Any] = {"mod": [], "mor": [], "moe": [], "probe_vs_model_max_diff": probe_gap}
     for layer, rows in sorted(per["mod"].items()):
-        row = {"layer": layer, **_mean_rows(rows, ("selected_frac", "capacity", "router_prob_mean"))}
+        keys = ("selected_frac", "capacity", "router_prob_mean", "passed_frac")
+        row = {"layer": layer, **_mean_rows(rows, keys)}
         row.update(probe.mod.get(layer).summary() if layer in probe.mod else {})
         out["mod"].append(row)
     for layer, rows in sorted(per["mor"].items()):
@@ -150,7 +151,9 @@ def detect_routing_problems(
                     f"{mode}: {sat:.0%} of MoD router probabilities are below 0.01 or above 0.99",
                 )
     for row in report.get("eval", {}).get("mod", []):
-        frac = row.get("selected_frac")
+        # causal routing: the share that cleared the router's threshold (what is taken is also
+        # capped by the budget, so a router that says yes to everything still takes c)
+        frac = row.get("passed_frac", row.get("selected_frac"))
         if frac is None or cap is None:
             continue
         if cap < 1 - th.select_all_or_none and (
@@ -272,7 +275,7 @@ def routing_health(
         "config": {
             **caps,
             "static_routing_mode": cfg.static_routing_mode,
-            "dense_baseline": cfg.dense_baseline,
+            "routing_off": cfg.routing_off,
             "mor_routing": cfg.mor_routing,
             "moe_enabled": cfg.moe_enabled,
             "moe_num_experts": cfg.moe_num_experts if cfg.moe_enabled else None,

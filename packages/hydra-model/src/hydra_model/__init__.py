@@ -3,7 +3,7 @@ and the dense GPT baseline it is judged against (``build_model("gpt", size)``)."
 
 __version__ = "0.1.0"
 
-from hydra_model.architectures import ARCHITECTURES, build_config, build_model
+from hydra_model.architectures import ARCHITECTURES, arch_of, build_config, build_model
 from hydra_model.attention_backend import (
     FLASH_ATTN_AVAILABLE,
     XFORMERS_AVAILABLE,
@@ -58,6 +58,7 @@ __all__ = [
     "RotaryEmbedding",
     "SwiGLUMLP",
     "__version__",
+    "arch_of",
     "attention_autotune_report",
     "attention_fallback_counts",
     "aux_loss_weights",

@@ -1,20 +1,23 @@
 """The block hierarchy: CCGQABlock (attention + FFN) ← CCGQAMoRBlock (recursion routing) ←
 CCGQAMoDBlockWrapper (depth routing). Routing modes:
 
-============  ====================================  ===========================================
-mode          training (model.train())              eval / decoding (model.eval())
-============  ====================================  ===========================================
-dynamic       expert choice: top-k per sequence,    causal threshold on the same routers
-              gathered in time order (fixed k)      (σ(logit) > ½), selected-first permutation
-static        soft: every token, update × weight    same as training (already causal)
-token choice  MoR depth chosen per token up front    same as training (already causal)
-dense         no routers, every token everywhere    same
-============  ====================================  ===========================================
+==============  ==================================  =========================================
+mode            training (model.train())            eval / decoding (model.eval())
+==============  ==================================  =========================================
+causal          threshold + causal budget,          the same rule, the same gather (a decode
+(the default)   gathered into ⌈c·S⌉ rows            step skips what its token is routed out of)
+expert_choice   top-k per sequence (sees the        causal threshold (σ(logit) > ½) over a
+(ablation)      future), gathered in time order     selected-first permutation of all rows
+static          soft: every token, update × weight  same as training (already causal)
+token choice    MoR depth chosen per token up front same as training (already causal)
+dense           no routers, every token everywhere  same
+==============  ==================================  =========================================
 
 Updates are scaled by the router weight (MoD: σ(logit); MoR: α·σ(logit)) so routers learn from
-the LM loss; the BCE auxiliary loss teaches them to predict top-k membership from the token
-alone, which is what makes threshold routing at eval time causal and close to training.
-Routing statistics are written into non-persistent buffers (detached, no host sync).
+the LM loss. Causal routing (causal_routing.py) needs nothing more; expert choice adds a BCE
+auxiliary loss that teaches the routers to predict top-k membership from the token alone, which
+its evaluation threshold relies on. Routing statistics are written into non-persistent buffers
+(detached, no host sync).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydra_model.cache import ModelCache
+from hydra_model.causal_routing import CausalRouter, take_first_k
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.config import HydraConfig
 from hydra_model.fused_routing import (
@@ -41,6 +45,7 @@ from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, autocast_dty
 from hydra_model.moe import MoEFFN
 from hydra_model.routing import (
     SubSequence,
+    flat_index,
     masked_mean,
     masked_mean_last,
     membership_bce,
@@ -56,6 +61,16 @@ class RunContext:
 
     rope: RotaryEmbedding | None
     cache: ModelCache | None = None
+    #: length of the whole sequence this forward runs (gather sizes of causal routing)
+    seq_len: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.cache is not None and self.cache.decoding
+
+    @property
+    def counts(self) -> dict | None:
+        return None if self.cache is None else self.cache.counts
 
     def tables(self, n: int, pos: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.rope is None:
@@ -87,7 +102,7 @@ class CCGQABlock(nn.Module):
         e = cfg.dim
         self.norm1 = RMSNorm(e, cfg.norm_eps)
         self.norm2 = RMSNorm(e, cfg.norm_eps)
-        if cfg.dense_baseline:
+        if cfg.routing_off:
             n_q = e // cfg.head_dim
             self.attn: nn.Module = GQAAttention(
                 e, n_q, n_q * cfg.n_kv_heads // cfg.n_heads, cfg.head_dim, cfg.rotary_dim
@@ -132,7 +147,9 @@ class CCGQABlock(nn.Module):
 class CCGQAMoRBlock(nn.Module):
     """One shared CCGQABlock applied up to R times; a router decides per token how deep it goes."""
 
-    def __init__(self, cfg: HydraConfig, block_index: int) -> None:
+    def __init__(self, cfg: HydraConfig, block_index: int, parent_capacity: float = 1.0) -> None:
+        """``parent_capacity``: the share of the sequence the enclosing MoD lets through (1.0
+        when this block sees every token); causal budgets are relative to the whole sequence."""
         super().__init__()
         self.block_index = block_index
         self.recursions = cfg.recursions_per_block
@@ -140,11 +157,31 @@ class CCGQAMoRBlock(nn.Module):
         self.alpha = cfg.mor_gate_alpha
         self.ponder = cfg.ponder_weight > 0
         self.mode = (
-            "dense" if cfg.dense_baseline else "static" if cfg.static_routing_mode else cfg.mor_routing
+            "dense"
+            if cfg.routing_off or not cfg.mor_enabled
+            else "static"
+            if cfg.static_routing_mode
+            else cfg.mor_routing
         )
+        if self.mode == "expert_choice" and cfg.routing == "causal":
+            self.mode = "causal"
+        #: the mode a switch to static routing and back returns to
+        self.dynamic_mode = self.mode
         self.block = CCGQABlock(cfg)
         # expert choice / static: one logit per recursion; token choice: logits over depths 1..R
         self.router = None if self.mode == "dense" else nn.Linear(cfg.dim, self.recursions)
+        # causal: a decision per recursion of capacity < 1, on the candidates of the one before
+        self.causal = nn.ModuleDict()
+        if self.mode == "causal":
+            caps = self.capacities
+            for r in range(1, self.recursions):
+                if caps[r] < 1.0:
+                    self.causal[str(r)] = CausalRouter(
+                        parent_capacity * caps[r],
+                        caps[r] / caps[r - 1],
+                        cfg.router_threshold_momentum,
+                        (block_index, r),
+                    )
         self.register_buffer("stat_depth", torch.zeros(2), persistent=False)  # [avg, expected]
         self.register_buffer("stat_depth_hist", torch.zeros(self.recursions + 1), persistent=False)
 
@@ -195,6 +232,8 @@ class CCGQAMoRBlock(nn.Module):
             depth = ones * big_r
         elif self.mode == "token_choice":
             h, depth, expected = self._token_choice(h, pos, member, ctx, aux)
+        elif self.mode == "causal":
+            h, depth, expected = self._causal(h, pos, member, ctx, aux)
         else:
             h, depth, expected = self._expert_choice(h, pos, member, ctx, aux)
         if self.ponder and self.mode != "dense":
@@ -251,6 +290,43 @@ class CCGQAMoRBlock(nn.Module):
             active = selected
         return h, depth, expected
 
+    def _causal(self, h, pos, member, ctx, aux):
+        """Causal capacity routing per recursion (causal_routing.py): the candidates of
+        recursion r are the tokens recursion r−1 took; its rows are gathered into a fixed
+        ⌈parent · c_r · S⌉. Decoding one token runs only the recursions it is taken into."""
+        b, n, _ = h.shape
+        active = member  # None: every row is a candidate
+        all_pos = positions_or_arange(pos, b, n, h.device)
+        depth = torch.zeros(b, n, device=h.device)
+        expected = torch.zeros(b, n, device=h.device)
+        reach = torch.ones(b, n, device=h.device)
+        for r in range(self.recursions):
+            logit = self._logits(h, r, bce=False)[0]
+            prob = torch.sigmoid(logit)
+            gate = self.alpha * prob
+            _add(aux, "router_z", masked_mean(logit.pow(2), active))
+            router = self.causal[str(r)] if str(r) in self.causal else None  # noqa: SIM401
+            if router is None:  # capacity 1: every candidate goes
+                h, moe_loss = self._run_block(h, r, ctx, pos, gate, member=active)
+                taken = active
+            else:
+                reach = reach * prob
+                taken = router.decide(logit, all_pos, active, ctx.counts, ctx.decoding)
+                if ctx.decoding:
+                    if b == 1 and not bool(taken):  # one host sync a step: skip the rest
+                        break
+                    stepped, moe_loss = self._run_block(h, r, ctx, pos, gate, member=taken)
+                    h = torch.where(taken.unsqueeze(-1), stepped, h)
+                else:
+                    idx, rows = take_first_k(taken, router.rows(n, ctx.seq_len or n))
+                    view = SubSequence(idx, all_pos.gather(1, idx), rows, flat_index(idx, n))
+                    h, moe_loss = self._run_block(h, r, ctx, pos, gate, view=view)
+            _add(aux, "moe_balance", moe_loss)
+            depth = depth + (1.0 if taken is None else taken.float())
+            expected = expected + reach
+            active = taken
+        return h, depth, expected
+
     def _token_choice(self, h, pos, member, ctx, aux):
         b, n, _ = h.shape
         logits = self.router(router_input(h)).float()  # [B, n, R]: depth 1..R
@@ -284,12 +360,19 @@ class CCGQAMoDBlockWrapper(nn.Module):
     def __init__(self, cfg: HydraConfig, block_index: int) -> None:
         super().__init__()
         self.block_index = block_index
-        self.mor = CCGQAMoRBlock(cfg, block_index)
         self.routed = cfg.mod_routed(block_index)
         self.capacity = cfg.mod_capacity
         self.static = cfg.static_routing_mode
+        self.causal = (
+            CausalRouter(self.capacity, self.capacity, cfg.router_threshold_momentum, (block_index, -1))
+            if self.routed and cfg.routing == "causal" and not self.static and self.capacity < 1.0
+            else None
+        )
+        parent = self.capacity if self.causal is not None else 1.0
+        self.mor = CCGQAMoRBlock(cfg, block_index, parent)
         self.router = nn.Linear(cfg.dim, 1) if self.routed else None
-        self.register_buffer("stat_mod", torch.zeros(2), persistent=False)  # [selected_frac, mean prob]
+        # [selected_frac, mean prob, passed_frac (router cleared its threshold, before any budget)]
+        self.register_buffer("stat_mod", torch.zeros(3), persistent=False)
 
     def forward(
         self, h: torch.Tensor, pos: torch.Tensor | None, ctx: RunContext
@@ -297,6 +380,8 @@ class CCGQAMoDBlockWrapper(nn.Module):
         """h [B, S, E], positions (None = 0..S−1) → (new h, auxiliary loss terms)."""
         if not self.routed:
             return self.mor(h, pos, None, ctx)
+        if self.causal is not None and not self.static:
+            return self._causal(h, pos, ctx)
         b, s, _ = h.shape
         bce = self.training and not (self.static or self.capacity >= 1.0)
         logit, bce_logit = router_logits(h, self.router.weight[0], self.router.bias[0], with_detached=bce)
@@ -324,5 +409,37 @@ class CCGQAMoDBlockWrapper(nn.Module):
                 new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
             selected_frac = selected.float().mean()
         with torch.no_grad():
-            self.stat_mod.copy_(torch.stack([selected_frac, weight.detach().mean()]))
+            self.stat_mod.copy_(torch.stack([selected_frac, weight.detach().mean(), selected_frac]))
+        return new_h, aux
+
+    def _causal(
+        self, h: torch.Tensor, pos: torch.Tensor | None, ctx: RunContext
+    ) -> tuple[torch.Tensor, AuxLists]:
+        """Causal capacity routing (causal_routing.py): the taken tokens, gathered into a fixed
+        ⌈capacity · S⌉ rows (unused rows masked), go through the MoR block; the update is
+        σ(logit)·(out − in). Decoding one token skips the block when it is not taken."""
+        b, s, _ = h.shape
+        logit = router_logits(h, self.router.weight[0], self.router.bias[0], with_detached=False)[0]
+        weight = torch.sigmoid(logit)
+        aux: AuxLists = {"router_z": [logit.pow(2).mean()]}
+        all_pos = positions_or_arange(pos, b, s, h.device)
+        taken = self.causal.decide(logit, all_pos, None, ctx.counts, ctx.decoding)
+        if ctx.decoding:
+            if b == 1 and not bool(taken):  # one host sync a step: the block is skipped
+                new_h = h
+            else:
+                h_out, inner = self.mor(h, pos, taken, ctx)
+                merge_aux(aux, inner)
+                update = (weight.unsqueeze(-1) * (h_out - h)).to(h.dtype)
+                new_h = h + torch.where(taken.unsqueeze(-1), update, torch.zeros_like(update))
+        else:
+            idx, rows = take_first_k(taken, self.causal.rows(s, ctx.seq_len or s))
+            view = SubSequence(idx, all_pos.gather(1, idx), rows, flat_index(idx, s))
+            hs = view.gather(h)
+            hs_out, inner = self.mor(hs, view.pos, view.member, ctx)
+            merge_aux(aux, inner)
+            new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
+        with torch.no_grad():
+            passed = self.causal.threshold.passes(logit.detach()).float().mean()
+            self.stat_mod.copy_(torch.stack([taken.float().mean(), weight.detach().mean(), passed]))
         return new_h, aux

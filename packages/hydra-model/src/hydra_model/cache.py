@@ -34,6 +34,8 @@ class CacheSlot:
 
     capacity: int
     entry: AttentionCache | None = None
+    #: CCGQA: the folded conv weight and bias, built once per generation (ccgqa.py)
+    folded: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -43,6 +45,14 @@ class ModelCache:
     capacity: int
     seq_len: int = 0
     slots: dict[tuple[int, int], CacheSlot] = field(default_factory=dict)
+    #: causal routing: tokens taken so far per routing point ([B] long), keyed like the slots
+    #: ((block, −1) for MoD, (block, r) for MoR recursion r); see causal_routing.py
+    counts: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def decoding(self) -> bool:
+        """True once the prefill pass has run: each later forward decodes one token."""
+        return self.seq_len > 0
 
     def slot(self, block: int, recursion: int) -> CacheSlot:
         key = (block, recursion)

@@ -129,21 +129,27 @@ class CCGQAAttention(nn.Module):
         mix = qk_mean_matrix(self.n_heads, self.n_kv_heads, self.head_dim)
         self.qk_mean_mix = mix.to(self.qk_mean_mix.device, self.qk_mean_mix.dtype)
 
-    def _conv_qk(self, window: torch.Tensor) -> torch.Tensor:
+    def _conv_qk(self, window: torch.Tensor, slot: CacheSlot | None = None) -> torch.Tensor:
         """Steps 2–3 on a time-major window [B, n + K−1, C] of packed pre-conv inputs (K−1 rows of
         left context) → pre-norm [q;k] [B, n, C]: both convs and the q-k mean as one matmul."""
         b, length, c = window.shape
         k_total = self.conv_context + 1
         n = length - self.conv_context
         taps = window.unfold(1, k_total, 1).reshape(b, n, c * k_total)  # [B, n, C·K]: [c, s] = u[t+s, c]
-        weight, bias = folded_qk_weight(
-            self.conv_seq.weight,
-            self.conv_seq.bias,
-            self.conv_ch.weight,
-            self.conv_ch.bias,
-            self.qk_mean_mix,
-        )
+        weight, bias = self._folded(slot)
         return F.linear(taps, weight, bias)
+
+    def _folded(self, slot: CacheSlot | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The folded conv + q-k-mean weight. A decoding slot keeps it for the whole generation
+        (the weights cannot change while decoding): rebuilding it every token was most of a
+        decode step's time. Anywhere else it is built per call (a cache keyed on the parameters
+        would go stale under optimizers that update them in place without a version bump)."""
+        params = (self.conv_seq.weight, self.conv_seq.bias, self.conv_ch.weight, self.conv_ch.bias)
+        if slot is None or torch.is_grad_enabled():
+            return folded_qk_weight(*params, self.qk_mean_mix)
+        if slot.folded is None:
+            slot.folded = folded_qk_weight(*params, self.qk_mean_mix)
+        return slot.folded
 
     def forward(
         self,
@@ -177,7 +183,7 @@ class CCGQAAttention(nn.Module):
             window = F.pad(u, (0, 0, self.conv_context, 0))  # [B, n + K−1, C]
         else:
             window = torch.cat([entry.conv_state.to(u.dtype), u], dim=1)
-        qk = self._conv_qk(window)  # [B, n, C]
+        qk = self._conv_qk(window, slot)  # [B, n, C]
         q, k = qk.split([self.q_dim, self.kv_dim], dim=-1)
         q, k = q.view(b, n, hq, d), k.view(b, n, hkv, d)
 

@@ -87,6 +87,12 @@ SEED_PARAM_COUNTS: dict[str, float] = {
 }
 
 MOR_ROUTINGS = ("expert_choice", "token_choice")
+#: How MoD and MoR (expert choice) pick tokens. ``causal``: a token goes through when its router
+#: score clears a tracked threshold and the routing point's causal budget is not spent (the same
+#: rule in training, evaluation and decoding; causal_routing.py). ``expert_choice``: the original
+#: top-k over the whole sequence in training and a threshold at evaluation (not causal in
+#: training; kept as a named ablation).
+ROUTINGS = ("causal", "expert_choice")
 MOE_BALANCINGS = ("aux_loss", "loss_free")
 
 
@@ -117,13 +123,25 @@ class HydraConfig:
     rope_fraction: float = 0.5
     rope_base: float = 10000.0
 
+    #: token selection rule of MoD and MoR expert choice (see ROUTINGS)
+    routing: str = "causal"
+    #: causal routing: momentum of the running quantile each routing point tracks as its threshold
+    router_threshold_momentum: float = 0.99
+
     # Mixture-of-Depths
+    #: False: no MoD router anywhere (every block sees every token); an ablation
+    mod_enabled: bool = True
     mod_capacity: float = 0.75
     #: first and last blocks see every token (MoD off there)
     mod_dense_first_last: bool = True
+    #: MoD routes every ``mod_block_stride``-th block: those with index % stride == stride − 1
+    #: (2: blocks 1, 3, 5, …, the MoD paper's "every other block"); 1 routes them all
+    mod_block_stride: int = 1
     mod_aux_weight: float = 0.01
 
     # Mixture-of-Recursions
+    #: False: no MoR router (every token takes every recursion); an ablation
+    mor_enabled: bool = True
     mor_routing: str = "expert_choice"
     #: capacities per recursion; None means the linear schedule (R − r) / R
     mor_capacities: tuple[float, ...] | None = None
@@ -145,7 +163,9 @@ class HydraConfig:
 
     # modes
     static_routing_mode: bool = False
-    dense_baseline: bool = False
+    #: the routing-off ablation (formerly ``dense_baseline``): the same recursive blocks with no
+    #: routers and plain GQA attention. Not the dense baseline HYDRA races: that is hydra_model.gpt.
+    routing_off: bool = False
     use_chunked_ce: bool = False
 
     def __post_init__(self) -> None:
@@ -197,7 +217,9 @@ class HydraConfig:
 
     def mod_routed(self, block_index: int) -> bool:
         """Whether block ``block_index`` routes tokens with MoD (Python-level, fixed per config)."""
-        if self.dense_baseline:
+        if self.routing_off or not self.mod_enabled:
+            return False
+        if block_index % self.mod_block_stride != self.mod_block_stride - 1:
             return False
         return not (self.mod_dense_first_last and block_index in (0, self.n_mor_blocks - 1))
 
@@ -219,6 +241,7 @@ class HydraConfig:
             "conv_kernel_seq",
             "conv_kernel_ch",
             "moe_num_experts",
+            "mod_block_stride",
         ):
             if int(getattr(self, name)) < 1:
                 bad(f"{name}={getattr(self, name)} must be a positive integer")
@@ -238,11 +261,11 @@ class HydraConfig:
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
                 "(GQA in the latent space needs C₂ ≥ C₁)"
             )
-        if self.dense_baseline and (
+        if self.routing_off and (
             self.dim % self.head_dim or (self.dim // self.head_dim * self.n_kv_heads) % self.n_heads
         ):
             bad(
-                f"dense_baseline keeps head size {self.head_dim} and the q/kv head ratio {self.n_heads}/"
+                f"routing_off keeps head size {self.head_dim} and the q/kv head ratio {self.n_heads}/"
                 f"{self.n_kv_heads}, so dim={self.dim} must give a whole number of heads of each kind"
             )
         if not 0 < self.mod_capacity <= 1:
@@ -256,6 +279,10 @@ class HydraConfig:
             bad(f"mor_capacities={caps} must lie in (0, 1] and not increase (recursion r picks among r−1's)")
         if self.mor_routing not in MOR_ROUTINGS:
             bad(f"mor_routing={self.mor_routing!r}; expected one of {MOR_ROUTINGS}")
+        if self.routing not in ROUTINGS:
+            bad(f"routing={self.routing!r}; expected one of {ROUTINGS}")
+        if not 0 <= self.router_threshold_momentum < 1:
+            bad(f"router_threshold_momentum={self.router_threshold_momentum} must be in [0, 1)")
         if self.moe_balancing not in MOE_BALANCINGS:
             bad(f"moe_balancing={self.moe_balancing!r}; expected one of {MOE_BALANCINGS}")
         if self.moe_top_k not in (1, 2) or self.moe_top_k > self.moe_num_experts:
@@ -279,7 +306,11 @@ class HydraConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HydraConfig:
-        """Inverse of :meth:`to_dict`; unknown keys raise ValueError naming them."""
+        """Inverse of :meth:`to_dict`; unknown keys raise ValueError naming them. A whole config
+        saved before causal routing existed (it has ``dense_baseline`` and no ``routing``) loads
+        as what it was trained with: ``routing="expert_choice"``, ``routing_off`` from
+        ``dense_baseline``."""
+        d = upgrade_legacy_config(d)
         unknown = sorted(set(d) - set(cls.field_names()))
         if unknown:
             raise ValueError(
@@ -294,6 +325,21 @@ class HydraConfig:
 
     def replace(self, **changes: Any) -> HydraConfig:
         return config_from(self.to_dict(), **changes)
+
+
+_LEGACY_FULL_DICT = {"dense_baseline", "mor_routing", "static_routing_mode"}
+
+
+def upgrade_legacy_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A config dict in today's field names (see :meth:`HydraConfig.from_dict`)."""
+    if "dense_baseline" not in d:
+        return d
+    out = dict(d)
+    dense = bool(out.pop("dense_baseline"))
+    out["routing_off"] = bool(out.get("routing_off", False)) or dense
+    if set(d) >= _LEGACY_FULL_DICT and "routing" not in d:
+        out["routing"] = "expert_choice"
+    return out
 
 
 def config_from(base: dict[str, Any], **overrides: Any) -> HydraConfig:

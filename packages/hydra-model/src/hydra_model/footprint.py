@@ -35,7 +35,7 @@ class Application:
 
 def attention_widths(cfg: HydraConfig) -> tuple[int, int, int]:
     """(query heads, kv heads, head size) of the attention the config builds."""
-    if cfg.dense_baseline:
+    if cfg.routing_off:
         n_q = cfg.dim // cfg.head_dim
         return n_q, n_q * cfg.n_kv_heads // cfg.n_heads, cfg.head_dim
     return cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -61,7 +61,7 @@ def block_forward_flops(cfg: HydraConfig, context: int) -> dict[str, float]:
     """Forward FLOPs per token of one block application whose attention sees ``context`` tokens."""
     e = cfg.dim
     n_q, n_kv, d = attention_widths(cfg)
-    convs = None if cfg.dense_baseline else (cfg.conv_kernel_seq, cfg.conv_kernel_ch)
+    convs = None if cfg.routing_off else (cfg.conv_kernel_seq, cfg.conv_kernel_ch)
     out = attention_forward_flops(e, n_q, n_kv, d, context, convs)
     if cfg.moe_enabled:
         out["ffn"] = 2.0 * e * cfg.moe_num_experts + cfg.moe_top_k * 2.0 * 3 * e * cfg.expert_hidden
@@ -71,20 +71,31 @@ def block_forward_flops(cfg: HydraConfig, context: int) -> dict[str, float]:
 
 
 def applications(cfg: HydraConfig, seq_len: int, executed: bool = True) -> list[Application]:
-    """Every block application with the share of tokens it executes in a training step."""
+    """Every block application with the share of tokens it executes in a training step (the
+    gathered rows, unused ones included: a fixed-shape gather computes them)."""
+    from hydra_model.causal_routing import budget_count, capacity_fixed
+
     apps = []
     r_total = cfg.recursions_per_block
-    fixed_shape_dense = cfg.static_routing_mode or cfg.dense_baseline or cfg.mor_routing == "token_choice"
+    fixed_shape_dense = (
+        cfg.static_routing_mode or cfg.routing_off or not cfg.mor_enabled or cfg.mor_routing == "token_choice"
+    )
+    causal = cfg.routing == "causal"
     for i in range(cfg.n_mor_blocks):
         n = seq_len
-        mod_frac = 1.0
+        parent = 1.0
         if executed and cfg.mod_routed(i) and not cfg.static_routing_mode and cfg.mod_capacity < 1.0:
             n = math.ceil(cfg.mod_capacity * seq_len)
-            mod_frac = n / seq_len
+            parent = cfg.mod_capacity
         for r in range(r_total):
             cap = 1.0 if (not executed or fixed_shape_dense) else cfg.mor_capacity_schedule[r]
-            m = n if cap >= 1.0 else math.ceil(cap * n)
-            apps.append(Application(i, r, mod_frac * m / n, m))
+            if cap >= 1.0:
+                m = n
+            elif causal:  # the budget is relative to the whole sequence (causal_routing.py)
+                m = min(n, budget_count(capacity_fixed(parent * cap), seq_len))
+            else:
+                m = math.ceil(cap * n)
+            apps.append(Application(i, r, m / seq_len, m))
     return apps
 
 
@@ -134,10 +145,10 @@ def flops_breakdown(
         )
     e = cfg.dim
     router = 0.0
-    if not cfg.dense_baseline:
+    if not cfg.routing_off:
         for i in range(cfg.n_mor_blocks):
             router += 2.0 * e * (1 if cfg.mod_routed(i) else 0)
-            router += 2.0 * e * cfg.recursions_per_block
+            router += 2.0 * e * cfg.recursions_per_block * (1 if cfg.mor_enabled else 0)
     rows.append({"name": "routers", "token_fraction": 1.0, "context": seq_len, "flops": 3.0 * router})
     rows.append(
         {

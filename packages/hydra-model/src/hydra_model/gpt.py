@@ -83,8 +83,6 @@ class GPTLayer(nn.Module):
 class GPTModel(nn.Module, GradientCheckpointMixin):
     """The dense baseline; same public contract as :class:`hydra_model.model.CCGQAMoDMoRModel`."""
 
-    arch = "gpt"
-
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         config.validate()

@@ -10,10 +10,21 @@ per key/value head, SwiGLU hidden ≈ 2.5–2.75 · dim (8/3 · dim at 100M) rou
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
 ATTENTIONS = ("gqa", "ccgqa")
+_INT_FIELDS = (
+    "vocab_size",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "mlp_hidden",
+    "max_seq_len",
+)
 
 #: Size presets (parameters at vocab 32000 in the comment; HYDRA's preset in brackets).
 GPT_PRESETS: dict[str, dict[str, Any]] = {
@@ -55,6 +66,10 @@ class GPTConfig:
     use_chunked_ce: bool = False
 
     def __post_init__(self) -> None:
+        for name in _INT_FIELDS:  # numpy integers (e.g. a vocabulary size read from data) → int
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                setattr(self, name, int(value))
         self.validate()
 
     # --- derived widths --------------------------------------------------------------------
@@ -83,7 +98,7 @@ class GPTConfig:
         def bad(msg: str) -> None:
             raise ValueError(f"GPTConfig: {msg}")
 
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len"):
+        for name in (n for n in _INT_FIELDS if n != "mlp_hidden"):  # mlp_hidden: checked below
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 bad(f"{name}={value!r} must be a positive integer")

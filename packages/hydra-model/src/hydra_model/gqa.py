@@ -1,5 +1,11 @@
-"""Plain grouped-query attention: the dense baseline's attention (no compression, no convs,
-no q-k mean, no value shift, no QK norm), with the same partial RoPE and decoding cache."""
+"""Plain grouped-query attention (no compression, no convs, no q-k mean, no value shift, no QK
+norm) with the decoding cache: the attention of HYDRA's ``routing_off`` ablation (partial RoPE)
+and of the dense GPT (:mod:`hydra_model.gpt`, RoPE over the whole head).
+
+``w_qkv`` stacks W_q (``n_heads·head_dim`` rows), W_k and W_v (``n_kv_heads·head_dim`` rows each),
+head h at rows h·head_dim onwards within each; query head h reads key/value head
+h // (n_heads / n_kv_heads). RoPE rotates the first 2·cos.shape[-1] channels of each head in the
+rotate-half layout (``hydra_kernels.rope``)."""
 
 from __future__ import annotations
 

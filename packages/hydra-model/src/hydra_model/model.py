@@ -14,6 +14,7 @@ from torch import nn
 from hydra_kernels import linear_cross_entropy
 from hydra_model.blocks import AuxLists, CCGQAMoDBlockWrapper, RunContext, merge_aux
 from hydra_model.cache import ModelCache
+from hydra_model.causal_routing import RouterThreshold
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.checkpointing import GradientCheckpointMixin
 from hydra_model.config import HydraConfig, preset_config
@@ -48,8 +49,10 @@ def aux_loss_weights(cfg: HydraConfig) -> dict[str, float]:
 
 
 class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
-    """The HYDRA decoder. ``model.train()`` routes by top-k over each sequence (as the papers
-    do); ``model.eval()`` routes causally by thresholds, so logits at t never see tokens after t."""
+    """The HYDRA decoder. With ``routing="causal"`` (the default) training, evaluation and
+    decoding route by the same causal rule (causal_routing.py): logits at t never see tokens
+    after t, in any mode. ``routing="expert_choice"`` (an ablation) routes training by top-k over
+    each sequence, as the MoD and MoR papers do, and evaluation by causal thresholds."""
 
     def __init__(self, config: HydraConfig) -> None:
         super().__init__()
@@ -62,6 +65,15 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
             else None
         )
         self.blocks = nn.ModuleList(CCGQAMoDBlockWrapper(config, i) for i in range(config.n_mor_blocks))
+        #: who commits the causal routing thresholds: "forward" (each training forward, the
+        #: default) or "manual" (the training loop, via commit_router_thresholds)
+        self.threshold_commit = "forward"
+        # DDP broadcasts buffers from rank 0 at every forward; the thresholds' per-step records
+        # are per-rank sums (all-reduced before a commit) and must not be overwritten between
+        # micro-batches
+        self._ddp_params_and_buffers_to_ignore = [
+            name for name, _ in self.named_buffers() if name.endswith((".above", ".moments"))
+        ]
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.reset_parameters()
 
@@ -95,6 +107,23 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
                 mod.balance_bias.zero_()
 
     # --- forward --------------------------------------------------------------------------------
+    def router_thresholds(self) -> list[RouterThreshold]:
+        """The causal routing points' thresholds (empty for other routings)."""
+        return [m for m in self.modules() if isinstance(m, RouterThreshold)]
+
+    def commit_router_thresholds(self, applied: torch.Tensor | None = None) -> None:
+        """Fold the last training forward's router statistics into the causal thresholds; with
+        ``applied`` False (a bool tensor, e.g. the step's finiteness) drop them instead. A
+        trainer that calls this after each optimizer step sets ``threshold_commit = "manual"``;
+        by default (``"forward"``) every training forward commits the one before it."""
+        for threshold in self.router_thresholds():
+            threshold.commit(applied)
+
+    def router_threshold_records(self) -> list[torch.Tensor]:
+        """The thresholds' pending records (additive sums): a data-parallel trainer all-reduces
+        them (summing) before :meth:`commit_router_thresholds` so every rank commits the same τ."""
+        return [t for thr in self.router_thresholds() for t in (thr.above, thr.moments)]
+
     def moe_layers(self) -> list[MoEFFN]:
         return [m for m in self.modules() if isinstance(m, MoEFFN)]
 
@@ -115,6 +144,8 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
                 pos = torch.full((b, 1), cache.seq_len, dtype=torch.long, device=input_ids.device)
         elif s > cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds max_seq_len={cfg.max_seq_len}")
+        if self.training and torch.is_grad_enabled() and self.threshold_commit == "forward":
+            self.commit_router_thresholds()  # last step's quantile, outside any checkpointed region
         moes = self.moe_layers()
         for moe in moes:
             if self.training and moe.balancing == "loss_free":
@@ -122,7 +153,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
             moe.reset_stats()
 
         h = self.embed(input_ids)  # [B, S, E]
-        ctx = RunContext(self.rope, cache)
+        ctx = RunContext(self.rope, cache, seq_len=s)
         aux_lists: AuxLists = {}
         for i, block in enumerate(self.blocks):
             h, aux = self.checkpointed_call(i, block, h, pos, ctx)
@@ -171,6 +202,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
                         "selected_frac": blk.stat_mod[0].clone(),
                         "capacity": float(self.config.mod_capacity),
                         "router_prob_mean": blk.stat_mod[1].clone(),
+                        "passed_frac": blk.stat_mod[2].clone(),
                     }
                 )
             if blk.mor.mode != "dense":
@@ -226,5 +258,5 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
 
 def create_ccgqa_mod_mor_model(model_size: str = "debug", **overrides: Any) -> CCGQAMoDMoRModel:
     """The preset ``model_size`` (tiny, debug, 100M, 250M, 500M, 1B) with any HydraConfig field
-    overridden, e.g. ``dense_baseline=True`` for the baseline of the same code."""
+    overridden, e.g. ``routing_off=True`` for the routing-off ablation of the same code."""
     return CCGQAMoDMoRModel(preset_config(model_size, **overrides))

@@ -131,6 +131,10 @@ class Trainer:
         log: Callable[[str], None] = print,
     ):
         self.model = model  # the plain module: config, state dict, routing stats
+        # causal routing thresholds move once per optimizer step that is applied (apply_if_finite),
+        # not once per forward: micro-batches share one τ and a skipped step leaves it unchanged
+        if hasattr(model, "commit_router_thresholds"):
+            model.threshold_commit = "manual"
         self.wrapped = wrapped if wrapped is not None else model  # DDP/FSDP wrapper (gradient sync)
         self.forward_model: nn.Module = self.wrapped
         self.cfg = cfg
@@ -223,6 +227,20 @@ class Trainer:
                 opt.found_inf = None
         elif bool(finite):  # host sync: this optimizer cannot skip on its own
             opt.step()
+        self._commit_router_thresholds(finite)
+
+    def _commit_router_thresholds(self, applied: torch.Tensor) -> None:
+        """Causal routing: fold this step's router statistics into the thresholds, summed over
+        ranks first so that every rank keeps the same τ (one all-reduce for all of them)."""
+        commit = getattr(self.model, "commit_router_thresholds", None)
+        if commit is None:
+            return
+        records = self.model.router_threshold_records()
+        if self.dist.enabled and records:
+            flat = torch.cat([r.reshape(-1) for r in records])
+            all_reduce_sum(self.dist, flat)
+            torch._foreach_copy_(records, list(flat.split([r.numel() for r in records])))
+        commit(applied)
 
     # -- the loop -----------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""``hydra-diag bench``: kernel, model and suite benchmarks (CUDA only)."""
+"""``hydra-diag bench``: kernel, model, inference and suite benchmarks (CUDA; inference runs on
+CPU too)."""
 
 from typing import Annotated
 
@@ -164,6 +165,52 @@ def model_cmd(
         ),
         json_out,
         render_bench_model,
+    )
+
+
+@app.command("inference")
+def inference_cmd(
+    model_size: ModelSize = "100M",
+    configs: Annotated[
+        str, opt("--configs", help="Race configurations, comma-separated (hydra-diag race --help).")
+    ] = "gpt,hydra",
+    sets: Annotated[
+        list[str] | None, opt("--set", help="CONFIG.FIELD=VALUE override, as in hydra-diag race.")
+    ] = None,
+    prompt_len: Annotated[int, opt("--prompt_len", help="Prompt tokens.", min=1)] = 64,
+    new_tokens: Annotated[int, opt("--new_tokens", help="Tokens generated per run.", min=1)] = 128,
+    batch_size: BatchSize = 1,
+    flops_seq_len: Annotated[
+        int, opt("--flops_seq_len", help="Sequence length of the counted eval forward.", min=2)
+    ] = 2048,
+    device: Annotated[str, opt("--device", help="cuda (bf16) or cpu (fp32).")] = "cuda",
+    repeats: Annotated[int, opt("--repeats", help="Timed generations (median).", min=1)] = 3,
+    json_out: JsonOut = False,
+) -> None:
+    """Inference cost per configuration: parameters, the FLOPs one inference-mode forward
+    executes per token (counted with torch's FlopCounterMode on fake tensors, so routed models
+    count only the rows they gather), and greedy generation tokens/s (median of --repeats after
+    a warm-up). Runs on CPU too (tiny sizes; timings then say little)."""
+    if device.startswith("cuda"):
+        require_cuda("hydra-diag bench inference")
+    from hydra_diag.inference_bench import bench_inference, render_inference
+
+    execute(
+        "bench inference",
+        lambda say: bench_inference(
+            model_size,
+            [c.strip() for c in configs.split(",") if c.strip()],
+            sets,
+            prompt_len=prompt_len,
+            new_tokens=new_tokens,
+            batch_size=batch_size,
+            flops_seq_len=flops_seq_len,
+            device=device,
+            repeats=repeats,
+            progress=say,
+        ),
+        json_out,
+        render_inference,
     )
 
 

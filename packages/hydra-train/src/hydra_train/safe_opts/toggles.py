@@ -73,11 +73,10 @@ def routing_wrappers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def set_static_routing(model: torch.nn.Module, on: bool) -> None:
     """Soft routing (every token through every block and recursion) on or off, in place.
     The blocks keep their parameters; only the routing rule they apply changes."""
-    dynamic_mor = model.config.mor_routing
     for blk in routing_wrappers(model):
         blk.static = on
         if blk.mor.mode != "dense":
-            blk.mor.mode = "static" if on else dynamic_mor
+            blk.mor.mode = "static" if on else blk.mor.dynamic_mode
 
 
 class StaticRouting(Optimization):
@@ -94,7 +93,7 @@ class StaticRouting(Optimization):
         cfg = getattr(trainer.model, "config", None)
         if cfg is None or not routing_wrappers(trainer.model):
             return "the model has no HYDRA routing blocks"
-        if cfg.dense_baseline:
+        if cfg.routing_off:
             return "the dense baseline has no routing"
         return None
 

@@ -1,0 +1,137 @@
+"""What inference costs: the FLOPs an evaluation forward executes (counted, not estimated) and
+how fast greedy generation runs, for the dense GPT and HYDRA side by side.
+
+FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` over one inference-mode
+forward of a model built on fake tensors (shapes only: a 100M model at 2048 tokens counts in
+seconds on a CPU, and routed shapes are fixed, so the count does not depend on the data). Matrix
+products and attention are what it counts; elementwise work is not.
+
+Generation is timed as a person would see it: prompt → ``model.generate(max_new_tokens=N)``,
+greedy, after one warm-up generation of the same length; tokens/s counts new tokens only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def count_eval_flops(arch: str, model_size: str, seq_len: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Inference-mode forward FLOPs per token of ``build_model(arch, model_size, **overrides)``
+    at ``seq_len`` (logits included), counted on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import hydra_kernels
+    from hydra_model import build_model
+
+    was = hydra_kernels.use_triton_kernels()
+    hydra_kernels.set_use_triton_kernels(False)  # the references: plain aten ops FlopCounter knows
+    try:
+        with FakeTensorMode():
+            model = build_model(arch, model_size, **overrides).eval()
+            tokens = torch.zeros(1, seq_len, dtype=torch.long)
+            with torch.no_grad(), FlopCounterMode(display=False) as counter:
+                model(tokens)
+            params = model.num_parameters()
+    finally:
+        hydra_kernels.set_use_triton_kernels(was)
+    total = counter.get_total_flops()
+    return {"parameters": params, "seq_len": seq_len, "eval_flops_per_token": total / seq_len}
+
+
+def time_generation(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """Greedy generation speed of ``model`` from ``prompt`` [B, P]: the median over ``repeats``
+    timed generations after one warm-up."""
+    device = prompt.device
+
+    def once() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = model.generate(prompt, max_new_tokens=new_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        if out.shape[1] != prompt.shape[1] + new_tokens:
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} new tokens, asked {new_tokens}")
+        return elapsed
+
+    once()  # warm-up: kernels, autotuning, caches
+    times = sorted(once() for _ in range(max(1, repeats)))
+    median = times[len(times) // 2]
+    batch = prompt.shape[0]
+    return {
+        "batch_size": batch,
+        "prompt_tokens": prompt.shape[1],
+        "new_tokens": new_tokens,
+        "seconds": median,
+        "tokens_per_s": batch * new_tokens / median,
+        "ms_per_step": 1000.0 * median / new_tokens,
+    }
+
+
+def bench_inference(
+    model_size: str,
+    names: list[str],
+    sets: list[str] | None,
+    *,
+    prompt_len: int,
+    new_tokens: int,
+    batch_size: int,
+    flops_seq_len: int,
+    device: str,
+    repeats: int,
+    progress=lambda msg: None,
+) -> dict[str, Any]:
+    """For each race configuration (hydra_diag.race.configs): parameters, counted eval-forward
+    FLOPs per token, and greedy generation speed on ``device`` (bf16 weights on CUDA)."""
+    from hydra_diag.race.configs import parse_config_names, parse_sets, resolve_configs
+    from hydra_model import build_model
+
+    cfgs = resolve_configs(parse_config_names(",".join(names)), parse_sets(sets), lr=1.0, compile_default="none")
+    dev = torch.device(device)
+    rows = []
+    for cfg in cfgs:
+        progress(f"{cfg.name}: counting FLOPs")
+        row: dict[str, Any] = {"config": cfg.name, "arch": cfg.arch, "overrides": cfg.overrides}
+        row.update(count_eval_flops(cfg.arch, model_size, flops_seq_len, cfg.overrides))
+        progress(f"{cfg.name}: generating {new_tokens} tokens × {repeats + 1}")
+        torch.manual_seed(0)
+        model = build_model(cfg.arch, model_size, **cfg.overrides).to(dev).eval()
+        if dev.type == "cuda":
+            model = model.to(torch.bfloat16)
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (batch_size, prompt_len), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            row.update(time_generation(model, prompt.to(dev), new_tokens, repeats))
+        rows.append(row)
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    env = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__}
+    return {"model_size": model_size, "device": env, "rows": rows}
+
+
+def render_inference(result: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"inference, {result['model_size']} on {result['device']['device']}")
+    for col in ("config", "params", "eval GFLOP/tok", "gen tok/s", "ms/step"):
+        table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
+    for r in result["rows"]:
+        table.add_row(
+            r["config"],
+            f"{r['parameters'] / 1e6:.1f}M",
+            f"{r['eval_flops_per_token'] / 1e9:.3f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['ms_per_step']:.2f}",
+        )
+    console.print(table)
