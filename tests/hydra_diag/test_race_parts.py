@@ -239,3 +239,23 @@ def test_corpus_roots_option(tmp_path):
     assert both == [*environment_roots(), ("extra", tmp_path / "extra")]
     with pytest.raises(DiagError, match="no such folder"):
         corpus_tree_roots([tmp_path / "missing"])
+
+
+def test_router_thresholds_commit_once_per_optimizer_step(bigram, monkeypatch):
+    """HYDRA's causal-routing thresholds move after every optimizer step, as in hydra-train (the
+    model is switched to manual commits, so no forward commits on its own)."""
+    from hydra_model import CCGQAMoDMoRModel
+
+    calls: list[str] = []
+    real = CCGQAMoDMoRModel.commit_router_thresholds
+
+    def spy(self, applied=None):
+        calls.append(self.threshold_commit)
+        return real(self, applied)
+
+    monkeypatch.setattr(CCGQAMoDMoRModel, "commit_router_thresholds", spy)
+    settings = RaceSettings(model_size="tiny", budget_s=0.5, evals=1, warmup_steps=2, log_every_s=100)
+    cfg = resolve_configs(["hydra"], [("hydra", HYDRA_TINY)], lr=1e-3, compile_default="model")[0]
+    result = race_one(cfg, bigram(), settings, torch.device("cpu"), say=str, tick=lambda info: None)
+    assert result["steps"] >= 1
+    assert calls == ["manual"] * (settings.warmup_steps + result["steps"])

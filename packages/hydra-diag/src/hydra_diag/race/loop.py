@@ -11,9 +11,10 @@ same tensors), the optimizer is built afresh and the clock starts. ``setup_s`` i
 Training step: bf16 autocast on CUDA, ``out.loss.backward()`` (CE plus the model's weighted
 auxiliary losses), gradient-norm clip, AdamW (betas 0.9/0.95, weight decay on matrices only, fused
 on CUDA; hydra-train's ``build_optimizer``), learning rate from :mod:`hydra_diag.race.schedule` at
-the clock's reading. Nothing is read back to the host per step; the clock is read on the host and
-``torch.cuda.synchronize()`` runs at every clock boundary (evaluations, the end), so the recorded
-training seconds include all GPU work of the steps.
+the clock's reading, then (HYDRA's causal routing) the router thresholds committed, as
+hydra-train's trainer does after each optimizer step. Nothing is read back to the host per step;
+the clock is read on the host and ``torch.cuda.synchronize()`` runs at every clock boundary
+(evaluations, the end), so the recorded training seconds include all GPU work of the steps.
 
 Evaluation calls the module itself, not the ``torch.compile`` wrapper (the same parameters; no
 whole-model graphs traced for evaluation; with ``blocks`` the compiled blocks are inside the module
@@ -166,6 +167,11 @@ def race_one(
     scope = cfg.compile if (cuda and s.compile) else "none"
     fwd = compile_entrant(model, scope) if scope != "none" else model
     params = [p for p in model.parameters() if p.requires_grad]
+    # causal routing thresholds move once per optimizer step, after it, as hydra-train's trainer
+    # does (the model's default commits inside the next training forward instead)
+    commit_thresholds = getattr(model, "commit_router_thresholds", None)
+    if commit_thresholds is not None:
+        model.threshold_commit = "manual"
 
     def new_optimizer():
         return build_optimizer(model, lr=cfg.lr, weight_decay=s.weight_decay, betas=BETAS, log=say)
@@ -182,6 +188,8 @@ def race_one(
         if s.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         opt.step()
+        if commit_thresholds is not None:
+            commit_thresholds()
         opt.zero_grad(set_to_none=True)
         return out.ce_loss.detach()
 

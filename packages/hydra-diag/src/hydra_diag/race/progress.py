@@ -75,7 +75,7 @@ class RaceProgress:
     def say(self, msg: str) -> None:
         if self.bar is not None and self.task is not None:
             self.bar.update(self.task, info=msg)
-        elif self.bar is None:
+        else:  # logs, and on a terminal what comes before the first configuration (the corpus)
             self._line(f"{self.name or 'race'}: {msg}")
 
     def tick(self, info: dict[str, Any]) -> None:

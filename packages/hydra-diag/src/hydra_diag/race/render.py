@@ -35,6 +35,7 @@ def _table(title: str) -> Table:
         padding=(0, 1),
         pad_edge=False,
         collapse_padding=True,
+        min_width=len(title),  # a narrow table (few evaluations) must not wrap its title
     )
 
 
