@@ -1,5 +1,6 @@
 """The `hydra-train` command line: `run` (train), `pretest` (SafeOptimizations' pretests alone, their
-history and OPTIMIZATIONS.md) and the `db` group (query the metrics database).
+history and OPTIMIZATIONS.md), the `db` group (query the metrics database) and `tokenizer train`
+(a BPE for the user's own text, cli_tokenizer).
 
 Every option accepts the seed documents' underscore spelling and Typer's kebab-case
 (``--max_steps`` and ``--max-steps``). Nothing heavy is imported until a command runs.
@@ -75,10 +76,14 @@ H = {
     "keep_checkpoints": "Keep the last K step checkpoints (0: all); the final one is always kept.",
     "resume": "Continue from the newest valid checkpoint in --checkpoint_dir.",
     "dataset": (
-        "stdlib / stdlib-full (embedded), a name under $HYDRA_DATA_ROOT, or a path to shards (.bin .pt "
-        ".jsonl .txt)."
+        "stdlib / stdlib-full / pyenv (embedded), a name under $HYDRA_DATA_ROOT, a path to data (.bin "
+        ".pt .jsonl .txt .parquet .arrow, or a folder of them) or a Hugging Face save_to_disk folder."
     ),
-    "tokenizer": "tokenizer.json for .jsonl/.txt data (default: one in the data folder).",
+    "tokenizer": (
+        "tokenizer.json for text data (default: the tokenizer.json in the data folder, as "
+        "hydra-train tokenizer train writes it)."
+    ),
+    "text_column": "The text field of .jsonl lines, .parquet/.arrow tables and HF datasets.",
     "moe_num_experts": "Experts per MoE layer.",
     "eval_every": "Validation every N steps (also at the start and the end).",
     "eval_batches": "Validation batches per evaluation.",
@@ -119,6 +124,7 @@ def run(
     chunked_ce: ChunkedCe = False,
     dataset: Annotated[str, _opt("--dataset", help=H["dataset"])] = "auto",
     tokenizer: Annotated[str | None, _opt("--tokenizer", help=H["tokenizer"])] = None,
+    text_column: Annotated[str, _opt("--text_column", help=H["text_column"])] = "text",
     vocab_size: VocabSize = None,
     moe: Moe = False,
     moe_num_experts: Annotated[int, _opt("--moe_num_experts", help=H["moe_num_experts"])] = 4,
@@ -189,6 +195,7 @@ def run(
         chunked_ce=chunked_ce,
         dataset=dataset,
         tokenizer=tokenizer,
+        text_column=text_column,
         vocab_size=vocab_size,
         moe=moe,
         moe_num_experts=moe_num_experts,
@@ -394,3 +401,7 @@ def db_rebuild(checkpoint_dir: CkptDir = "checkpoints", json_out: Json = False) 
 from hydra_train.cli_pretest import pretest  # noqa: E402  (defined beside, registered here)
 
 app.command("pretest")(pretest)
+
+from hydra_train.cli_tokenizer import tokenizer_app  # noqa: E402
+
+app.add_typer(tokenizer_app, name="tokenizer")

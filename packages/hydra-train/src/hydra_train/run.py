@@ -106,6 +106,7 @@ def load_run_data(cfg: TrainConfig, log: Callable[[str], None]) -> Any:
         vocab_size=cfg.vocab_size,
         default_vocab=preset_vocab_size(cfg.model_size),
         tokenizer=cfg.tokenizer,
+        text_column=cfg.text_column,
         log=log,
     )
 
