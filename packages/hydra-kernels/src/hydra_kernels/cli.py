@@ -313,7 +313,7 @@ def bench(
 ) -> None:
     """Time each op × shape, forward+backward, against torch eager, torch.compile and Liger-Kernel
     (when importable): ms, GB/s over the byte floor, % of the measured copy bandwidth. CUDA only.
-    Also writes the JSON report to $OUT/hydra_kernels_bench.json (…_sweep.json with --sweep)
+    Also writes the JSON report to $OUT/hydra_kernels_bench.json (hydra_kernels_bench_sweep.json with --sweep)
     when $OUT is set."""
     from hydra_kernels.bench import BENCH_OPS, SWEEP_CONFIGS
 

@@ -21,7 +21,11 @@ EXIT_FAILURE = 1
 
 
 def new_app(help_text: str) -> typer.Typer:
-    """A Typer group with HYDRA's defaults: help on no arguments, rich markup, no shell completion noise."""
+    """A Typer group with HYDRA's defaults: help on no arguments, rich markup, no shell completion noise,
+    option names never cut at 80 columns (cli_format.patch_typer_help)."""
+    from hydra_kernels.cli_format import patch_typer_help
+
+    patch_typer_help()
     return typer.Typer(
         help=help_text,
         no_args_is_help=True,

@@ -24,6 +24,7 @@ tokenizer_app = new_app("Build the tokenizer for your own text data.")
 Files = Annotated[
     list[Path],
     typer.Argument(
+        metavar="FILES",
         help="Text data: .txt, .jsonl, .parquet, .arrow files, folders of them, or a Hugging Face "
         "save_to_disk folder (its train split).",
         show_default=False,
