@@ -11,6 +11,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 console = Console()
 err_console = Console(stderr=True)
@@ -96,7 +97,8 @@ def parse_assignments(items: Iterable[str] | None) -> dict[str, Any]:
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     """Print one clear line to stderr and exit with ``code`` (1 for failures, 2 for bad usage)."""
     # soft_wrap: the message stays one line in pipes and logs instead of wrapping at 80 columns
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # the message is printed as is: an install hint's [extra] must not be read as rich markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
