@@ -107,3 +107,16 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
         me.test_every_import_is_declared("hydra_fake")
     with pytest.raises(AssertionError, match="numpy"):
         me.test_every_declared_dependency_is_imported("hydra_fake")
+
+
+@pytest.mark.parametrize("pkg", LAYERS)
+def test_readme_says_what_the_package_installs(pkg):
+    """The README's "Installs:" paragraph names every declared distribution and every extra."""
+    readme = (package_src(pkg).parents[1] / "README.md").read_text()
+    assert "**Installs:**" in readme, f"{pkg}/README.md has no **Installs:** paragraph"
+    para = readme.split("**Installs:**", 1)[1].split("\n\n", 1)[0]
+    para = " ".join(para.split())
+    project = tomllib.loads((package_src(pkg).parents[1] / "pyproject.toml").read_text())["project"]
+    missing = [d for d in map(dist_name, project.get("dependencies", [])) if d not in para]
+    missing += [f"[{e}]" for e in project.get("optional-dependencies", {}) if f"[{e}]" not in para]
+    assert not missing, f"{pkg}/README.md's Installs paragraph does not mention {missing}"
