@@ -36,7 +36,10 @@ def _options_panel(*, name: str, params: list, ctx: Any, markup_mode: Any, conso
             names = Text(label, style=ru.STYLE_OPTION)
         else:
             names = Text(overflow="fold")
-            spellings = [*param.opts, *param.secondary_opts]
+            # long spellings first, then short ones (-h), then the --no- forms: a fixed order whatever
+            # spelling the user typed
+            opts = sorted(param.opts, key=lambda o: not o.startswith("--"))
+            spellings = [*opts, *param.secondary_opts]
             for i, s in enumerate(spellings):
                 style = ru.STYLE_NEGATIVE_OPTION if s in param.secondary_opts else ru.STYLE_OPTION
                 names.append((", " if i else "") + s, style=style)
