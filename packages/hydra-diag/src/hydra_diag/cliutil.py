@@ -25,17 +25,22 @@ PlotPath = Annotated[
     Path | None, opt("--plot", "--out", help="Where to write the PNG (default: a name of the tool's own).")
 ]
 NoPlot = Annotated[bool, opt("--no_plot", help="Do not write the PNG.")]
-ModelSize = Annotated[str, opt("--model_size", help="Model preset: tiny, debug, 100M, 250M, 500M, 1B.")]
+ModelSize = Annotated[
+    str, opt("--model_size", metavar="SIZE", help="Model preset: tiny, debug, 100M, 250M, 500M, 1B.")
+]
 Overrides = Annotated[
     list[str] | None,
     opt("--set", "--model_override", help="Override a HydraConfig field, FIELD=VALUE (repeatable)."),
 ]
-Device = Annotated[str, opt("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
+Device = Annotated[
+    str, opt("--device", metavar="DEVICE", help="auto (CUDA when present), cpu, cuda or cuda:N.")
+]
 Seed = Annotated[int, opt("--seed", help="Random seed (inputs, initialisation).")]
 CheckpointOpt = Annotated[
     str | None,
     opt(
         "--checkpoint",
+        metavar="PATH",
         help="A hydra-train checkpoint (.pt), a save_pretrained folder, or a run folder "
         "(its newest checkpoint). Default: a fresh model of --model_size.",
     ),
@@ -44,6 +49,7 @@ DatasetOpt = Annotated[
     str | None,
     opt(
         "--dataset",
+        metavar="DATA",
         help="Data as hydra-train names it (stdlib, a name under $HYDRA_DATA_ROOT, a path), or "
         "'synthetic' (a learnable bigram stream). Default: the checkpoint's own dataset, else synthetic.",
     ),

@@ -33,7 +33,9 @@ SetOption = Annotated[
 
 ArchOption = Annotated[
     str,
-    typer.Option("--arch", help="Architecture: hydra (routed) or gpt (the dense baseline)."),
+    typer.Option(
+        "--arch", metavar="hydra|gpt", help="Architecture: hydra (routed) or gpt (the dense baseline)."
+    ),
 ]
 
 
