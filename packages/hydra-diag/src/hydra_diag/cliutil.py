@@ -63,6 +63,7 @@ def progress(description: str, enabled: bool = True) -> Iterator[Callable[[str],
     if not enabled:
         yield lambda _msg: None
         return
+    from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     with Progress(
@@ -76,9 +77,10 @@ def progress(description: str, enabled: bool = True) -> Iterator[Callable[[str],
         t0 = time.perf_counter()
 
         def say(msg: str) -> None:
-            bar.update(task, description=f"{description}: {msg}")
+            text = escape(f"{description}: {msg}")  # a path or hint with [x] is text, not rich markup
+            bar.update(task, description=text)
             if not err_console.is_terminal:  # logs and pipes get one plain line per step
-                err_console.print(f"[{time.perf_counter() - t0:6.1f}s] {description}: {msg}", highlight=False)
+                err_console.print(f"{escape(f'[{time.perf_counter() - t0:6.1f}s]')} {text}", highlight=False)
 
         yield say
 
