@@ -3,6 +3,7 @@ configuration errors before any data is loaded, and the true --max_steps default
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -84,3 +85,32 @@ def test_max_steps_help_states_the_cpu_default():
     flat = " ".join(res.output.replace("│", " ").split())
     want = f"testing mode {cpu.max_steps} on CPU, {gpu.max_steps} on a GPU; production {prod.max_steps}"
     assert want in flat
+
+
+def test_run_summary_at_80_columns_cuts_nothing(bin_dataset, tmp_path):
+    import os
+    import subprocess
+
+    ckpt = tmp_path / "a_rather_long_folder_name_for_the_checkpoints_of_this_run" / "and_deeper"
+    args = ["--dataset", str(bin_dataset), "--model_size", "tiny", "--max_steps", "2", "--device", "cpu"]
+    args += ["--checkpoint_dir", str(ckpt), "--vocab_size", "320", "--seq_len", "16", "--batch_size", "2"]
+    args += ["--model_override", "dim=64", "--model_override", "max_seq_len=64", "--eval_every", "2"]
+    args += ["--experimental_prefetch_threads", "0"]
+    res = subprocess.run(
+        [sys.executable, "-m", "hydra_train", "run", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, COLUMNS="80"),
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "…" not in res.stdout
+    table = [line for line in res.stdout.splitlines() if line[:1] in "┌│├└"]
+    assert table and all(len(line) <= 80 for line in table)
+    flat = "".join(line.strip(" │") for line in res.stdout.splitlines())
+    assert str(ckpt / "hydra_tiny_final.pt") in flat.replace(" ", "")
+    progress = [line for line in res.stdout.splitlines() if line.startswith("step ")]
+    # one line per log interval (a log file is read line by line), ending with elapsed time and ETA
+    assert len(progress) == 3 and all(
+        re.search(r"elapsed \d+:\d\d:\d\d  ETA (\d+:\d\d:\d\d|-)$", p) for p in progress
+    )

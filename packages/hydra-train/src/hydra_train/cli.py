@@ -257,7 +257,7 @@ def run(
 
     table = Table(title="hydra-train run: summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")  # long paths wrap whole at 80 columns, never cut
     for k, v in summary_rows(summary):
         table.add_row(k, v)
     console.print(table)

@@ -111,6 +111,7 @@ class ProgressCallback(TrainerCallback):
                 f"{self.fields['tps']} tok/s  lr {self.fields['lr']}  "
                 f"gnorm {_fmt(row['grad_norm'], '.3f')}{skipped}{self._times(step)}",
                 highlight=False,
+                soft_wrap=True,  # one line per interval in a log, whatever the width
             )
 
     def on_eval(self, step: int, val_loss: float) -> None:
@@ -121,6 +122,7 @@ class ProgressCallback(TrainerCallback):
             self.console.print(
                 f"step {step:>6}/{self.total}  validation loss {self.fields['val']}{self._times(step)}",
                 highlight=False,
+                soft_wrap=True,
             )
 
     def on_train_end(self, summary: dict[str, Any]) -> None:
