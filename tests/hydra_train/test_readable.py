@@ -114,3 +114,10 @@ def test_run_summary_at_80_columns_cuts_nothing(bin_dataset, tmp_path):
     assert len(progress) == 3 and all(
         re.search(r"elapsed \d+:\d\d:\d\d  ETA (\d+:\d\d:\d\d|-)$", p) for p in progress
     )
+
+
+def test_pretest_checks_the_model_before_the_data(monkeypatch, tmp_path):
+    monkeypatch.setattr(run_mod, "load_run_data", lambda *a, **k: pytest.fail("data loaded"))
+    args = ["pretest", "--model_size", "7B", "--dataset", str(tmp_path), "--device", "cpu"]
+    res = runner.invoke(app, [*args, "--checkpoint_dir", str(tmp_path)])
+    assert res.exit_code == 1 and "--model_size '7B' is not a preset" in res.output
