@@ -198,3 +198,19 @@ def test_tokenizer_train_reports_bad_input_in_one_line(tmp_path):
     assert res.exit_code == 1
     assert "unsupported data format '.csv'" in res.output and ".parquet" in res.output
     assert not (tmp_path / "t.json").exists()
+
+
+def test_tokenizer_train_reads_the_training_part_only(tmp_path):
+    """Validation text (a val/ folder, or val-named shards) does not shape the vocabulary."""
+    from hydra_train.text_tables import iter_texts
+
+    (tmp_path / "a" / "train").mkdir(parents=True)
+    (tmp_path / "a" / "val").mkdir()
+    (tmp_path / "a" / "train" / "x.txt").write_text("train text")
+    (tmp_path / "a" / "val" / "y.txt").write_text("val text")
+    assert list(iter_texts([tmp_path / "a"])) == ["train text"]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "part-0.txt").write_text("one")
+    (tmp_path / "b" / "part-1.jsonl").write_text('{"text": "two"}\n')
+    (tmp_path / "b" / "data_val.txt").write_text("held out")
+    assert list(iter_texts([tmp_path / "b"])) == ["one", "two"]

@@ -34,7 +34,7 @@ def clock_text(seconds: float | None) -> str:
     """``H:MM:SS`` (``-`` when unknown), the format of rich's own elapsed/remaining columns."""
     if seconds is None or not math.isfinite(seconds):
         return "-"
-    s = int(round(max(0.0, seconds)))
+    s = round(max(0.0, seconds))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 

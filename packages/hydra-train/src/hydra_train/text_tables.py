@@ -114,8 +114,10 @@ def hf_train_val(path: Path, column: str = "text") -> tuple[list[str], list[str]
 
 def iter_texts(paths: list[Path], column: str = "text") -> Iterator[str]:
     """Every document of ``paths`` (files of any text format, folders of them, HF dataset folders),
-    for training a tokenizer. A folder's files are read in name order; only a HF dataset's train
-    split is read (validation text must not shape the vocabulary)."""
+    for training a tokenizer. A folder is read as ``--dataset`` reads it, training part only
+    (validation text must not shape the vocabulary): its ``train/`` subfolder when there is one,
+    else its files in name order less those named like validation shards; a HF dataset's train split."""
+    from hydra_train.data_sources import _VAL_NAME as VAL_NAME
     from hydra_train.shards import read_texts
 
     for p in paths:
@@ -124,7 +126,11 @@ def iter_texts(paths: list[Path], column: str = "text") -> Iterator[str]:
         if is_hf_dataset_dir(p):
             yield from hf_train_val(p, column)[0]
             continue
-        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        if p.is_dir():
+            folder = p / "train" if (p / "train").is_dir() else p
+            files = sorted(f for f in folder.iterdir() if f.is_file() and not VAL_NAME.search(f.stem))
+        else:
+            files = [p]
         text_files = [f for f in files if f.suffix.lower() in (".txt", ".jsonl", *TABLE_SUFFIXES)]
         if not text_files:
             raise HydraDataError(unsupported_message(p, files))
