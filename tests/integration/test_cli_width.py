@@ -4,10 +4,9 @@ wider than the terminal and no ellipsis (rich's mark for a cut cell)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
-
-import re
 
 import pytest
 import typer

@@ -126,7 +126,7 @@ def print_records(
     needed = 1 + sum(max([len(c), *(len(row[i]) for row in cells)]) + 3 for i, c in enumerate(columns))
     if needed <= console.width:
         t = Table(title=title, title_justify="left")
-        for c, num in zip(columns, numeric):
+        for c, num in zip(columns, numeric, strict=True):
             t.add_column(c, justify="right" if num else "left", no_wrap=True)
         for row in cells:
             t.add_row(*row)
@@ -137,7 +137,7 @@ def print_records(
         t = Table(show_header=False, box=None, padding=(0, 1))
         t.add_column(style="bold", no_wrap=True)
         t.add_column(overflow="fold")
-        for c, v in zip(columns, row):
+        for c, v in zip(columns, row, strict=True):
             t.add_row(c, v)
         console.print(t)
         console.print()
