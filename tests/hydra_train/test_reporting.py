@@ -36,16 +36,30 @@ def _row(step, **kw):
 
 def test_progress_lines_when_not_a_terminal():
     buf = io.StringIO()
-    cb = ProgressCallback(Console(file=buf, width=200), total_steps=10)
+    now = [100.0]
+    cb = ProgressCallback(Console(file=buf, width=200), total_steps=10, clock=lambda: now[0])
     assert not cb.live
     cb.on_train_start(type("T", (), {"step": 0})())
+    now[0] = 100.0 + 65.0  # 5 steps in 65 s: 13 s a step, 5 steps left
     cb.on_log(5, _row(5, skipped_steps=2))
     cb.on_eval(5, 4.25)
     cb.on_train_end({})
     lines = buf.getvalue().splitlines()
     assert lines[0].startswith("step      5/10  loss 4.5000") and "1,234 tok/s" in lines[0]
     assert "lr 1.00e-03" in lines[0] and "skipped 2" in lines[0]
-    assert lines[1] == "step      5/10  validation loss 4.2500"
+    assert lines[0].endswith("elapsed 0:01:05  ETA 0:01:05")
+    assert lines[1] == "step      5/10  validation loss 4.2500  elapsed 0:01:05  ETA 0:01:05"
+
+
+def test_progress_eta_counts_from_the_resumed_step():
+    """A resumed run at step 90 of 100: the speed is measured over the steps this process ran."""
+    buf = io.StringIO()
+    now = [0.0]
+    cb = ProgressCallback(Console(file=buf, width=200), total_steps=100, clock=lambda: now[0])
+    cb.on_train_start(type("T", (), {"step": 90})())
+    now[0] = 3725.0  # 5 steps in 1 h 2 min 5 s; 5 more take as long
+    cb.on_log(95, _row(95))
+    assert buf.getvalue().rstrip().endswith("elapsed 1:02:05  ETA 1:02:05")
 
 
 class _NoRoutingModel:

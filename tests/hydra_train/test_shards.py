@@ -77,8 +77,8 @@ def test_jsonl_and_txt_are_tokenized_with_eos(tmp_path):
         (lambda d: torch.save({"x": torch.arange(3)}, d / "t.pt"), "'tokens'"),
         (lambda d: torch.save(torch.tensor([1, -2, 3]), d / "t.pt"), "negative token id"),
         (lambda d: (d / "t.jsonl").write_text('{"text": "a"}\n{oops\n'), "t.jsonl:2: not valid JSON"),
-        (lambda d: (d / "t.jsonl").write_text('{"txt": "a"}\n'), '"text" string'),
-        (lambda d: (d / "t.csv").write_text("1,2"), "unknown shard type"),
+        (lambda d: (d / "t.jsonl").write_text('{"txt": "a"}\n'), "'text' string"),
+        (lambda d: (d / "t.csv").write_text("1,2"), "unsupported data format '.csv'"),
     ],
 )
 def test_bad_shards_raise_one_clear_error(tmp_path, make, needle):

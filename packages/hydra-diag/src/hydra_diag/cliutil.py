@@ -25,17 +25,22 @@ PlotPath = Annotated[
     Path | None, opt("--plot", "--out", help="Where to write the PNG (default: a name of the tool's own).")
 ]
 NoPlot = Annotated[bool, opt("--no_plot", help="Do not write the PNG.")]
-ModelSize = Annotated[str, opt("--model_size", help="Model preset: tiny, debug, 100M, 250M, 500M, 1B.")]
+ModelSize = Annotated[
+    str, opt("--model_size", metavar="SIZE", help="Model preset: tiny, debug, 100M, 250M, 500M, 1B.")
+]
 Overrides = Annotated[
     list[str] | None,
     opt("--set", "--model_override", help="Override a HydraConfig field, FIELD=VALUE (repeatable)."),
 ]
-Device = Annotated[str, opt("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
+Device = Annotated[
+    str, opt("--device", metavar="DEVICE", help="auto (CUDA when present), cpu, cuda or cuda:N.")
+]
 Seed = Annotated[int, opt("--seed", help="Random seed (inputs, initialisation).")]
 CheckpointOpt = Annotated[
     str | None,
     opt(
         "--checkpoint",
+        metavar="PATH",
         help="A hydra-train checkpoint (.pt), a save_pretrained folder, or a run folder "
         "(its newest checkpoint). Default: a fresh model of --model_size.",
     ),
@@ -44,6 +49,7 @@ DatasetOpt = Annotated[
     str | None,
     opt(
         "--dataset",
+        metavar="DATA",
         help="Data as hydra-train names it (stdlib, a name under $HYDRA_DATA_ROOT, a path), or "
         "'synthetic' (a learnable bigram stream). Default: the checkpoint's own dataset, else synthetic.",
     ),
@@ -57,6 +63,7 @@ def progress(description: str, enabled: bool = True) -> Iterator[Callable[[str],
     if not enabled:
         yield lambda _msg: None
         return
+    from rich.markup import escape
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     with Progress(
@@ -70,9 +77,10 @@ def progress(description: str, enabled: bool = True) -> Iterator[Callable[[str],
         t0 = time.perf_counter()
 
         def say(msg: str) -> None:
-            bar.update(task, description=f"{description}: {msg}")
+            text = escape(f"{description}: {msg}")  # a path or hint with [x] is text, not rich markup
+            bar.update(task, description=text)
             if not err_console.is_terminal:  # logs and pipes get one plain line per step
-                err_console.print(f"[{time.perf_counter() - t0:6.1f}s] {description}: {msg}", highlight=False)
+                err_console.print(f"{escape(f'[{time.perf_counter() - t0:6.1f}s]')} {text}", highlight=False)
 
         yield say
 

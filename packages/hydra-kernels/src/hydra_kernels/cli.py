@@ -276,9 +276,9 @@ def render_bench_report(report: dict[str, Any], console: Any) -> None:
     notes = {(r["impl"], r["note"]) for r in report["rows"] if r.get("note")}
     errors = [r for r in report["rows"] if r.get("error")]
     for impl, note in sorted(notes):
-        console.print(f"[dim]{impl} skipped: {note}[/]")
+        console.print(f"{impl} skipped: {note}", style="dim", markup=False)
     for r in errors:
-        console.print(f"[yellow]{r['op']} {r['shape']} {r['impl']}: {r['error']}[/]")
+        console.print(f"{r['op']} {r['shape']} {r['impl']}: {r['error']}", style="yellow", markup=False)
     if report["sweep"]:
         sweep = Table(title="launch-config sweep (hydra fwd+bwd ms)", title_justify="left")
         for col in ("op", "shape", "default", "default ms", "best", "best ms", "gain", "best % copy"):
@@ -313,7 +313,7 @@ def bench(
 ) -> None:
     """Time each op × shape, forward+backward, against torch eager, torch.compile and Liger-Kernel
     (when importable): ms, GB/s over the byte floor, % of the measured copy bandwidth. CUDA only.
-    Also writes the JSON report to $OUT/hydra_kernels_bench.json (…_sweep.json with --sweep)
+    Also writes the JSON report to $OUT/hydra_kernels_bench.json (hydra_kernels_bench_sweep.json with --sweep)
     when $OUT is set."""
     from hydra_kernels.bench import BENCH_OPS, SWEEP_CONFIGS
 

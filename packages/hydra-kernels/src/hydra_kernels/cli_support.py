@@ -11,6 +11,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 console = Console()
 err_console = Console(stderr=True)
@@ -21,7 +22,11 @@ EXIT_FAILURE = 1
 
 
 def new_app(help_text: str) -> typer.Typer:
-    """A Typer group with HYDRA's defaults: help on no arguments, rich markup, no shell completion noise."""
+    """A Typer group with HYDRA's defaults: help on no arguments, rich markup, no shell completion noise,
+    option names never cut at 80 columns (cli_format.patch_typer_help)."""
+    from hydra_kernels.cli_format import patch_typer_help
+
+    patch_typer_help()
     return typer.Typer(
         help=help_text,
         no_args_is_help=True,
@@ -92,7 +97,8 @@ def parse_assignments(items: Iterable[str] | None) -> dict[str, Any]:
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     """Print one clear line to stderr and exit with ``code`` (1 for failures, 2 for bad usage)."""
     # soft_wrap: the message stays one line in pipes and logs instead of wrapping at 80 columns
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # the message is printed as is: an install hint's [extra] must not be read as rich markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

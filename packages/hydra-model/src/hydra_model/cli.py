@@ -33,7 +33,9 @@ SetOption = Annotated[
 
 ArchOption = Annotated[
     str,
-    typer.Option("--arch", help="Architecture: hydra (routed) or gpt (the dense baseline)."),
+    typer.Option(
+        "--arch", metavar="hydra|gpt", help="Architecture: hydra (routed) or gpt (the dense baseline)."
+    ),
 ]
 
 
@@ -288,17 +290,33 @@ def generate(
     top_k: Annotated[int | None, typer.Option("--top-k", "--top_k", min=1)] = None,
     top_p: Annotated[float | None, typer.Option("--top-p", "--top_p", min=0.0, max=1.0)] = None,
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, or auto.")] = "auto",
+    device: Annotated[
+        str, typer.Option("--device", metavar="auto|cpu|cuda", help="cpu, cuda, or auto.")
+    ] = "auto",
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            "--threads", min=1, help="CPU threads (torch.set_num_threads; default: torch's choice)."
+        ),
+    ] = None,
     allow_pickle: Annotated[
         bool,
         typer.Option(
             "--allow-pickle", "--allow_pickle", help="Trust a .pt checkpoint that holds pickled objects."
         ),
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (prompt, ids, text).")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON (prompt, ids, text, tokens/s).")
+    ] = False,
 ) -> None:
-    """Continue --prompt with a trained model (greedy by default)."""
+    """Continue --prompt with a trained model (greedy by default). Stops at the tokenizer's
+    end-of-text token (<|endoftext|>) or after --max_new_tokens, and reports tokens/s on stderr."""
     import torch
+
+    from hydra_model.text_generation import end_of_text_id, timed_generate
+
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     if not checkpoint.exists():
         fail(f"--checkpoint {checkpoint} does not exist")
@@ -319,13 +337,35 @@ def generate(
             f"tokenizer {tok_path} produces id {max(ids)} ≥ the model's vocab_size {model.config.vocab_size}"
         )
     gen = torch.Generator(device=device).manual_seed(seed)
-    with err_console.status("generating…"):
-        out = model.generate(
-            torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, top_p, generator=gen
+    eos = end_of_text_id(tok)
+    with err_console.status("generating..."):
+        result = timed_generate(
+            model,
+            ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_id=eos,
+            generator=gen,
+            device=device,
         )
-    new_ids = out[0, len(ids) :].tolist()
-    text = tok.decode(new_ids)
+    text = tok.decode(result.ids)
     if as_json:
-        emit_json({"prompt": prompt, "prompt_ids": ids, "generated_ids": new_ids, "text": text})
+        emit_json(
+            {
+                "prompt": prompt,
+                "prompt_ids": ids,
+                "generated_ids": result.ids,
+                "text": text,
+                "stopped_at_eos": result.stopped_at_eos,
+                "eos_token_id": eos,
+                "tokens": result.produced,
+                "seconds": result.seconds,
+                "tokens_per_s": result.tokens_per_s,
+                "threads": torch.get_num_threads() if device == "cpu" else None,
+            }
+        )
     else:
         console.print(Text(prompt, style="bold") + Text(text), highlight=False)
+        err_console.print(result.summary(), style="dim", highlight=False, markup=False)

@@ -33,6 +33,7 @@ Arch = Annotated[
     str,
     opt(
         "--arch",
+        metavar="hydra|gpt",
         help="Architecture: hydra (CCGQA + MoD/MoR routing) or gpt (the dense baseline: unique "
         "pre-norm layers, GQA, SwiGLU, RoPE; presets of the same sizes).",
     ),
@@ -41,6 +42,7 @@ ModelSize = Annotated[
     str,
     opt(
         "--model_size",
+        metavar="SIZE",
         help="Model preset: tiny, debug, 100M, 250M, 500M, 1B, or auto (tiny on CPU; by GPU memory on CUDA).",
     ),
 ]
@@ -53,9 +55,14 @@ Lr = Annotated[
     float | None, opt("--lr", help="Peak learning rate (default by preset: tiny 3e-3 ... 1B 3e-4).")
 ]
 Precision = Annotated[
-    str, opt("--precision", help="auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32.")
+    str,
+    opt(
+        "--precision",
+        metavar="auto|bf16|fp32",
+        help="auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32.",
+    ),
 ]
-Device = Annotated[str, opt("--device", help="auto, cpu, cuda or cuda:N.")]
+Device = Annotated[str, opt("--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N.")]
 Seed = Annotated[int, opt("--seed", help="Seed for initialisation and data order.")]
 VocabSize = Annotated[
     int | None,
@@ -151,14 +158,20 @@ SafeFp8 = Annotated[
         "FP8 GEMMs in the forward of the model's linear layers (sm_89+; bf16 backward and master weights).",
     ),
 ]
-Fp8Format = Annotated[str, opt("--fp8_format", help="FP8 format of the forward GEMMs: e4m3 or e5m2.")]
+Fp8Format = Annotated[
+    str, opt("--fp8_format", metavar="e4m3|e5m2", help="FP8 format of the forward GEMMs: e4m3 or e5m2.")
+]
 Fp8Scaling = Annotated[
-    str, opt("--fp8_scaling", help="FP8 scales: row (per token / output channel) or tensor.")
+    str,
+    opt(
+        "--fp8_scaling", metavar="row|tensor", help="FP8 scales: row (per token / output channel) or tensor."
+    ),
 ]
 CompileScope = Annotated[
     str,
     opt(
         "--compile_scope",
+        metavar="blocks|model",
         help="--compile: blocks (each MoD/MoR block, shared code) or model (whole forward).",
     ),
 ]

@@ -228,7 +228,7 @@ def pretest(
     say = (
         (lambda m: err_console.print(m, highlight=False))
         if json_out
-        else (lambda m: console.print(f"[dim]{m}[/]", highlight=False))
+        else (lambda m: console.print(m, style="dim", highlight=False, markup=False))
     )
     try:
         rec = run_standalone(cfg, only=names, log_dir=logs, log=say, arm_timeout_s=arm_timeout)

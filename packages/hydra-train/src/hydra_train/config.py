@@ -75,6 +75,7 @@ class TrainConfig:
     # data
     dataset: str = "auto"
     tokenizer: str | None = None
+    text_column: str = "text"
     experimental_prefetch_threads: int = 4
     prefetch_buffer_size: int = 8
     # evaluation, logging, saving

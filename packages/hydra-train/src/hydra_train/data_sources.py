@@ -8,13 +8,18 @@
   cached BPE; the token ids are cached too, as ``.bin`` shards under
   ``<cache>/corpora/<corpus>-<fingerprint>-v<vocab>/{train,val}.bin``;
 * a name: the folder ``$HYDRA_DATA_ROOT/<name>/`` (e.g. ``finefineweb-sequential``);
-* a path to a folder of shards or to one shard file.
+* a path to a folder of shards or to one shard file;
+* a Hugging Face dataset folder written by ``save_to_disk`` (:mod:`hydra_train.text_tables`): its
+  ``train`` split, and its ``validation``/``val``/``valid`` split when there is one.
 
-Inside a folder: shards are the files ending in ``.bin``, ``.pt``, ``.jsonl`` or ``.txt``, in name
-order. Validation data is, in order of preference, the ``val/`` (or ``validation/``) subfolder
+Inside a folder: shards are the files ending in ``.bin``, ``.pt``, ``.jsonl``, ``.txt``,
+``.parquet`` or ``.arrow``, in name order; any other format is an error that lists these.
+Validation data is, in order of preference, the ``val/`` (or ``validation/``) subfolder
 beside a ``train/`` one; the shards whose name contains ``val``/``valid``/``validation`` as a word;
-otherwise the last 1% of the training windows (at least one). Text shards need a tokenizer:
-``--tokenizer`` or a ``tokenizer.json`` in the folder. The vocabulary is ``--vocab_size``, else the
+otherwise the last 1% of the training windows (at least one). Text data (``.jsonl``,
+``.txt``, tables; the text is the ``--text_column`` field, default ``text``) needs a tokenizer:
+``--tokenizer`` or a ``tokenizer.json`` in the folder (``hydra-train tokenizer train DATA`` writes
+one there). The vocabulary is ``--vocab_size``, else the
 tokenizer's, else ``vocab_size`` from a ``meta.json`` in the folder, else the model preset's.
 """
 
@@ -30,6 +35,7 @@ from hydra_train.corpus import cache_dir, load_stdlib_corpus
 from hydra_train.dataset import TokenDataset, WindowView
 from hydra_train.errors import HydraDataError, short_error
 from hydra_train.shards import SHARD_SUFFIXES, Shard, open_shard, write_token_shard
+from hydra_train.text_tables import hf_train_val, is_hf_dataset_dir, unsupported_message
 from hydra_train.tokenizer import cached_corpus_tokenizer, encode_documents, load_tokenizer
 
 VAL_FRACTION = 0.01
@@ -119,6 +125,35 @@ def _find_tokenizer(explicit: str | None, folder: Path):
     return None, None
 
 
+def _hf_dataset(path: Path, tok, tok_path, vocab: int, seq_len: int, column: str, name: str) -> DataBundle:
+    """A ``save_to_disk`` folder: the train split, and its validation split or the held-out tail."""
+    if tok is None:
+        raise HydraDataError(
+            f"{path}: text data needs a tokenizer; pass --tokenizer path/to/tokenizer.json or build one "
+            f"beside the data: hydra-train tokenizer train {path} --vocab_size N"
+        )
+    train_docs, val_docs = hf_train_val(path, column)
+    train_ds = TokenDataset(
+        [_text_shard(path / "train", tok, train_docs)], seq_len, vocab, name=f"{name}:train"
+    )
+    if val_docs:
+        val = TokenDataset(
+            [_text_shard(path / "validation", tok, val_docs)], seq_len, vocab, name=f"{name}:val"
+        )
+        train, how = train_ds, "validation split"
+    else:
+        n_val = max(1, round(train_ds.num_windows * VAL_FRACTION))
+        train, val = train_ds.split_tail(n_val)
+        how = f"last {n_val} windows held out for validation"
+    desc = f"{path} (Hugging Face dataset): {train_ds.num_tokens / 1e6:.2f}M tokens, {how}, vocab {vocab}"
+    return DataBundle(train, val, vocab, train_ds.seq_len, desc, tok_path)
+
+
+def _text_shard(where: Path, tok, docs: list[str]) -> Shard:
+    arr = encode_documents(tok, docs)
+    return Shard(where, arr, int(arr.max()) if arr.size else None)
+
+
 def _meta_vocab(folder: Path) -> int | None:
     import json
 
@@ -139,6 +174,7 @@ def load_data(
     vocab_size: int | None,
     default_vocab: int,
     tokenizer: str | None = None,
+    text_column: str = "text",
     log=print,
 ) -> DataBundle:
     """Open ``dataset`` (see the module docstring) for sequences of ``seq_len`` tokens."""
@@ -150,8 +186,11 @@ def load_data(
     vocab = vocab_size or (tok.get_vocab_size() if tok is not None else None) or _meta_vocab(folder)
     vocab = vocab or default_vocab
 
+    if is_hf_dataset_dir(path):
+        return _hf_dataset(path, tok, tok_path, vocab, seq_len, text_column, dataset)
+
     def open_all(files: list[Path]) -> list[Shard]:
-        return [open_shard(f, tok) for f in files]
+        return [open_shard(f, tok, text_column) for f in files]
 
     if path.is_file():
         train_files, val_files = [path], []
@@ -165,9 +204,7 @@ def load_data(
             val_files = [f for f in files if _VAL_NAME.search(f.stem)]
             train_files = [f for f in files if f not in val_files]
         if not train_files:
-            raise HydraDataError(
-                f"{path}: empty dataset: no shard files ({', '.join(SHARD_SUFFIXES)}) found there"
-            )
+            raise HydraDataError(unsupported_message(path, [f for f in path.rglob("*") if f.is_file()]))
     train_ds = TokenDataset(open_all(train_files), seq_len, vocab, name=f"{dataset}:train")
     if val_files:
         val_ds = TokenDataset(open_all(val_files), train_ds.seq_len, vocab, name=f"{dataset}:val")

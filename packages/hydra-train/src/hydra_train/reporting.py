@@ -1,7 +1,9 @@
 """What a person and the metrics database see while training runs (rank 0 only).
 
 :class:`ProgressCallback` shows a rich progress bar (step, loss, tokens/s, lr, ETA) on a terminal
-and one plain line per log interval elsewhere (CI logs, pipes). :class:`MetricsDBCallback` writes
+and one plain line per log interval elsewhere (CI logs, pipes), each ending with the time since
+training started and the estimated time left (``elapsed 0:01:05  ETA 0:03:10``), the ETA from the
+mean speed of the steps run so far. :class:`MetricsDBCallback` writes
 each log interval's rows to ``training.db`` and commits them as one batch, and exports
 ``diagnostics_{run_id}.json`` at every checkpoint and at the end.
 """
@@ -9,6 +11,8 @@ each log interval's rows to ``training.db`` and commits them as one batch, and e
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,14 @@ from hydra_train.callbacks import TrainerCallback
 from hydra_train.metrics_db import TrainingDB
 
 
+def clock_text(seconds: float | None) -> str:
+    """``H:MM:SS`` (``-`` when unknown), the format of rich's own elapsed/remaining columns."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    s = round(max(0.0, seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
 def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
@@ -33,14 +45,34 @@ def _fmt(x: Any, spec: str) -> str:
 class ProgressCallback(TrainerCallback):
     name = "progress"
 
-    def __init__(self, console: Console, total_steps: int, *, live: bool | None = None):
+    def __init__(
+        self,
+        console: Console,
+        total_steps: int,
+        *,
+        live: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.console = console
+        self.clock = clock
+        self.t0: float | None = None
+        self.step0 = 0
         self.total = total_steps
         self.live = console.is_terminal if live is None else live
         self.progress: Progress | None = None
         self.fields = {"loss": "-", "tps": "-", "lr": "-", "val": "-"}
 
+    def _times(self, step: int) -> str:
+        """``elapsed H:MM:SS  ETA H:MM:SS`` for a plain line."""
+        if self.t0 is None:
+            return ""
+        elapsed = self.clock() - self.t0
+        done = step - self.step0
+        eta = (self.total - step) * elapsed / done if done > 0 else None
+        return f"  elapsed {clock_text(elapsed)}  ETA {clock_text(eta)}"
+
     def on_train_start(self, trainer) -> None:
+        self.t0, self.step0 = self.clock(), trainer.step
         if self.live:
             self.progress = Progress(
                 TextColumn("[bold]train"),
@@ -77,8 +109,9 @@ class ProgressCallback(TrainerCallback):
                 f"step {step:>6}/{self.total}  loss {self.fields['loss']}  "
                 f"ema {_fmt(row['ema_short'], '.4f')}  "
                 f"{self.fields['tps']} tok/s  lr {self.fields['lr']}  "
-                f"gnorm {_fmt(row['grad_norm'], '.3f')}{skipped}",
+                f"gnorm {_fmt(row['grad_norm'], '.3f')}{skipped}{self._times(step)}",
                 highlight=False,
+                soft_wrap=True,  # one line per interval in a log, whatever the width
             )
 
     def on_eval(self, step: int, val_loss: float) -> None:
@@ -87,7 +120,9 @@ class ProgressCallback(TrainerCallback):
             self.progress.update(self.task, **self.fields)
         else:
             self.console.print(
-                f"step {step:>6}/{self.total}  validation loss {self.fields['val']}", highlight=False
+                f"step {step:>6}/{self.total}  validation loss {self.fields['val']}{self._times(step)}",
+                highlight=False,
+                soft_wrap=True,
             )
 
     def on_train_end(self, summary: dict[str, Any]) -> None:

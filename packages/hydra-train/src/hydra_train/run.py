@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from hydra_train.artifacts import ArtifactsCallback, RunArtifacts
 from hydra_train.callbacks import CallbackList, TensorBoardCallback, TrainerCallback, WandbCallback
@@ -106,19 +107,12 @@ def load_run_data(cfg: TrainConfig, log: Callable[[str], None]) -> Any:
         vocab_size=cfg.vocab_size,
         default_vocab=preset_vocab_size(cfg.model_size),
         tokenizer=cfg.tokenizer,
+        text_column=cfg.text_column,
         log=log,
     )
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
-    """The ``--arch`` model for ``cfg`` (preset + flags + ``model_overrides``) on ``device``."""
-    import hydra_model
-
-    sizes = hydra_model.MODEL_PRESETS  # both architectures have these preset names
-    if cfg.model_size not in sizes:
-        raise HydraTrainError(
-            f"--model_size {cfg.model_size!r} is not a preset; choose from {', '.join(sizes)}"
-        )
+def _model_overrides(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
     overrides: dict[str, Any] = {"vocab_size": vocab_size}
     if cfg.chunked_ce:
         overrides["use_chunked_ce"] = True
@@ -127,8 +121,33 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
     if cfg.moe:
         overrides.update(moe_enabled=True, moe_num_experts=cfg.moe_num_experts)
     overrides.update(cfg.model_overrides)
+    return overrides
+
+
+def check_model_config(cfg: TrainConfig) -> None:
+    """The model flags (--model_size, --model_override, ...) checked before any data is read, so that
+    a typo is reported at once instead of after the corpus is tokenized."""
+    import hydra_model
+
+    sizes = hydra_model.MODEL_PRESETS  # both architectures have these preset names
+    if cfg.model_size not in sizes:
+        raise HydraTrainError(
+            f"--model_size {cfg.model_size!r} is not a preset; choose from {', '.join(sizes)}"
+        )
+    vocab = cfg.vocab_size or preset_vocab_size(cfg.model_size)  # the data may change it later
     try:
-        model = hydra_model.build_model(cfg.arch, cfg.model_size, **overrides)
+        hydra_model.build_config(cfg.arch, cfg.model_size, **_model_overrides(cfg, vocab))
+    except (ValueError, TypeError) as exc:
+        raise HydraTrainError(f"model config: {exc}") from None
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
+    """The ``--arch`` model for ``cfg`` (preset + flags + ``model_overrides``) on ``device``."""
+    import hydra_model
+
+    check_model_config(cfg)
+    try:
+        model = hydra_model.build_model(cfg.arch, cfg.model_size, **_model_overrides(cfg, vocab_size))
     except ValueError as exc:
         raise HydraTrainError(f"model config: {exc}") from None
     if cfg.checkpoint_every:
@@ -194,7 +213,7 @@ def _run(
 
     def log(msg: str) -> None:
         if main:
-            console.print(f"[dim]{msg}[/]", highlight=False, soft_wrap=True)
+            console.print(f"[dim]{escape(msg)}[/]", highlight=False, soft_wrap=True)  # hints keep [extra]
 
     cfg = resolve_config(cfg, device_info(device))
     if device.type == "cpu":
@@ -206,6 +225,7 @@ def _run(
 
     hydra_kernels.set_use_triton_kernels(cfg.triton_kernels)
 
+    check_model_config(cfg)  # before the data: a bad --model_size must not wait for tokenization
     # rank 0 builds any cache first; the others then read it
     data = load_run_data(cfg, log) if main else None
     barrier(dist_info)
@@ -238,7 +258,7 @@ def _run(
         weight_decay=cfg.weight_decay,
         betas=(cfg.beta1, cfg.beta2),
         eight_bit=False,  # --8bit_adam is SafeOptimizations' to pretest and switch (state carried over)
-        log=lambda m: console.print(f"[yellow]{m}[/]") if main else None,
+        log=lambda m: console.print(f"[yellow]{escape(m)}[/]") if main else None,
     )
     schedule = LRSchedule.from_config(choice.optimizer, cfg)
     plan = BatchPlan(
@@ -267,7 +287,8 @@ def _run(
     safe = next((cb for cb in extra if isinstance(cb, SafeOptimizations)), None)
     if safe is None:
         safe = SafeOptimizations(
-            cfg, log=lambda m: console.print(m, highlight=False, soft_wrap=True) if main else None
+            cfg,
+            log=lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True) if main else None,
         )
     safe.configure(cfg)
     # first, so that its pretests run before the progress bar starts

@@ -20,8 +20,10 @@ input ``row[:-1]``, target ``row[1:]``).
 ``.pt`` (``torch.load(weights_only=True)``): a 1-D integer tensor (stream); or a dict with
 ``"tokens"`` (1-D, stream) or ``"input_ids"`` (2-D, rows).
 
-``.jsonl`` (one ``{"text": ...}`` object per line) and ``.txt`` (the whole file is one document):
+``.jsonl`` (one ``{"text": ...}`` object per line), ``.txt`` (the whole file is one document) and
+``.parquet`` / ``.arrow`` (one document per row of the text column; :mod:`hydra_train.text_tables`):
 tokenized at load time with the dataset's tokenizer, every document followed by end-of-document.
+The text field or column is ``--text_column`` (default ``text``).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ import torch
 
 from hydra_train.atomic_files import atomic_write_bytes
 from hydra_train.errors import HydraDataError, short_error
+from hydra_train.text_tables import TABLE_SUFFIXES, read_table_texts, unsupported_message
 from hydra_train.tokenizer import encode_documents
 
 MAGIC = b"HYDRATOK"
 HEADER = struct.Struct("<8sIIQq")  # 32 bytes
-SHARD_SUFFIXES = (".bin", ".pt", ".jsonl", ".txt")
+SHARD_SUFFIXES = (".bin", ".pt", ".jsonl", ".txt", *TABLE_SUFFIXES)
+TEXT_SUFFIXES = (".jsonl", ".txt", *TABLE_SUFFIXES)
 
 
 @dataclass
@@ -189,8 +193,11 @@ def _from_tensor(path: Path, t: object) -> Shard:
     return Shard(path, arr, int(arr.max()) if arr.size else None)
 
 
-def _read_texts(path: Path) -> list[str]:
-    if path.suffix == ".txt":
+def read_texts(path: Path, text_column: str = "text") -> list[str]:
+    """The documents of one text file (``.txt``, ``.jsonl``, ``.parquet``, ``.arrow``)."""
+    if path.suffix.lower() in TABLE_SUFFIXES:
+        return read_table_texts(path, text_column)
+    if path.suffix.lower() == ".txt":
         return [path.read_text(encoding="utf-8", errors="replace")]
     texts = []
     with open(path, encoding="utf-8") as f:
@@ -201,13 +208,16 @@ def _read_texts(path: Path) -> list[str]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise HydraDataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise HydraDataError(f'{path}:{lineno}: each line must be an object with a "text" string')
-            texts.append(obj["text"])
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_column), str):
+                keys = f" (keys: {', '.join(map(str, obj))})" if isinstance(obj, dict) else ""
+                raise HydraDataError(
+                    f"{path}:{lineno}: each line must be an object with a {text_column!r} string{keys}"
+                )
+            texts.append(obj[text_column])
     return texts
 
 
-def open_shard(path: str | Path, tokenizer=None) -> Shard:
+def open_shard(path: str | Path, tokenizer=None, text_column: str = "text") -> Shard:
     """Open one shard by its suffix; every failure is a :class:`HydraDataError` naming the file."""
     p = Path(path)
     if not p.is_file():
@@ -224,16 +234,16 @@ def open_shard(path: str | Path, tokenizer=None) -> Shard:
             except Exception as exc:
                 raise HydraDataError(f"{p}: unreadable .pt shard ({short_error(exc)})") from None
             return _from_tensor(p, obj)
-        if suffix in (".jsonl", ".txt"):
+        if suffix in TEXT_SUFFIXES:
             if tokenizer is None:
                 raise HydraDataError(
                     f"{p}: text data needs a tokenizer; pass --tokenizer path/to/tokenizer.json or put a "
-                    "tokenizer.json beside the data"
+                    "tokenizer.json beside the data (hydra-train tokenizer train builds one)"
                 )
-            arr = encode_documents(tokenizer, _read_texts(p))
+            arr = encode_documents(tokenizer, read_texts(p, text_column))
             return Shard(p, arr, int(arr.max()) if arr.size else None)
     except HydraDataError:
         raise
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise HydraDataError(f"{p}: unreadable shard ({short_error(exc)})") from None
-    raise HydraDataError(f"{p}: unknown shard type {suffix!r}; expected one of {', '.join(SHARD_SUFFIXES)}")
+    raise HydraDataError(unsupported_message(p, [p]))

@@ -10,6 +10,7 @@ document so that the model sees where one file ends and the next begins.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ TRAIN_SUBSET_CHARS = 4_000_000
 MIN_VOCAB = 300  # 256 byte symbols, the special token and a few merges
 
 
-def train_bpe(texts: list[str], vocab_size: int):
+def train_bpe(texts: Iterable[str], vocab_size: int):
     """A byte-level BPE with ``vocab_size`` entries (or fewer when the text has fewer merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -172,7 +172,8 @@ def scaling_cmd(
     target_params: Annotated[float, opt("--target_params", help="Model size to predict.")] = 4e9,
     level: Annotated[float, opt("--level", help="Interval level, e.g. 0.9.")] = 0.9,
     uncertainty: Annotated[
-        str, opt("--uncertainty", help="covariance (t intervals) or bootstrap.")
+        str,
+        opt("--uncertainty", metavar="covariance|bootstrap", help="covariance (t intervals) or bootstrap."),
     ] = "covariance",
     seed: Seed = 1337,
     plot: PlotPath = None,

@@ -12,7 +12,7 @@ Ops = Annotated[list[str] | None, opt("--op", help="Only this op (repeatable).")
 Tokens = Annotated[int, opt("--tokens", help="Rows (tokens) of the row-wise ops.", min=1)]
 Rep = Annotated[int, opt("--rep", help="do_bench measuring time per implementation (ms).", min=5)]
 NoCompile = Annotated[bool, opt("--no_compile", help="Skip the torch.compile peers (faster).")]
-Dtype = Annotated[str, opt("--dtype", help="bf16, fp16 or fp32.")]
+Dtype = Annotated[str, opt("--dtype", metavar="bf16|fp16|fp32", help="bf16, fp16 or fp32.")]
 Steps = Annotated[int, opt("--steps", help="Timed training steps.", min=1)]
 BatchSize = Annotated[int, opt("--batch_size", help="Sequences per step.", min=1)]
 SeqLen = Annotated[int, opt("--seq_len", help="Tokens per sequence.", min=2)]
@@ -134,7 +134,10 @@ def model_cmd(
         int, opt("--checkpoint_every", help="Activation checkpointing every N blocks.")
     ] = 0,
     compile_scope: Annotated[
-        str, opt("--compile_scope", help="blocks (shared block, dynamic shapes) or model.")
+        str,
+        opt(
+            "--compile_scope", metavar="blocks|model", help="blocks (shared block, dynamic shapes) or model."
+        ),
     ] = "blocks",
     overrides: Overrides = None,
     peak_tflops: PeakTflops = None,
@@ -183,7 +186,7 @@ def inference_cmd(
     flops_seq_len: Annotated[
         int, opt("--flops_seq_len", help="Sequence length of the counted eval forward.", min=2)
     ] = 2048,
-    device: Annotated[str, opt("--device", help="cuda (bf16) or cpu (fp32).")] = "cuda",
+    device: Annotated[str, opt("--device", metavar="cuda|cpu", help="cuda (bf16) or cpu (fp32).")] = "cuda",
     repeats: Annotated[int, opt("--repeats", help="Timed generations (median).", min=1)] = 3,
     json_out: JsonOut = False,
 ) -> None:

@@ -18,7 +18,12 @@ VocabSize = Annotated[
     int, opt("--vocab_size", help="Vocabulary of hydra-train's default tokenizer.", min=300)
 ]
 Layout = Annotated[
-    str, opt("--layout", help="stream ({'tokens': 1-D}) or rows ({'input_ids': [N, seq_len+1]}).")
+    str,
+    opt(
+        "--layout",
+        metavar="stream|rows",
+        help="stream ({'tokens': 1-D}) or rows ({'input_ids': [N, seq_len+1]}).",
+    ),
 ]
 SeqLen = Annotated[int, opt("--seq_len", help="Row length − 1 for --layout rows.", min=1)]
 PerShard = Annotated[int, opt("--tokens_per_shard", help="Tokens per output shard.", min=1)]

@@ -20,8 +20,10 @@ def eval_checkpoint_cmd(
     n_batches: Annotated[
         int | None, opt("--batches", help="Default: the run's --eval_batches.", min=1)
     ] = None,
-    split: Annotated[str, opt("--split", help="val or train.")] = "val",
-    routing: Annotated[str, opt("--routing", help="eval (causal thresholds) or train (top-k).")] = "eval",
+    split: Annotated[str, opt("--split", metavar="val|train", help="val or train.")] = "val",
+    routing: Annotated[
+        str, opt("--routing", metavar="eval|train", help="eval (causal thresholds) or train (top-k).")
+    ] = "eval",
     device: Device = "auto",
     json_out: JsonOut = False,
 ) -> None:

@@ -16,14 +16,21 @@ Checkpoint = Annotated[
 def specialization_cmd(
     checkpoint: Checkpoint,
     mode: Annotated[
-        str, opt("--mode", help="inference (forward on data) or weights (no GPU, no data).")
+        str,
+        opt(
+            "--mode",
+            metavar="inference|weights",
+            help="inference (forward on data) or weights (no GPU, no data).",
+        ),
     ] = "inference",
     dataset: DatasetOpt = None,
     tokenizer: Annotated[str | None, opt("--tokenizer", help="tokenizer.json to show token text.")] = None,
     batch_size: Annotated[int, opt("--batch_size", help="Sequences per batch.", min=1)] = 8,
     seq_len: Annotated[int, opt("--seq_len", help="Tokens per sequence.", min=2)] = 256,
     n_batches: Annotated[int, opt("--batches", help="Batches to run.", min=1)] = 4,
-    routing: Annotated[str, opt("--routing", help="eval (causal thresholds) or train (top-k).")] = "eval",
+    routing: Annotated[
+        str, opt("--routing", metavar="eval|train", help="eval (causal thresholds) or train (top-k).")
+    ] = "eval",
     min_count: Annotated[
         int, opt("--min_count", help="Occurrences for a token to count in the purity.", min=1)
     ] = 5,
