@@ -23,7 +23,9 @@ GPU_COMMANDS = [
     ["profile", "python-overhead"],
 ]
 GROUPS = {
-    "bench": {"backward-kernels", "swiglu-backward", "kernels", "model", "performance", "tall-skinny"},
+    "bench": {
+        "backward-kernels", "swiglu-backward", "kernels", "model", "performance", "tall-skinny", "inference"
+    },
     "sweep": {"throughput", "vram", "knobs"},
     "profile": {"kernels", "python-overhead"},
     "health": {"model", "routing"},
