@@ -164,6 +164,19 @@ def race_one(
     fpt = float(model.flops_per_token(data.seq_len, executed=True))
     fpt_dense = float(model.flops_per_token(data.seq_len, executed=False))
     initial = snapshot(model)
+    val = data.val_batches()
+    if cuda:
+        # eager passes first, in every mode the race will use: the attention backend measures
+        # its kernels per shape on eager calls and keeps the picks in a table that compiled code
+        # reads; filling it after compiling made the first timed step recompile (on the H200
+        # 2026-11-23: 25-45 s of HYDRA's 120 s budget)
+        say("measuring attention kernels (eager)")
+        x, y = data.batch(0)
+        with autocast(device):
+            model(x.to(device), targets=y.to(device)).loss.backward()
+        evaluate(model, val[:1], device, train_mode=False)
+        evaluate(model, val[:1], device, train_mode=True)
+        restore(model, initial)
     scope = cfg.compile if (cuda and s.compile) else "none"
     fwd = compile_entrant(model, scope) if scope != "none" else model
     params = [p for p in model.parameters() if p.requires_grad]
@@ -193,7 +206,6 @@ def race_one(
         opt.zero_grad(set_to_none=True)
         return out.ce_loss.detach()
 
-    val = data.val_batches()
     choice = new_optimizer()
     for i in range(s.warmup_steps):
         say(f"warm-up step {i + 1}/{s.warmup_steps} (compiling)" if scope != "none" else "warm-up")
