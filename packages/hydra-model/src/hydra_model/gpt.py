@@ -39,7 +39,6 @@ The forward has no host synchronisation and no data-dependent Python branches, s
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +49,7 @@ from hydra_kernels import fused_add_rms_norm, linear_cross_entropy
 from hydra_model.cache import CacheSlot, ModelCache
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.checkpointing import GradientCheckpointMixin
+from hydra_model.decoder import DecoderMixin
 from hydra_model.gpt_config import GPTConfig, gpt_config
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
@@ -80,7 +80,7 @@ class GPTLayer(nn.Module):
         return h + self.mlp(x)
 
 
-class GPTModel(nn.Module, GradientCheckpointMixin):
+class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
     """The dense baseline; same public contract as :class:`hydra_model.model.CCGQAMoDMoRModel`."""
 
     def __init__(self, config: GPTConfig) -> None:
@@ -170,41 +170,6 @@ class GPTModel(nn.Module, GradientCheckpointMixin):
         """No routing: the same keys as HYDRA's, every list empty."""
         return {"mod": [], "mor": [], "moe": []}
 
-    def flops_per_token(self, seq_len: int, executed: bool = True) -> float:
-        """Training FLOPs (forward + backward ≈ 3× forward) per token at ``seq_len``, attention
-        included; ``executed`` makes no difference (nothing is routed)."""
-        from hydra_model.footprint import flops_per_token
-
-        return flops_per_token(self.config, seq_len, executed=executed)
-
-    # --- generation and persistence -------------------------------------------------------------
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Incremental decoding with a KV cache → [B, S + new]."""
-        from hydra_model.generation import generate
-
-        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
-
-    def save_pretrained(self, path: str | Path) -> Path:
-        """Write ``config.json`` (with ``"arch": "gpt"``) and ``model.safetensors`` into ``path``."""
-        from hydra_model.persistence import save_pretrained
-
-        return save_pretrained(self, path)
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, map_location: str | torch.device = "cpu") -> GPTModel:
-        """Load a directory written by :meth:`save_pretrained` (it must hold a GPT model)."""
-        from hydra_model.persistence import load_pretrained
-
-        return load_pretrained(cls, path, map_location)
 
 
 def create_gpt_model(model_size: str = "debug", **overrides: Any) -> GPTModel:

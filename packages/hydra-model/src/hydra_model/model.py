@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from hydra_model.causal_routing import RouterThreshold
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.checkpointing import GradientCheckpointMixin
 from hydra_model.config import HydraConfig, preset_config
+from hydra_model.decoder import DecoderMixin
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from hydra_model.moe import MoEFFN
@@ -48,7 +48,7 @@ def aux_loss_weights(cfg: HydraConfig) -> dict[str, float]:
     }
 
 
-class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
+class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
     """The HYDRA decoder. With ``routing="causal"`` (the default) training, evaluation and
     decoding route by the same causal rule (causal_routing.py): logits at t never see tokens
     after t, in any mode. ``routing="expert_choice"`` (an ablation) routes training by top-k over
@@ -219,41 +219,6 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin):
                 out["moe"].append({"layer": i, **stats})
         return out
 
-    def flops_per_token(self, seq_len: int, executed: bool = True) -> float:
-        """Training FLOPs (forward + backward ≈ 3× forward) per token at ``seq_len``; ``executed``
-        counts only what routing runs, otherwise the dense equivalent. Attention included."""
-        from hydra_model.footprint import flops_per_token
-
-        return flops_per_token(self.config, seq_len, executed=executed)
-
-    # --- generation and persistence -------------------------------------------------------------
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Incremental decoding with a KV + conv + value-shift cache → [B, S + new]."""
-        from hydra_model.generation import generate
-
-        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
-
-    def save_pretrained(self, path: str | Path) -> Path:
-        """Write ``config.json`` and ``model.safetensors`` into directory ``path``."""
-        from hydra_model.persistence import save_pretrained
-
-        return save_pretrained(self, path)
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, map_location: str | torch.device = "cpu") -> CCGQAMoDMoRModel:
-        """Load a directory written by :meth:`save_pretrained`."""
-        from hydra_model.persistence import load_pretrained
-
-        return load_pretrained(cls, path, map_location)
 
 
 def create_ccgqa_mod_mor_model(model_size: str = "debug", **overrides: Any) -> CCGQAMoDMoRModel:
