@@ -91,8 +91,13 @@ def parse_assignments(items: Iterable[str] | None) -> dict[str, Any]:
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     """Print one clear line to stderr and exit with ``code`` (1 for failures, 2 for bad usage)."""
-    # soft_wrap: the message stays one line in pipes and logs instead of wrapping at 80 columns
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # soft_wrap: the message stays one line in pipes and logs instead of wrapping at 80 columns.
+    # A Text is never parsed for markup or emoji codes: a path with "[red]" or ":train:" prints as-is.
+    from rich.text import Text
+
+    line = Text("error: ", style="bold red")
+    line.append(" ".join(str(message).split("\n")))
+    err_console.print(line, highlight=False, soft_wrap=True, emoji=False)
     raise typer.Exit(code)
 
 

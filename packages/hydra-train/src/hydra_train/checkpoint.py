@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from hydra_train.atomic_files import atomic_write, fsync_dir
+from hydra_train.checkpoint_digest import CHECKSUM_KEY, payload_digest
 from hydra_train.errors import HydraCheckpointError, short_error
 
 FORMAT = "hydra-train-checkpoint"
@@ -56,13 +57,15 @@ def final_name(model_id: str) -> str:
 def save_checkpoint(payload: dict[str, Any], path: str | Path) -> Path:
     """Write ``payload`` to ``path`` atomically (see the module docstring)."""
     path = Path(path)
+    payload = {**payload, CHECKSUM_KEY: payload_digest(payload)}
     atomic_write(path, lambda f: torch.save(payload, f))
     fsync_dir(path.parent)
     return path
 
 
-def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
-    """Load and sanity-check a checkpoint; any failure is a :class:`HydraCheckpointError`."""
+def load_checkpoint(path: str | Path, *, mmap: bool = False, log=None) -> dict[str, Any]:
+    """Load, sanity-check and verify the checksum of a checkpoint; any failure is a
+    :class:`HydraCheckpointError`. One without a checksum (older files) loads with a note to ``log``."""
     path = Path(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -75,6 +78,15 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     for key in ("step", "model", "config"):
         if key not in ckpt:
             raise HydraCheckpointError(f"{path}: checkpoint has no {key!r} entry (incomplete)")
+    saved = ckpt.get(CHECKSUM_KEY)
+    if saved is None:
+        if log is not None:
+            log(f"note: {path.name} has no checksum (written by an older hydra-train); not verified")
+    elif saved != payload_digest(ckpt):
+        raise HydraCheckpointError(
+            f"{path}: checksum mismatch (the file's bytes changed after it was written); "
+            "resume from another checkpoint or delete this one"
+        )
     return ckpt
 
 
@@ -118,7 +130,8 @@ def find_resume_checkpoint(folder: str | Path, log=print) -> ResumePoint | None:
     """The newest valid checkpoint in ``folder`` (by save time, then step); invalid ones are skipped
     with a message. Returns None when there is none."""
     candidates = []
-    for p in list_checkpoints(folder):
+    found = list_checkpoints(folder)
+    for p in found:
         try:
             ck = load_checkpoint(p, mmap=True)
         except HydraCheckpointError as exc:
@@ -126,9 +139,14 @@ def find_resume_checkpoint(folder: str | Path, log=print) -> ResumePoint | None:
             continue
         candidates.append((float(ck.get("time", p.stat().st_mtime)), int(ck["step"]), p))
     if not candidates:
+        if found:
+            raise HydraCheckpointError(
+                f"--resume: none of the {len(found)} checkpoint(s) in {folder} is valid (see the "
+                "messages above); nothing was changed. Move them away to start from scratch"
+            )
         return None
     _, step, path = max(candidates)
-    return ResumePoint(path, step, load_checkpoint(path))
+    return ResumePoint(path, step, load_checkpoint(path, log=log))
 
 
 def config_differences(saved_model_config: dict[str, Any], current) -> list[str]:

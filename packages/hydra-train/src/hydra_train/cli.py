@@ -22,6 +22,7 @@ from hydra_train.cli_options import (
     Compile,
     CompileScope,
     CpuThreads,
+    Debug,
     Device,
     DropThreshold,
     EightBitAdam,
@@ -30,6 +31,7 @@ from hydra_train.cli_options import (
     GradAccum,
     GraphWarmup,
     Lr,
+    MaxSkippedSteps,
     ModelOverride,
     ModelSize,
     Moe,
@@ -155,13 +157,15 @@ def run(
     experimental_skip_pretest: SkipPretest = False,
     pretest_warmup_steps: PretestWarmup = 2,
     pretest_steps: PretestSteps = 4,
+    max_skipped_steps: MaxSkippedSteps = 3,
+    debug: Debug = False,
 ) -> None:
     """Train a HYDRA model. With no options: the tiny preset on the Python standard library's own
     source (tokenizer built and cached on first use), a few minutes on a laptop CPU; on a GPU a larger
     preset with bf16 autocast. Checkpoints, training.db and run artifacts go to --checkpoint_dir.
     Multi-GPU: torchrun --nproc_per_node=N -m hydra_train run ... (DDP; --fsdp for FSDP2)."""
+    from hydra_train.cli_errors import run_guarded
     from hydra_train.config import TrainConfig
-    from hydra_train.errors import HydraTrainError
     from hydra_train.run import run_training, summary_rows
 
     cfg = TrainConfig(
@@ -225,16 +229,13 @@ def run(
         experimental_skip_pretest=experimental_skip_pretest,
         pretest_warmup_steps=pretest_warmup_steps,
         pretest_steps=pretest_steps,
+        max_skipped_steps=max_skipped_steps,
     )
-    try:
-        summary = run_training(cfg, console=err_console if json_out else console)
-    except HydraTrainError as exc:
-        fail(str(exc))
-    except KeyboardInterrupt:
-        fail(
-            f"interrupted; continue with: hydra-train run --resume --checkpoint_dir {checkpoint_dir}",
-            code=130,
-        )
+    summary = run_guarded(
+        lambda: run_training(cfg, console=err_console if json_out else console),
+        debug=debug,
+        resume_hint=f"hydra-train run --resume --checkpoint_dir {checkpoint_dir}",
+    )
     import os
 
     if int(os.environ.get("RANK", "0")) != 0:
@@ -271,7 +272,12 @@ def _open_db(checkpoint_dir: str):
             f"no metrics database at {path}; train first (hydra-train run) or rebuild it "
             "(hydra-train db rebuild)"
         )
-    return TrainingDB(path)
+    from hydra_train.errors import HydraTrainError
+
+    try:
+        return TrainingDB(path)
+    except HydraTrainError as exc:
+        fail(str(exc))
 
 
 def _table(title: str, rows: list[dict], columns: list[str]) -> None:

@@ -34,6 +34,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hydra_train.errors import HydraDataError
+
 DB_NAME = "training.db"
 EXPORT_FORMAT = "hydra-train-diagnostics"
 
@@ -73,11 +75,33 @@ def _finite(x: Any) -> Any:
     return x
 
 
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_sqlite_file(path: Path) -> None:
+    """Refuse an existing file that is not an SQLite database (a 0-byte file included) instead of
+    writing a schema into it: it is someone's file, or a database that lost its contents."""
+    if not path.exists():
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_SQLITE_MAGIC))
+    except OSError as exc:
+        raise HydraDataError(f"{path}: cannot read the metrics database ({exc.strerror})") from None
+    if head != _SQLITE_MAGIC:
+        what = "is empty (0 bytes)" if not head else "is not an SQLite database"
+        raise HydraDataError(
+            f"{path} {what}; move it away (hydra-train db rebuild recreates it from the "
+            "diagnostics_*.json exports)"
+        )
+
+
 class TrainingDB:
     """Connection to one ``training.db``; safe to use as a context manager."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        check_sqlite_file(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(self.path, timeout=30.0)
         self.conn.row_factory = sqlite3.Row

@@ -25,6 +25,7 @@ from rich.console import Console
 from hydra_train.artifacts import ArtifactsCallback, RunArtifacts
 from hydra_train.callbacks import CallbackList, TensorBoardCallback, TrainerCallback, WandbCallback
 from hydra_train.checkpoint import (
+    check_model_config,
     final_name,
     find_resume_checkpoint,
     prune_checkpoints,
@@ -47,6 +48,12 @@ from hydra_train.metrics_db import DB_NAME, TrainingDB
 from hydra_train.optim import LRSchedule, build_optimizer
 from hydra_train.prefetch import Prefetcher
 from hydra_train.reporting import MetricsDBCallback, ProgressCallback
+from hydra_train.run_guard import (
+    check_finite_weights,
+    install_sigterm,
+    open_checkpoint_dir,
+    settle_dead_runs,
+)
 from hydra_train.trainer import Trainer
 
 
@@ -176,9 +183,14 @@ def run_training(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.device, local_rank)
     dist_info = init_distributed(device.type)
+    restore_sigterm = install_sigterm()
+    held: list = []  # the checkpoint folder's lock, once taken
     try:
-        return _run(cfg, device, dist_info, callbacks or [], console, announce_commits)
+        return _run(cfg, device, dist_info, callbacks or [], console, announce_commits, held)
     finally:
+        for lock in held:
+            lock.release()
+        restore_sigterm()
         shutdown_distributed(dist_info)
 
 
@@ -189,6 +201,7 @@ def _run(
     extra: list[TrainerCallback],
     console: Console,
     announce_commits: bool,
+    held: list,
 ) -> dict[str, Any]:
     main = dist_info.is_main
 
@@ -256,8 +269,13 @@ def _run(
     )
 
     ckpt_dir = Path(cfg.checkpoint_dir)
+    found = None
     if main:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        held.append(open_checkpoint_dir(ckpt_dir, log))
+        if cfg.resume:  # found and checked before anything in the folder changes: a refusal changes nothing
+            found = find_resume_checkpoint(ckpt_dir, log=log)
+            if found is not None:
+                check_model_config(found.checkpoint, model.config, found.path)
         _keep_tokenizer_beside(data.tokenizer_path, ckpt_dir, log)
     run_id = broadcast_object(dist_info, _new_run_id(model_id))
     artifacts = RunArtifacts(ckpt_dir / "runs" / run_id, rank=dist_info.rank)
@@ -305,6 +323,7 @@ def _run(
         if not main:
             return None
         path = ckpt_dir / (final_name(model_id) if final else step_name(model_id, tr.step))
+        check_finite_weights(model, tr.step)
         save_checkpoint(payload, path)
         removed = prune_checkpoints(ckpt_dir, model_id, cfg.keep_checkpoints)
         db_cb.export()
@@ -314,11 +333,11 @@ def _run(
     trainer.saver = saver
 
     resumed_from = None
+    resume_step = None
     if cfg.resume:
-        found = find_resume_checkpoint(ckpt_dir, log=log) if main else None
         path = broadcast_object(dist_info, str(found.path) if found else None)
         if path is None:
-            log(f"--resume: no valid checkpoint in {ckpt_dir}; starting from scratch")
+            log(f"--resume: no checkpoint in {ckpt_dir} yet; starting from scratch")
         else:
             if found is None:
                 from hydra_train.checkpoint import ResumePoint, load_checkpoint
@@ -326,12 +345,14 @@ def _run(
                 ck = load_checkpoint(path)
                 found = ResumePoint(Path(path), int(ck["step"]), ck)
             trainer.resume_from(found)
+            resume_step = found.step
             resumed_from = found.checkpoint.get("run_id")
             safe.checkpoint = f"{found.path}@{found.step}"  # a new checkpoint: pretests rerun
             log(f"resuming from {found.path} (step {found.step}, run {resumed_from})")
             found = None  # drop the loaded checkpoint's tensors
 
     if main:
+        settle_dead_runs(db, model_id, resume_step, log)
         db.upsert_model(model_id, cfg.model_size, n_params, n_params_ne, model.config.to_dict())
         db.start_run(
             run_id,
@@ -349,7 +370,11 @@ def _run(
     try:
         summary = trainer.train()
         if trainer.step > start_step:
-            summary["final_checkpoint"] = str(trainer.save_checkpoint(final=True))
+            try:
+                summary["final_checkpoint"] = str(trainer.save_checkpoint(final=True))
+            except BaseException:
+                trainer.status = summary["status"] = "failed"
+                raise
     finally:
         if not summary:
             summary = trainer.summary()
