@@ -55,7 +55,9 @@ def test_huge_lr_stops_failed_and_saves_no_nonfinite_weights(bin_dataset, tmp_pa
 
 
 def test_nan_gradients_every_step_stop_after_the_skip_limit(bin_dataset, tmp_path):
-    cfg = tiny_config(bin_dataset, tmp_path, max_steps=12, max_skipped_steps=2, experimental_prefetch_threads=1)
+    cfg = tiny_config(
+        bin_dataset, tmp_path, max_steps=12, max_skipped_steps=2, experimental_prefetch_threads=1
+    )
     inj = FaultInjector.parse("nan_grad:prefetch_threads@always")
     safe = SafeOptimizations(cfg, fault_injector=inj, log=lambda m: None)
     with pytest.raises(HydraDivergedError, match=r"3 steps in a row \(1-3\)"):

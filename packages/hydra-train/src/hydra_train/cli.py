@@ -275,7 +275,7 @@ def _open_db(checkpoint_dir: str):
     from hydra_train.errors import HydraTrainError
 
     try:
-        return TrainingDB(path)
+        return TrainingDB(path, read_only=True)
     except HydraTrainError as exc:
         fail(str(exc))
 

@@ -78,9 +78,10 @@ def _finite(x: Any) -> Any:
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
-def check_sqlite_file(path: Path) -> None:
-    """Refuse an existing file that is not an SQLite database (a 0-byte file included) instead of
-    writing a schema into it: it is someone's file, or a database that lost its contents."""
+def check_sqlite_file(path: Path, *, allow_empty: bool = True) -> None:
+    """Refuse an existing file that is not an SQLite database instead of writing a schema into it:
+    it is someone else's file. A 0-byte file is what SQLite itself leaves when a writer dies before
+    its first commit: a run may initialise it (``allow_empty``), a read-only command refuses it."""
     if not path.exists():
         return
     try:
@@ -88,7 +89,7 @@ def check_sqlite_file(path: Path) -> None:
             head = f.read(len(_SQLITE_MAGIC))
     except OSError as exc:
         raise HydraDataError(f"{path}: cannot read the metrics database ({exc.strerror})") from None
-    if head != _SQLITE_MAGIC:
+    if head != _SQLITE_MAGIC and (head or not allow_empty):
         what = "is empty (0 bytes)" if not head else "is not an SQLite database"
         raise HydraDataError(
             f"{path} {what}; move it away (hydra-train db rebuild recreates it from the "
@@ -99,9 +100,11 @@ def check_sqlite_file(path: Path) -> None:
 class TrainingDB:
     """Connection to one ``training.db``; safe to use as a context manager."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, read_only: bool = False):
+        """``read_only``: the caller only reads (db stats, hydra-diag); a file that is not already an
+        SQLite database is then refused, a 0-byte one included."""
         self.path = Path(path)
-        check_sqlite_file(self.path)
+        check_sqlite_file(self.path, allow_empty=not read_only)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(self.path, timeout=30.0)
         self.conn.row_factory = sqlite3.Row
