@@ -34,7 +34,7 @@ def _wait_for(cond, proc: subprocess.Popen, timeout: float = 90.0) -> None:
     end = time.monotonic() + timeout
     while not cond():
         if proc.poll() is not None:
-            out, err = proc.communicate()
+            _, err = proc.communicate()
             raise AssertionError(f"the run ended early (rc {proc.returncode}): {err[-2000:]}")
         if time.monotonic() > end:
             proc.kill()

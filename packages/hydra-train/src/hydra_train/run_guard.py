@@ -46,9 +46,7 @@ def open_checkpoint_dir(folder: Path, log: Callable[[str], None]) -> FolderLock:
             raise HydraTrainError(f"--checkpoint_dir {folder} is a file, not a folder; pass another path")
         folder.mkdir(parents=True, exist_ok=True)
         if not os.access(folder, os.W_OK | os.X_OK):
-            raise HydraTrainError(
-                f"--checkpoint_dir {folder} is not writable; use a folder you can write to"
-            )
+            raise HydraTrainError(f"--checkpoint_dir {folder} is not writable; use a folder you can write to")
         lock = FolderLock(folder, log=log)
         lock.acquire()
     except OSError as exc:
