@@ -185,3 +185,15 @@ def test_resume_after_a_dead_run_marks_it_killed_and_logs_each_step_once(bin_dat
         steps = [r[0] for r in c.execute("SELECT step FROM steps ORDER BY step")]
     assert dup == []
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_markup_and_emoji_codes_in_the_checkpoint_path_are_printed_literally(bin_dataset, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    ckpt = tmp_path / "x[" / "c]:train:"  # ".../x[/c]:train:/...": a closing tag to rich markup
+    out = io.StringIO()
+    run_training(tiny_config(bin_dataset, ckpt, max_steps=3), console=Console(file=out, width=400))
+    text = out.getvalue()
+    assert f"saved {ckpt}/hydra_tiny_final.pt" in text, text

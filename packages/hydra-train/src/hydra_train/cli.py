@@ -244,12 +244,13 @@ def run(
         emit_json(summary)
         return
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="hydra-train run: summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     for k, v in summary_rows(summary):
-        table.add_row(k, v)
+        table.add_row(k, Text(v))  # literal: a path with "[...]" is not markup
     console.print(table)
 
 

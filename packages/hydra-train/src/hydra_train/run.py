@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
+from rich.text import Text
 
 from hydra_train.artifacts import ArtifactsCallback, RunArtifacts
 from hydra_train.callbacks import CallbackList, TensorBoardCallback, TrainerCallback, WandbCallback
@@ -207,7 +208,8 @@ def _run(
 
     def log(msg: str) -> None:
         if main:
-            console.print(f"[dim]{msg}[/]", highlight=False, soft_wrap=True)
+            # a Text: paths with "[...]" or ":name:" in them print as they are (no markup, no emoji)
+            console.print(Text(msg, style="dim"), highlight=False, soft_wrap=True)
 
     cfg = resolve_config(cfg, device_info(device))
     if device.type == "cpu":
@@ -251,7 +253,7 @@ def _run(
         weight_decay=cfg.weight_decay,
         betas=(cfg.beta1, cfg.beta2),
         eight_bit=False,  # --8bit_adam is SafeOptimizations' to pretest and switch (state carried over)
-        log=lambda m: console.print(f"[yellow]{m}[/]") if main else None,
+        log=lambda m: console.print(Text(m, style="yellow")) if main else None,
     )
     schedule = LRSchedule.from_config(choice.optimizer, cfg)
     plan = BatchPlan(
