@@ -45,9 +45,22 @@ def _all_finite(path: Path) -> bool:
     return all(torch.isfinite(t).all() for t in ck["model"].values() if t.is_floating_point())
 
 
-def test_huge_lr_stops_failed_and_saves_no_nonfinite_weights(bin_dataset, tmp_path):
-    cfg = tiny_config(bin_dataset, tmp_path, lr=1e38, max_steps=12, save_every=2, log_every=1)
-    with pytest.raises(HydraDivergedError, match=r"step \d+"):
+@pytest.mark.parametrize(
+    ("limit", "save_every", "why"),
+    [(3, 0, r"steps in a row \(\d+-\d+\)"), (1000, 2, r"weights are not finite at step \d+")],
+)
+def test_huge_lr_stops_failed_and_saves_no_nonfinite_weights(bin_dataset, tmp_path, limit, save_every, why):
+    # no saves: the skip limit stops it; limit 1000: the check of the weights before a save does
+    cfg = tiny_config(
+        bin_dataset,
+        tmp_path,
+        lr=1e38,
+        max_steps=12,
+        save_every=save_every,
+        log_every=1,
+        max_skipped_steps=limit,
+    )
+    with pytest.raises(HydraDivergedError, match=why):
         run_training(cfg)
     assert _statuses(tmp_path) == ["failed"]
     for p in list_checkpoints(tmp_path):

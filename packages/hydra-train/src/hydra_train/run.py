@@ -325,7 +325,7 @@ def _run(
         if not main:
             return None
         path = ckpt_dir / (final_name(model_id) if final else step_name(model_id, tr.step))
-        check_finite_weights(model, tr.step)
+        check_finite_weights(payload["model"], tr.step)
         save_checkpoint(payload, path)
         removed = prune_checkpoints(ckpt_dir, model_id, cfg.keep_checkpoints)
         db_cb.export()

@@ -75,14 +75,15 @@ def settle_dead_runs(db, model_id: str, resume_step: int | None, log: Callable[[
     db.commit()
 
 
-def check_finite_weights(model: torch.nn.Module, step: int) -> None:
-    """Raise :class:`HydraDivergedError` when any parameter holds NaN or inf (one sync)."""
-    params = [p.detach() for p in model.parameters() if p.is_floating_point()]
-    if not params:
-        return
-    bad = torch.stack([(~torch.isfinite(p)).any() for p in params]).any()
-    if bool(bad):
-        names = [n for n, p in model.named_parameters() if not torch.isfinite(p.detach()).all()]
+def check_finite_weights(state: dict[str, torch.Tensor], step: int) -> None:
+    """Raise :class:`HydraDivergedError` when a floating-point tensor of the model state dict
+    ``state`` (the full one a checkpoint gets, also under FSDP) holds NaN or inf."""
+    names = [
+        n
+        for n, t in state.items()
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    if names:
         raise HydraDivergedError(
             f"training diverged: the weights are not finite at step {step} ({names[0]} and "
             f"{len(names) - 1} more); no checkpoint saved. Lower --lr or --grad_clip and resume from "
