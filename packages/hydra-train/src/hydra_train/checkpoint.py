@@ -13,6 +13,8 @@ Layout of a checkpoint (a ``torch.save`` dict, loadable with ``weights_only=True
     config                   {"model": <model config>.to_dict(), "train": TrainConfig.to_dict()}
                              (the architecture is ``train["arch"]``; absent in older files: HYDRA)
     callbacks                {callback name: callback.state_dict()} (SafeOptimizations lives here)
+    checksum                 "sha256:..." over every tensor above (checkpoint_digest.py), verified
+                             on load; files without one (older) load with a note
 
 Names: ``hydra_{model_id}_step{N}.pt`` every ``--save_every`` steps (the last ``--keep_checkpoints``
 kept) and ``hydra_{model_id}_final.pt`` at the end.
@@ -20,7 +22,9 @@ kept) and ``hydra_{model_id}_final.pt`` at the end.
 Atomicity: the bytes go to a temporary file in the same folder, are flushed and fsync'ed, the file
 is renamed over the final name (``os.replace`` is atomic on POSIX) and the folder is fsync'ed so
 the rename survives a power cut. A crash at any point leaves either the old file set or the new
-one; a leftover ``.tmp`` is ignored by :func:`find_resume_checkpoint`.
+one; a leftover ``.tmp`` is ignored by :func:`find_resume_checkpoint` and removed by the next run
+(run_lock.py). ``--resume`` in a folder whose checkpoints are all invalid refuses (nothing is
+overwritten); an empty folder starts from scratch.
 """
 
 from __future__ import annotations
