@@ -12,7 +12,8 @@ Tables (primary keys in brackets)::
     models       [model_id] size, params, params_non_embedding, architecture (HydraConfig JSON), created_at
     runs         [run_id] model_id, status (running|finished|stopped|failed|interrupted|killed: a
                  run found dead by the next one), start_step, end_step, best_loss, best_val_loss,
-                 final_val_loss, tokens_per_s, resumed_from, device, world_size, config (TrainConfig JSON), started_at, ended_at
+                 final_val_loss, tokens_per_s, resumed_from, device, world_size,
+                 config (TrainConfig JSON), started_at, ended_at
     steps        [run_id, step] time, loss, ce_loss, aux_loss, aux (JSON: term -> value), lr, grad_norm,
                  tokens_per_s, tokens_seen, memory_mb, skipped_steps, ema_short, ema_medium, ema_long
     evals        [run_id, step] val_loss, val_ppl
