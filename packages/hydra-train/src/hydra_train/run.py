@@ -221,6 +221,10 @@ def _run(
 
     hydra_kernels.set_use_triton_kernels(cfg.triton_kernels)
 
+    ckpt_dir = Path(cfg.checkpoint_dir)
+    if main:  # before the data is read: a second run on this folder stops at once
+        held.append(open_checkpoint_dir(ckpt_dir, log))
+
     # rank 0 builds any cache first; the others then read it
     data = load_run_data(cfg, log) if main else None
     barrier(dist_info)
@@ -270,10 +274,8 @@ def _run(
         data.val, cfg.batch_size, cfg.eval_batches, rank=dist_info.rank, world_size=dist_info.world_size
     )
 
-    ckpt_dir = Path(cfg.checkpoint_dir)
     found = None
     if main:
-        held.append(open_checkpoint_dir(ckpt_dir, log))
         if cfg.resume:  # found and checked before anything in the folder changes: a refusal changes nothing
             found = find_resume_checkpoint(ckpt_dir, log=log)
             if found is not None:
