@@ -36,7 +36,7 @@ def run_guarded(fn: Callable[[], Any], *, debug: bool, resume_hint: str) -> Any:
     except OSError as exc:
         if debug:
             raise
-        fail(os_error_line(exc, "cannot write"))
+        fail(os_error_line(exc, "I/O error"))
     except Terminated:
         fail(f"terminated (SIGTERM); continue with: {resume_hint}", code=EXIT_SIGTERM)
     except KeyboardInterrupt:

@@ -31,8 +31,8 @@ def os_error_line(exc: OSError, what: str) -> str:
         errno.ENOSPC: "free disk space or use another --checkpoint_dir",
         errno.EDQUOT: "free disk space or use another --checkpoint_dir",
         errno.EROFS: "use a writable --checkpoint_dir",
-        errno.EACCES: "use a folder you can write to as --checkpoint_dir",
-        errno.EPERM: "use a folder you can write to as --checkpoint_dir",
+        errno.EACCES: "check the permissions of that path (or use another --checkpoint_dir)",
+        errno.EPERM: "check the permissions of that path (or use another --checkpoint_dir)",
         errno.EEXIST: "--checkpoint_dir must be a folder; pass another path",
         errno.ENOTDIR: "--checkpoint_dir must be a folder; pass another path",
     }.get(exc.errno or 0, "check the path and the disk")
