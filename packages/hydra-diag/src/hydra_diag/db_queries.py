@@ -31,7 +31,7 @@ def routing_latest(path: str, run_id: str | None = None, step: int | None = None
     """MoD, MoR and MoE rows of one logged step (the last one by default) of a run."""
     from hydra_train.metrics_db import TrainingDB
 
-    with TrainingDB(db_path(path)) as db:
+    with TrainingDB(db_path(path), read_only=True) as db:
         run = pick_run(db, run_id, None)
         rid = run["run_id"]
         if step is None:
@@ -57,7 +57,7 @@ def routing_latest(path: str, run_id: str | None = None, step: int | None = None
 def evals(path: str, run_id: str | None = None) -> dict[str, Any]:
     from hydra_train.metrics_db import TrainingDB
 
-    with TrainingDB(db_path(path)) as db:
+    with TrainingDB(db_path(path), read_only=True) as db:
         run = pick_run(db, run_id, None)
         rows = db.query(
             "SELECT step, val_loss, val_ppl FROM evals WHERE run_id=? ORDER BY step", [run["run_id"]]
@@ -76,7 +76,7 @@ def steps(
         raise DiagError(f"unknown step column(s) {bad}; choose from {', '.join(STEP_COLUMNS)}")
     if "step" not in cols:
         cols.insert(0, "step")
-    with TrainingDB(db_path(path)) as db:
+    with TrainingDB(db_path(path), read_only=True) as db:
         run = pick_run(db, run_id, None)
         rows = db.query(
             f"SELECT {', '.join(cols)} FROM steps WHERE run_id=? ORDER BY step DESC LIMIT ?",
@@ -91,7 +91,7 @@ def read_only_query(path: str, sql: str, params: list[Any] | None = None, limit:
 
     from hydra_train.metrics_db import TrainingDB
 
-    with TrainingDB(db_path(path)) as db:
+    with TrainingDB(db_path(path), read_only=True) as db:
         db.conn.execute("PRAGMA query_only=ON")
         try:
             cur = db.conn.execute(sql, tuple(params or ()))

@@ -72,7 +72,7 @@ def load_run(path: str | Path, run_id: str | None = None, model: str | None = No
     """The steps, evaluations and learning-rate rows of one run, ordered by step."""
     from hydra_train.metrics_db import TrainingDB
 
-    with TrainingDB(db_path(path)) as db:
+    with TrainingDB(db_path(path), read_only=True) as db:
         run = pick_run(db, run_id, model)
         rid = run["run_id"]
         full = db.query("SELECT * FROM runs WHERE run_id=?", [rid])[0]

@@ -11,7 +11,6 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 console = Console()
 err_console = Console(stderr=True)
@@ -96,9 +95,13 @@ def parse_assignments(items: Iterable[str] | None) -> dict[str, Any]:
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     """Print one clear line to stderr and exit with ``code`` (1 for failures, 2 for bad usage)."""
-    # soft_wrap: the message stays one line in pipes and logs instead of wrapping at 80 columns
-    # the message is printed as is: an install hint's [extra] must not be read as rich markup
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    # soft_wrap: the message stays one line in pipes and logs instead of wrapping at 80 columns.
+    # A Text is never parsed for markup or emoji codes: a path with "[red]" or ":train:" prints as-is.
+    from rich.text import Text
+
+    line = Text("error: ", style="bold red")
+    line.append(" ".join(str(message).split("\n")))
+    err_console.print(line, highlight=False, soft_wrap=True, emoji=False)
     raise typer.Exit(code)
 
 

@@ -263,12 +263,14 @@ def _find_tokenizer(checkpoint: Path, tokenizer: Path | None) -> Path:
 
 def _load_model(checkpoint: Path, device: str, allow_pickle: bool):
     """The model the checkpoint holds, as the architecture it records (HYDRA when none)."""
-    from hydra_model.persistence import load_model
+    from hydra_model.persistence import check_finite_weights, load_model
 
     if not checkpoint.exists():
         fail(f"--checkpoint {checkpoint} does not exist")
     try:
-        return load_model(checkpoint, map_location=device, allow_pickle=allow_pickle)
+        model = load_model(checkpoint, map_location=device, allow_pickle=allow_pickle)
+        check_finite_weights(model, checkpoint)
+        return model
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         fail(f"could not load {checkpoint}: {exc}")
 
@@ -328,7 +330,10 @@ def generate(
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = _load_model(checkpoint, device, allow_pickle)
-    tok = Tokenizer.from_file(str(tok_path))
+    try:
+        tok = Tokenizer.from_file(str(tok_path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
+        fail(f"{tok_path} is not a readable tokenizer.json ({str(exc)[:120]}); pass one with --tokenizer")
     ids = tok.encode(prompt).ids
     if not ids:
         fail("the prompt encodes to no tokens; give some text", code=2)

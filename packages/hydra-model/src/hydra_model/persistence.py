@@ -139,8 +139,13 @@ def load_checkpoint_file(
     try:
         blob = torch.load(str(path), map_location=map_location, weights_only=not allow_pickle)
     except Exception as exc:
-        if allow_pickle:
-            raise
+        if allow_pickle or not _refused_by_weights_only(exc):
+            # truncated or corrupt: --allow-pickle would not help, so it is not suggested
+            first = (str(exc).strip().splitlines() or [""])[0][:160]
+            raise ValueError(
+                f"{path} is unreadable, probably truncated or corrupt ({type(exc).__name__}: {first}); "
+                "copy it again or use another checkpoint"
+            ) from exc
         raise ValueError(
             f"{path} holds objects beyond tensors and plain containers ({type(exc).__name__}); "
             "if you trust the file, load it with allow_pickle=True (CLI: --allow-pickle)"
@@ -167,6 +172,26 @@ def load_checkpoint_file(
         model = cls(config)
     model.load_state_dict(strip_wrapper_prefixes(blob["model"]), strict=True, assign=True)
     return _materialise_buffers(model, torch.device(map_location))
+
+
+def _refused_by_weights_only(exc: BaseException) -> bool:
+    """True when ``torch.load(weights_only=True)`` read the file but refused an object in it (the
+    only case where loading with pickle allowed could succeed)."""
+    import pickle
+
+    return isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower()
+
+
+def check_finite_weights(model: nn.Module, path: str | Path) -> None:
+    """Raise ValueError naming the first parameter or buffer holding NaN or inf: such a model (from a
+    run that diverged) generates garbage, so callers refuse it instead."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    bad = [n for n, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(
+            f"{path} holds non-finite weights (NaN/inf in {bad[0]} and {len(bad) - 1} more tensors): "
+            "the run that wrote it diverged; use an earlier checkpoint"
+        )
 
 
 def _materialise_buffers(model: nn.Module, device: torch.device) -> nn.Module:

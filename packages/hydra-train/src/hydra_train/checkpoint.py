@@ -13,6 +13,8 @@ Layout of a checkpoint (a ``torch.save`` dict, loadable with ``weights_only=True
     config                   {"model": <model config>.to_dict(), "train": TrainConfig.to_dict()}
                              (the architecture is ``train["arch"]``; absent in older files: HYDRA)
     callbacks                {callback name: callback.state_dict()} (SafeOptimizations lives here)
+    checksum                 "sha256:..." over every tensor above (checkpoint_digest.py), verified
+                             on load; files without one (older) load with a note
 
 Names: ``hydra_{model_id}_step{N}.pt`` every ``--save_every`` steps (the last ``--keep_checkpoints``
 kept) and ``hydra_{model_id}_final.pt`` at the end.
@@ -20,7 +22,9 @@ kept) and ``hydra_{model_id}_final.pt`` at the end.
 Atomicity: the bytes go to a temporary file in the same folder, are flushed and fsync'ed, the file
 is renamed over the final name (``os.replace`` is atomic on POSIX) and the folder is fsync'ed so
 the rename survives a power cut. A crash at any point leaves either the old file set or the new
-one; a leftover ``.tmp`` is ignored by :func:`find_resume_checkpoint`.
+one; a leftover ``.tmp`` is ignored by :func:`find_resume_checkpoint` and removed by the next run
+(run_lock.py). ``--resume`` in a folder whose checkpoints are all invalid refuses (nothing is
+overwritten); an empty folder starts from scratch.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 import torch
 
 from hydra_train.atomic_files import atomic_write, fsync_dir
+from hydra_train.checkpoint_digest import CHECKSUM_KEY, payload_digest
 from hydra_train.errors import HydraCheckpointError, short_error
 
 FORMAT = "hydra-train-checkpoint"
@@ -56,13 +61,15 @@ def final_name(model_id: str) -> str:
 def save_checkpoint(payload: dict[str, Any], path: str | Path) -> Path:
     """Write ``payload`` to ``path`` atomically (see the module docstring)."""
     path = Path(path)
+    payload = {**payload, CHECKSUM_KEY: payload_digest(payload)}
     atomic_write(path, lambda f: torch.save(payload, f))
     fsync_dir(path.parent)
     return path
 
 
-def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
-    """Load and sanity-check a checkpoint; any failure is a :class:`HydraCheckpointError`."""
+def load_checkpoint(path: str | Path, *, mmap: bool = False, log=None) -> dict[str, Any]:
+    """Load, sanity-check and verify the checksum of a checkpoint; any failure is a
+    :class:`HydraCheckpointError`. One without a checksum (older files) loads with a note to ``log``."""
     path = Path(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -75,6 +82,15 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     for key in ("step", "model", "config"):
         if key not in ckpt:
             raise HydraCheckpointError(f"{path}: checkpoint has no {key!r} entry (incomplete)")
+    saved = ckpt.get(CHECKSUM_KEY)
+    if saved is None:
+        if log is not None:
+            log(f"note: {path.name} has no checksum (written by an older hydra-train); not verified")
+    elif saved != payload_digest(ckpt):
+        raise HydraCheckpointError(
+            f"{path}: checksum mismatch (the file's bytes changed after it was written); "
+            "resume from another checkpoint or delete this one"
+        )
     return ckpt
 
 
@@ -118,7 +134,8 @@ def find_resume_checkpoint(folder: str | Path, log=print) -> ResumePoint | None:
     """The newest valid checkpoint in ``folder`` (by save time, then step); invalid ones are skipped
     with a message. Returns None when there is none."""
     candidates = []
-    for p in list_checkpoints(folder):
+    found = list_checkpoints(folder)
+    for p in found:
         try:
             ck = load_checkpoint(p, mmap=True)
         except HydraCheckpointError as exc:
@@ -126,9 +143,14 @@ def find_resume_checkpoint(folder: str | Path, log=print) -> ResumePoint | None:
             continue
         candidates.append((float(ck.get("time", p.stat().st_mtime)), int(ck["step"]), p))
     if not candidates:
+        if found:
+            raise HydraCheckpointError(
+                f"--resume: none of the {len(found)} checkpoint(s) in {folder} is valid (see the "
+                "messages above); nothing was changed. Move them away to start from scratch"
+            )
         return None
     _, step, path = max(candidates)
-    return ResumePoint(path, step, load_checkpoint(path))
+    return ResumePoint(path, step, load_checkpoint(path, log=log))
 
 
 def config_differences(saved_model_config: dict[str, Any], current) -> list[str]:

@@ -23,6 +23,7 @@ from hydra_train.cli_options import (
     Compile,
     CompileScope,
     CpuThreads,
+    Debug,
     Device,
     DropThreshold,
     EightBitAdam,
@@ -31,6 +32,7 @@ from hydra_train.cli_options import (
     GradAccum,
     GraphWarmup,
     Lr,
+    MaxSkippedSteps,
     ModelOverride,
     ModelSize,
     Moe,
@@ -165,13 +167,15 @@ def run(
     experimental_skip_pretest: SkipPretest = False,
     pretest_warmup_steps: PretestWarmup = 2,
     pretest_steps: PretestSteps = 4,
+    max_skipped_steps: MaxSkippedSteps = 3,
+    debug: Debug = False,
 ) -> None:
     """Train a HYDRA model. With no options: the tiny preset on the Python standard library's own
     source (tokenizer built and cached on first use), a few minutes on a laptop CPU; on a GPU a larger
     preset with bf16 autocast. Checkpoints, training.db and run artifacts go to --checkpoint_dir.
     Multi-GPU: torchrun --nproc_per_node=N -m hydra_train run ... (DDP; --fsdp for FSDP2)."""
+    from hydra_train.cli_errors import run_guarded
     from hydra_train.config import TrainConfig
-    from hydra_train.errors import HydraTrainError
     from hydra_train.run import run_training, summary_rows
 
     cfg = TrainConfig(
@@ -236,16 +240,13 @@ def run(
         experimental_skip_pretest=experimental_skip_pretest,
         pretest_warmup_steps=pretest_warmup_steps,
         pretest_steps=pretest_steps,
+        max_skipped_steps=max_skipped_steps,
     )
-    try:
-        summary = run_training(cfg, console=err_console if json_out else console)
-    except HydraTrainError as exc:
-        fail(str(exc))
-    except KeyboardInterrupt:
-        fail(
-            f"interrupted; continue with: hydra-train run --resume --checkpoint_dir {checkpoint_dir}",
-            code=130,
-        )
+    summary = run_guarded(
+        lambda: run_training(cfg, console=err_console if json_out else console),
+        debug=debug,
+        resume_hint=f"hydra-train run --resume --checkpoint_dir {checkpoint_dir}",
+    )
     import os
 
     if int(os.environ.get("RANK", "0")) != 0:
@@ -254,12 +255,13 @@ def run(
         emit_json(summary)
         return
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="hydra-train run: summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(overflow="fold")  # long paths wrap whole at 80 columns, never cut
     for k, v in summary_rows(summary):
-        table.add_row(k, v)
+        table.add_row(k, Text(v))  # literal: a path with "[...]" is not markup
     console.print(table)
 
 
@@ -282,7 +284,12 @@ def _open_db(checkpoint_dir: str):
             f"no metrics database at {path}; train first (hydra-train run) or rebuild it "
             "(hydra-train db rebuild)"
         )
-    return TrainingDB(path)
+    from hydra_train.errors import HydraTrainError
+
+    try:
+        return TrainingDB(path, read_only=True)
+    except HydraTrainError as exc:
+        fail(str(exc))
 
 
 def _table(title: str, rows: list[dict], columns: list[str]) -> None:

@@ -199,3 +199,13 @@ PretestWarmup = Annotated[
     int, opt("--pretest_warmup_steps", help="Pretests: untimed steps per arm (compilation, capture).")
 ]
 PretestSteps = Annotated[int, opt("--pretest_steps", help="Pretests: timed steps per arm.")]
+
+MaxSkippedSteps = Annotated[
+    int,
+    opt(
+        "--max_skipped_steps",
+        help="Stop the run as failed once more than N optimizer steps in a row are skipped for "
+        "non-finite loss or gradients.",
+    ),
+]
+Debug = Annotated[bool, opt("--debug", help="On an error, show the full traceback, not one line.")]

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra_train.errors import HydraTrainError
+from hydra_train.errors import HydraTrainError, HydraUsageError
 
 MODES = ("testing", "production")
 SCHEDULES = ("cosine", "wsd")
@@ -62,6 +62,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    #: stop as failed after this many optimizer steps in a row skipped for non-finite loss/gradients
+    max_skipped_steps: int = 3
     eight_bit_adam: bool = False
     # memory and speed
     checkpoint_every: int = 0
@@ -172,6 +174,25 @@ _PRODUCTION_DEFAULTS: dict[str, Any] = dict(max_steps=100_000, eval_every=1000, 
 _LR_BY_SIZE = {"tiny": 3e-3, "debug": 1e-3, "100M": 6e-4, "250M": 5e-4, "500M": 4e-4, "1B": 3e-4}
 
 
+def check_numbers(cfg: TrainConfig) -> None:
+    """Every numeric field is a finite number (NaN and inf pass no range check): a usage error."""
+    import math
+
+    for name, value in cfg.to_dict().items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise HydraUsageError(f"--{name} must be a finite number, got {value}")
+    if cfg.weight_decay < 0:
+        raise HydraUsageError(f"--weight_decay must be >= 0, got {cfg.weight_decay}")
+    if cfg.max_skipped_steps < 1:
+        raise HydraUsageError(f"--max_skipped_steps must be >= 1, got {cfg.max_skipped_steps}")
+    if cfg.vocab_size is not None and cfg.vocab_size < 2:
+        raise HydraUsageError(f"--vocab_size must be >= 2, got {cfg.vocab_size}")
+    for name in ("beta1", "beta2"):
+        v = getattr(cfg, name, None)
+        if v is not None and not 0.0 <= v < 1.0:
+            raise HydraUsageError(f"--{name} must be in [0, 1), got {v}")
+
+
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise HydraTrainError(f"--{name} {value!r} is not one of: {', '.join(allowed)}")
@@ -183,7 +204,7 @@ def _check_positive(cfg: TrainConfig, names: tuple[str, ...], allow_zero: tuple[
         if v is None:
             continue
         if v < 0 or (v == 0 and name not in allow_zero):
-            raise HydraTrainError(f"--{name} must be {'>= 0' if name in allow_zero else '> 0'}, got {v}")
+            raise HydraUsageError(f"--{name} must be {'>= 0' if name in allow_zero else '> 0'}, got {v}")
 
 
 def _check_safe_opts(cfg: TrainConfig) -> None:
@@ -232,6 +253,7 @@ def _check_arch(cfg: TrainConfig) -> None:
 
 def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
     """Fill every automatic field for device ``dev`` and validate the rest."""
+    check_numbers(cfg)
     _check_choice("mode", cfg.mode, MODES)
     _check_choice("lr_schedule", cfg.lr_schedule, SCHEDULES)
     _check_choice("precision", cfg.precision, PRECISIONS)
@@ -268,9 +290,9 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
     _check_safe_opts(cfg)
     _check_arch(cfg)
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        raise HydraTrainError(f"--min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+        raise HydraUsageError(f"--min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if not 0.0 < cfg.wsd_decay_frac <= 1.0:
-        raise HydraTrainError(f"--wsd_decay_frac must be in (0, 1], got {cfg.wsd_decay_frac}")
+        raise HydraUsageError(f"--wsd_decay_frac must be in (0, 1], got {cfg.wsd_decay_frac}")
 
     kind = "cuda" if dev.type == "cuda" else "cpu"
     base = dict(_TESTING_DEFAULTS[kind])

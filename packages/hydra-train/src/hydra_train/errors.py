@@ -5,6 +5,14 @@ class HydraTrainError(RuntimeError):
     """Base class: something the user can fix (bad data, bad checkpoint, bad flag combination)."""
 
 
+class HydraUsageError(HydraTrainError):
+    """A flag value out of range (not finite, negative, zero where it must be positive): exit 2."""
+
+
+class HydraDivergedError(HydraTrainError):
+    """Training produced non-finite loss, gradients or weights; the run stops as ``failed``."""
+
+
 class HydraDataError(HydraTrainError):
     """A dataset, shard or tokenizer that cannot be used; the message names the file and the problem."""
 

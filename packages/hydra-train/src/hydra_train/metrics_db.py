@@ -10,9 +10,10 @@ from those files.
 Tables (primary keys in brackets)::
 
     models       [model_id] size, params, params_non_embedding, architecture (HydraConfig JSON), created_at
-    runs         [run_id] model_id, status (running|finished|failed|interrupted), start_step, end_step,
-                 best_loss, best_val_loss, final_val_loss, tokens_per_s, resumed_from, device,
-                 world_size, config (TrainConfig JSON), started_at, ended_at
+    runs         [run_id] model_id, status (running|finished|stopped|failed|interrupted|killed: a
+                 run found dead by the next one), start_step, end_step, best_loss, best_val_loss,
+                 final_val_loss, tokens_per_s, resumed_from, device, world_size,
+                 config (TrainConfig JSON), started_at, ended_at
     steps        [run_id, step] time, loss, ce_loss, aux_loss, aux (JSON: term -> value), lr, grad_norm,
                  tokens_per_s, tokens_seen, memory_mb, skipped_steps, ema_short, ema_medium, ema_long
     evals        [run_id, step] val_loss, val_ppl
@@ -33,6 +34,8 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from hydra_train.errors import HydraDataError
 
 DB_NAME = "training.db"
 EXPORT_FORMAT = "hydra-train-diagnostics"
@@ -73,11 +76,36 @@ def _finite(x: Any) -> Any:
     return x
 
 
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_sqlite_file(path: Path, *, allow_empty: bool = True) -> None:
+    """Refuse an existing file that is not an SQLite database instead of writing a schema into it:
+    it is someone else's file. A 0-byte file is what SQLite itself leaves when a writer dies before
+    its first commit: a run may initialise it (``allow_empty``), a read-only command refuses it."""
+    if not path.exists():
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_SQLITE_MAGIC))
+    except OSError as exc:
+        raise HydraDataError(f"{path}: cannot read the metrics database ({exc.strerror})") from None
+    if head != _SQLITE_MAGIC and (head or not allow_empty):
+        what = "is empty (0 bytes)" if not head else "is not an SQLite database"
+        raise HydraDataError(
+            f"{path} {what}; move it away (hydra-train db rebuild recreates it from the "
+            "diagnostics_*.json exports)"
+        )
+
+
 class TrainingDB:
     """Connection to one ``training.db``; safe to use as a context manager."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, read_only: bool = False):
+        """``read_only``: the caller only reads (db stats, hydra-diag); a file that is not already an
+        SQLite database is then refused, a 0-byte one included."""
         self.path = Path(path)
+        check_sqlite_file(self.path, allow_empty=not read_only)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(self.path, timeout=30.0)
         self.conn.row_factory = sqlite3.Row

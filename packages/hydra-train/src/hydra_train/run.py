@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from hydra_train.artifacts import ArtifactsCallback, RunArtifacts
 from hydra_train.callbacks import CallbackList, TensorBoardCallback, TrainerCallback, WandbCallback
 from hydra_train.checkpoint import (
+    check_model_config,
     final_name,
     find_resume_checkpoint,
     prune_checkpoints,
@@ -48,6 +49,12 @@ from hydra_train.metrics_db import DB_NAME, TrainingDB
 from hydra_train.optim import LRSchedule, build_optimizer
 from hydra_train.prefetch import Prefetcher
 from hydra_train.reporting import MetricsDBCallback, ProgressCallback
+from hydra_train.run_guard import (
+    check_finite_weights,
+    install_sigterm,
+    open_checkpoint_dir,
+    settle_dead_runs,
+)
 from hydra_train.trainer import Trainer
 
 
@@ -124,7 +131,7 @@ def _model_overrides(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
     return overrides
 
 
-def check_model_config(cfg: TrainConfig) -> None:
+def check_model_flags(cfg: TrainConfig) -> None:
     """The model flags (--model_size, --model_override, ...) checked before any data is read, so that
     a typo is reported at once instead of after the corpus is tokenized."""
     import hydra_model
@@ -145,7 +152,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
     """The ``--arch`` model for ``cfg`` (preset + flags + ``model_overrides``) on ``device``."""
     import hydra_model
 
-    check_model_config(cfg)
+    check_model_flags(cfg)
     try:
         model = hydra_model.build_model(cfg.arch, cfg.model_size, **_model_overrides(cfg, vocab_size))
     except ValueError as exc:
@@ -195,9 +202,19 @@ def run_training(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.device, local_rank)
     dist_info = init_distributed(device.type)
+    restore_sigterm = install_sigterm()
+    held: list = []  # the checkpoint folder's lock, once taken
     try:
-        return _run(cfg, device, dist_info, callbacks or [], console, announce_commits)
+        summary = _run(cfg, device, dist_info, callbacks or [], console, announce_commits, held)
+        # every rank done with its collectives before the group is destroyed: a rank tearing gloo
+        # down while another still talks to it aborted the process ("terminate called without an
+        # active exception", seen once in the 2-process FSDP test under load)
+        barrier(dist_info)
+        return summary
     finally:
+        for lock in held:
+            lock.release()
+        restore_sigterm()
         shutdown_distributed(dist_info)
 
 
@@ -208,12 +225,14 @@ def _run(
     extra: list[TrainerCallback],
     console: Console,
     announce_commits: bool,
+    held: list,
 ) -> dict[str, Any]:
     main = dist_info.is_main
 
     def log(msg: str) -> None:
         if main:
-            console.print(f"[dim]{escape(msg)}[/]", highlight=False, soft_wrap=True)  # hints keep [extra]
+            # a Text: paths with "[...]" or ":name:" and hints with "[extra]" print as they are
+            console.print(Text(msg, style="dim"), highlight=False, soft_wrap=True)
 
     cfg = resolve_config(cfg, device_info(device))
     if device.type == "cpu":
@@ -225,7 +244,11 @@ def _run(
 
     hydra_kernels.set_use_triton_kernels(cfg.triton_kernels)
 
-    check_model_config(cfg)  # before the data: a bad --model_size must not wait for tokenization
+    check_model_flags(cfg)  # before the data: a bad --model_size must not wait for tokenization
+    ckpt_dir = Path(cfg.checkpoint_dir)
+    if main:  # before the data is read: a second run on this folder stops at once
+        held.append(open_checkpoint_dir(ckpt_dir, log))
+
     # rank 0 builds any cache first; the others then read it
     data = load_run_data(cfg, log) if main else None
     barrier(dist_info)
@@ -258,7 +281,7 @@ def _run(
         weight_decay=cfg.weight_decay,
         betas=(cfg.beta1, cfg.beta2),
         eight_bit=False,  # --8bit_adam is SafeOptimizations' to pretest and switch (state carried over)
-        log=lambda m: console.print(f"[yellow]{escape(m)}[/]") if main else None,
+        log=lambda m: console.print(Text(m, style="yellow")) if main else None,
     )
     schedule = LRSchedule.from_config(choice.optimizer, cfg)
     plan = BatchPlan(
@@ -275,9 +298,12 @@ def _run(
         data.val, cfg.batch_size, cfg.eval_batches, rank=dist_info.rank, world_size=dist_info.world_size
     )
 
-    ckpt_dir = Path(cfg.checkpoint_dir)
+    found = None
     if main:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.resume:  # found and checked before anything in the folder changes: a refusal changes nothing
+            found = find_resume_checkpoint(ckpt_dir, log=log)
+            if found is not None:
+                check_model_config(found.checkpoint, model.config, found.path)
         _keep_tokenizer_beside(data.tokenizer_path, ckpt_dir, log)
     run_id = broadcast_object(dist_info, _new_run_id(model_id))
     artifacts = RunArtifacts(ckpt_dir / "runs" / run_id, rank=dist_info.rank)
@@ -326,6 +352,7 @@ def _run(
         if not main:
             return None
         path = ckpt_dir / (final_name(model_id) if final else step_name(model_id, tr.step))
+        check_finite_weights(payload["model"], tr.step)
         save_checkpoint(payload, path)
         removed = prune_checkpoints(ckpt_dir, model_id, cfg.keep_checkpoints)
         db_cb.export()
@@ -335,11 +362,11 @@ def _run(
     trainer.saver = saver
 
     resumed_from = None
+    resume_step = None
     if cfg.resume:
-        found = find_resume_checkpoint(ckpt_dir, log=log) if main else None
         path = broadcast_object(dist_info, str(found.path) if found else None)
         if path is None:
-            log(f"--resume: no valid checkpoint in {ckpt_dir}; starting from scratch")
+            log(f"--resume: no checkpoint in {ckpt_dir} yet; starting from scratch")
         else:
             if found is None:
                 from hydra_train.checkpoint import ResumePoint, load_checkpoint
@@ -347,12 +374,14 @@ def _run(
                 ck = load_checkpoint(path)
                 found = ResumePoint(Path(path), int(ck["step"]), ck)
             trainer.resume_from(found)
+            resume_step = found.step
             resumed_from = found.checkpoint.get("run_id")
             safe.checkpoint = f"{found.path}@{found.step}"  # a new checkpoint: pretests rerun
             log(f"resuming from {found.path} (step {found.step}, run {resumed_from})")
             found = None  # drop the loaded checkpoint's tensors
 
     if main:
+        settle_dead_runs(db, model_id, resume_step, log)
         db.upsert_model(model_id, cfg.model_size, n_params, n_params_ne, model.config.to_dict())
         db.start_run(
             run_id,
@@ -370,7 +399,11 @@ def _run(
     try:
         summary = trainer.train()
         if trainer.step > start_step:
-            summary["final_checkpoint"] = str(trainer.save_checkpoint(final=True))
+            try:
+                summary["final_checkpoint"] = str(trainer.save_checkpoint(final=True))
+            except BaseException:
+                trainer.status = summary["status"] = "failed"
+                raise
     finally:
         if not summary:
             summary = trainer.summary()

@@ -56,6 +56,7 @@ from hydra_train.distributed import (
     grad_sync,
     load_full_state,
 )
+from hydra_train.errors import HydraDivergedError
 from hydra_train.optim import LRSchedule
 from hydra_train.prefetch import Prefetcher
 
@@ -156,6 +157,8 @@ class Trainer:
         self._ema = torch.zeros(3, dtype=torch.float64, device=device)
         self._ema_count = torch.zeros((), dtype=torch.float64, device=device)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        # skipped steps in a row ending at the current step (on the device: read at log/save points)
+        self._streak = torch.zeros((), dtype=torch.int64, device=device)
         self._autocast_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
         self.last_log: dict[str, Any] = {}
@@ -250,6 +253,19 @@ class Trainer:
         self._ema = torch.where(finite, new, self._ema)
         self._ema_count = self._ema_count + f
         self._skipped = self._skipped + (~finite).to(torch.int64)
+        self._streak = torch.where(finite, torch.zeros_like(self._streak), self._streak + 1)
+
+    def check_skip_streak(self) -> None:
+        """Stop (:class:`HydraDivergedError`) once more than ``--max_skipped_steps`` optimizer steps in
+        a row were skipped for non-finite loss or gradients (one host sync)."""
+        streak = int(self._streak)
+        if streak > self.cfg.max_skipped_steps:
+            first = self.step - streak + 1
+            raise HydraDivergedError(
+                f"training diverged: {streak} steps in a row ({first}-{self.step}) had non-finite "
+                f"loss or gradients (limit --max_skipped_steps {self.cfg.max_skipped_steps}); stopped "
+                f"at step {self.step}. Lower --lr or --grad_clip and resume from the last checkpoint"
+            )
 
     def ema_values(self) -> list[float]:
         """Bias-corrected short/medium/long EMAs of the loss (syncs)."""
@@ -303,6 +319,9 @@ class Trainer:
                 steps_since_log += 1
                 self.callbacks.call("on_step_end", self.step, metrics)
                 last = self.step >= cfg.max_steps or self.stop_reason is not None
+                saving = bool(cfg.save_every) and self.step % cfg.save_every == 0
+                if self.step % cfg.log_every == 0 or last or saving:
+                    self.check_skip_streak()
                 if self.step % cfg.log_every == 0 or last:
                     row = self._log_row(self._mean_over_ranks(metrics))  # syncs
                     now = time.perf_counter()

@@ -62,7 +62,7 @@ def request_all(cfg: TrainConfig) -> TrainConfig:
 def build_trainer(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[Trainer, Callable, TrainConfig]:
     from hydra_train.run import (
         build_model,
-        check_model_config,
+        check_model_flags,
         choose_cpu_threads,
         device_info,
         load_run_data,
@@ -74,7 +74,7 @@ def build_trainer(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[Trainer
     device = pick_device(cfg.device)
     random_data = cfg.dataset in (RANDOM, "auto")
     cfg = resolve_config(cfg.replace(dataset="stdlib" if random_data else cfg.dataset), device_info(device))
-    check_model_config(cfg)  # a bad --model_size is reported before any data is read
+    check_model_flags(cfg)  # a bad --model_size is reported before any data is read
     if device.type == "cpu":
         torch.set_num_threads(choose_cpu_threads(cfg.cpu_threads)[0])
     seed_everything(cfg.seed)
