@@ -7,6 +7,7 @@ import torch
 
 from hydra_diag.loading import build_model
 from hydra_diag.moe_analysis import token_purity, weight_balance
+from hydra_train.checkpoint_digest import CHECKSUM_KEY, payload_digest
 
 from .conftest import TINY, VOCAB, assert_png, invoke, last_error_line, run_json
 
@@ -28,6 +29,7 @@ def test_weight_balance_matches_the_checkpoint_weights(runner, tiny_run, tmp_pat
 def test_a_planted_outlier_expert_is_flagged(tiny_run, tmp_path):
     ck = torch.load(tiny_run.final, weights_only=True)
     ck["model"]["blocks.1.mor.block.ffn.w_gate_up"][2] *= 5.0
+    ck[CHECKSUM_KEY] = payload_digest(ck)  # a planted checkpoint, written as hydra-train writes one
     path = tmp_path / "hydra_tiny_step99.pt"
     torch.save(ck, path)
     out = weight_balance(str(path))

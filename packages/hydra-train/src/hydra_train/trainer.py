@@ -288,14 +288,16 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         cfg = self.cfg
         self._session_start_step = self.step
-        self.callbacks.call("on_train_start", self)
-        if self.step == 0 and not self.state.val_history and self.val_batches:
-            self.evaluate_and_record()
-        t_start = time.perf_counter()
-        t_prev_step = t_last_log = t_start
         excluded = 0.0  # eval and save time inside the current log interval
         steps_since_log = 0
         try:
+            # inside the try: a Ctrl-C or SIGTERM during the pretests or the first evaluation
+            # still ends the run "interrupted" rather than leaving it "running"
+            self.callbacks.call("on_train_start", self)
+            if self.step == 0 and not self.state.val_history and self.val_batches:
+                self.evaluate_and_record()
+            t_start = time.perf_counter()
+            t_prev_step = t_last_log = t_start
             while self.step < cfg.max_steps and self.stop_reason is None:
                 batches = [self.loader.next() for _ in range(cfg.grad_accum)]
                 res = self.step_impl(batches)
