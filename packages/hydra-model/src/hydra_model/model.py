@@ -108,8 +108,13 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
 
     # --- forward --------------------------------------------------------------------------------
     def router_thresholds(self) -> list[RouterThreshold]:
-        """The causal routing points' thresholds (empty for other routings)."""
-        return [m for m in self.modules() if isinstance(m, RouterThreshold)]
+        """The causal routing points' thresholds (empty for other routings); found once (the
+        block structure never changes after construction) since every step asks."""
+        found = self.__dict__.get("_thresholds")
+        if found is None:
+            found = [m for m in self.modules() if isinstance(m, RouterThreshold)]
+            self.__dict__["_thresholds"] = found
+        return found
 
     def commit_router_thresholds(self, applied: torch.Tensor | None = None) -> None:
         """Fold the last training forward's router statistics into the causal thresholds; with
