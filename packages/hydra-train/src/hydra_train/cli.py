@@ -97,6 +97,8 @@ H = {
     "tensorboard": "Also log scalars to TensorBoard (run folder).",
     "wandb": "Also log to Weights & Biases (offline unless WANDB_MODE says otherwise).",
     "json_out": "Print the final summary as JSON instead of a table.",
+    "dry_run": "Print the resolved configuration and the optimizations that would be pretested, then "
+    "exit (no data, no model); --device cuda works without a GPU.",
     "start": "First step to show.",
     "limit": "At most this many rows, evenly spaced (0: all).",
 }
@@ -126,8 +128,8 @@ def run(
     keep_checkpoints: Annotated[int, _opt("--keep_checkpoints", help=H["keep_checkpoints"])] = 3,
     checkpoint_dir: CheckpointDir = "checkpoints",
     resume: Annotated[bool, _opt("--resume", help=H["resume"])] = False,
-    triton_kernels: TritonKernels = False,
-    chunked_ce: ChunkedCe = False,
+    triton_kernels: TritonKernels = None,
+    chunked_ce: ChunkedCe = None,
     dataset: Annotated[str, _opt("--dataset", help=H["dataset"])] = "auto",
     tokenizer: Annotated[str | None, _opt("--tokenizer", help=H["tokenizer"])] = None,
     text_column: Annotated[str, _opt("--text_column", help=H["text_column"])] = "text",
@@ -169,6 +171,7 @@ def run(
     pretest_steps: PretestSteps = 4,
     max_skipped_steps: MaxSkippedSteps = 3,
     debug: Debug = False,
+    dry_run: Annotated[bool, _opt("--dry_run", help=H["dry_run"])] = False,
 ) -> None:
     """Train a HYDRA model. With no options: the tiny preset on the Python standard library's own
     source (tokenizer built and cached on first use), a few minutes on a laptop CPU; on a GPU a larger
@@ -242,6 +245,9 @@ def run(
         pretest_steps=pretest_steps,
         max_skipped_steps=max_skipped_steps,
     )
+    if dry_run:
+        _print_dry_run(run_guarded(lambda: _dry_run(cfg), debug=debug, resume_hint=""), json_out)
+        return
     summary = run_guarded(
         lambda: run_training(cfg, console=err_console if json_out else console),
         debug=debug,
@@ -262,6 +268,30 @@ def run(
     table.add_column(overflow="fold")  # long paths wrap whole at 80 columns, never cut
     for k, v in summary_rows(summary):
         table.add_row(k, Text(v))  # literal: a path with "[...]" is not markup
+    console.print(table)
+
+
+def _dry_run(cfg):
+    from hydra_train.dry_run import dry_run
+
+    return dry_run(cfg)
+
+
+def _print_dry_run(report: dict, json_out: bool) -> None:
+    if json_out:
+        emit_json(report)
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"hydra-train run --dry_run ({report['device_note']})", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for k, v in report["fast_path"].items():
+        table.add_row(k, Text(str(v)))
+    table.add_row("requested (pretested where they apply)", Text(", ".join(report["would_pretest"]) or "-"))
+    for k in ("arch", "model_size", "batch_size", "seq_len", "max_steps", "lr", "dataset"):
+        table.add_row(k, Text(str(report["config"].get(k))))
     console.print(table)
 
 

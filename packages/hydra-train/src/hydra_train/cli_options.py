@@ -80,8 +80,12 @@ StaticRouting = Annotated[
     ),
 ]
 ChunkedCe = Annotated[
-    bool,
-    opt("--chunked_ce", help="Loss via hydra_kernels.linear_cross_entropy: no full [tokens, vocab] logits."),
+    bool | None,
+    switch(
+        "chunked_ce",
+        "Loss via hydra_kernels.linear_cross_entropy: no full [tokens, vocab] logits "
+        "(default: on with CUDA, off on the CPU).",
+    ),
 ]
 CheckpointEvery = Annotated[
     int,
@@ -91,8 +95,12 @@ CheckpointEvery = Annotated[
     ),
 ]
 TritonKernels = Annotated[
-    bool,
-    opt("--triton_kernels", help="Use hydra-kernels' fused Triton ops (otherwise the PyTorch references)."),
+    bool | None,
+    switch(
+        "triton_kernels",
+        "hydra-kernels' fused Triton ops, otherwise the PyTorch references (default: on with "
+        "CUDA, pretested by SafeOptimizations; off on the CPU).",
+    ),
 ]
 Compile = Annotated[bool, opt("--compile", help="torch.compile the model.")]
 EightBitAdam = Annotated[

@@ -43,7 +43,8 @@ class TrainConfig:
     moe: bool = False
     moe_num_experts: int = 4
     static_routing_mode: bool = False
-    chunked_ce: bool = False
+    #: fused linear + cross-entropy; None = on with CUDA, off on the CPU (the fast path by default)
+    chunked_ce: bool | None = None
     vocab_size: int | None = None
     model_overrides: dict[str, Any] = field(default_factory=dict)
     # run length and batch
@@ -67,7 +68,8 @@ class TrainConfig:
     eight_bit_adam: bool = False
     # memory and speed
     checkpoint_every: int = 0
-    triton_kernels: bool = False
+    #: hydra-kernels' Triton ops; None = on with CUDA (pretested by SafeOptimizations), off on the CPU
+    triton_kernels: bool | None = None
     compile: bool = False
     precision: str = "auto"
     device: str = "auto"
@@ -312,6 +314,10 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
         out.lr = _LR_BY_SIZE.get(out.model_size, base["lr"])
     if out.warmup_steps is None:
         out.warmup_steps = max(1, min(1000, out.max_steps // 20))
+    if out.triton_kernels is None:
+        out.triton_kernels = kind == "cuda"
+    if out.chunked_ce is None:
+        out.chunked_ce = kind == "cuda"
     if out.precision == "auto":
         out.precision = "bf16" if (kind == "cuda" and dev.bf16_supported) else "fp32"
     if out.precision == "bf16" and kind != "cuda":
