@@ -7,6 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from hydra_kernels import linear_cross_entropy
+
+#: targets with this value are left out of the loss (padding, prompt tokens)
+IGNORE_INDEX = -100
 
 
 class DecoderMixin:
@@ -14,6 +20,32 @@ class DecoderMixin:
     with a ``config`` that footprint.py, generation.py and persistence.py understand."""
 
     config: Any
+    embed: torch.nn.Embedding
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (the tied LM head counts once, with the embedding)."""
+        seen = {id(p): p for p in self.parameters()}
+        total = sum(p.numel() for p in seen.values())
+        return total - self.embed.weight.numel() if exclude_embeddings else total
+
+    def head_and_loss(
+        self, h: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Final hidden states h [B, S, E] → (logits [B, S, V] or None, mean cross-entropy) through
+        the tied LM head; ``config.use_chunked_ce`` fuses head and loss
+        (``hydra_kernels.linear_cross_entropy``: no [tokens, vocab] logits)."""
+        cfg = self.config
+        if cfg.use_chunked_ce:
+            hid, weight = h.reshape(-1, cfg.dim), self.embed.weight
+            if torch.is_autocast_enabled(h.device.type):  # custom op: cast as autocast would
+                dt = torch.get_autocast_dtype(h.device.type)
+                hid, weight = hid.to(dt), weight.to(dt)
+            return None, linear_cross_entropy(hid, weight, targets.reshape(-1), ignore_index=IGNORE_INDEX)
+        logits = F.linear(h, self.embed.weight)
+        ce = F.cross_entropy(
+            logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=IGNORE_INDEX
+        )
+        return logits, ce
 
     def flops_per_token(self, seq_len: int, executed: bool = True) -> float:
         """Training FLOPs (forward + backward ≈ 3× forward) per token at ``seq_len``, attention

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hydra_kernels import fused_add_rms_norm, linear_cross_entropy
+from hydra_kernels import fused_add_rms_norm
 from hydra_model.cache import CacheSlot, ModelCache
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.checkpointing import GradientCheckpointMixin
@@ -53,7 +53,7 @@ from hydra_model.decoder import DecoderMixin
 from hydra_model.gpt_config import GPTConfig, gpt_config
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from hydra_model.model import IGNORE_INDEX, HydraOutput
+from hydra_model.model import HydraOutput
 
 
 class GPTLayer(nn.Module):
@@ -141,27 +141,10 @@ class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
 
         if targets is None:
             return HydraOutput(logits=F.linear(h, self.embed.weight))
-        if cfg.use_chunked_ce:
-            logits = None
-            hid, weight = h.reshape(-1, cfg.dim), self.embed.weight
-            if torch.is_autocast_enabled(h.device.type):  # custom op: cast as autocast would
-                dt = torch.get_autocast_dtype(h.device.type)
-                hid, weight = hid.to(dt), weight.to(dt)
-            ce = linear_cross_entropy(hid, weight, targets.reshape(-1), ignore_index=IGNORE_INDEX)
-        else:
-            logits = F.linear(h, self.embed.weight)
-            ce = F.cross_entropy(
-                logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=IGNORE_INDEX
-            )
+        logits, ce = self.head_and_loss(h, targets)
         return HydraOutput(logits=logits, loss=ce, ce_loss=ce)
 
     # --- introspection --------------------------------------------------------------------------
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Distinct parameters (the tied LM head counts once, with the embedding)."""
-        seen = {id(p): p for p in self.parameters()}
-        total = sum(p.numel() for p in seen.values())
-        return total - self.embed.weight.numel() if exclude_embeddings else total
-
     def moe_layers(self) -> list[nn.Module]:
         """No mixture-of-experts layers (the trainer asks every model)."""
         return []

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hydra_kernels import linear_cross_entropy
 from hydra_model.blocks import AuxLists, CCGQAMoDBlockWrapper, RunContext, merge_aux
 from hydra_model.cache import ModelCache
 from hydra_model.causal_routing import RouterThreshold
@@ -21,8 +20,6 @@ from hydra_model.decoder import DecoderMixin
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from hydra_model.moe import MoEFFN
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -169,18 +166,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
 
         if targets is None:
             return HydraOutput(logits=F.linear(h, self.embed.weight))
-        if cfg.use_chunked_ce:
-            logits = None
-            hid, weight = h.reshape(-1, cfg.dim), self.embed.weight
-            if torch.is_autocast_enabled(h.device.type):  # custom op: cast as autocast would
-                dt = torch.get_autocast_dtype(h.device.type)
-                hid, weight = hid.to(dt), weight.to(dt)
-            ce = linear_cross_entropy(hid, weight, targets.reshape(-1), ignore_index=IGNORE_INDEX)
-        else:
-            logits = F.linear(h, self.embed.weight)
-            ce = F.cross_entropy(
-                logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=IGNORE_INDEX
-            )
+        logits, ce = self.head_and_loss(h, targets)
         aux_losses = {name: torch.stack(vals).mean() for name, vals in aux_lists.items()}
         weights = aux_loss_weights(cfg)
         loss = ce
@@ -190,12 +176,6 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         return HydraOutput(logits=logits, loss=loss, ce_loss=ce, aux_losses=aux_losses)
 
     # --- introspection --------------------------------------------------------------------------
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Distinct parameters (the tied LM head counts once, with the embedding)."""
-        seen = {id(p): p for p in self.parameters()}
-        total = sum(p.numel() for p in seen.values())
-        return total - self.embed.weight.numel() if exclude_embeddings else total
-
     def routing_stats(self) -> dict[str, list[dict[str, Any]]]:
         """Per-layer routing statistics of the last forward, as detached tensors (no host sync)."""
         out: dict[str, list[dict[str, Any]]] = {"mod": [], "mor": [], "moe": []}
