@@ -242,8 +242,9 @@ def test_corpus_roots_option(tmp_path):
 
 
 def test_router_thresholds_commit_once_per_optimizer_step(bigram, monkeypatch):
-    """HYDRA's causal-routing thresholds move after every optimizer step, as in hydra-train (the
-    model is switched to manual commits, so no forward commits on its own)."""
+    """HYDRA's causal-routing thresholds move once per optimizer step: the model's default commit
+    at the start of each training forward (inside the compiled code on a GPU); evaluations, in
+    either routing mode, commit nothing."""
     from hydra_model import CCGQAMoDMoRModel
 
     calls: list[str] = []
@@ -258,4 +259,4 @@ def test_router_thresholds_commit_once_per_optimizer_step(bigram, monkeypatch):
     cfg = resolve_configs(["hydra"], [("hydra", HYDRA_TINY)], lr=1e-3, compile_default="model")[0]
     result = race_one(cfg, bigram(), settings, torch.device("cpu"), say=str, tick=lambda info: None)
     assert result["steps"] >= 1
-    assert calls == ["manual"] * (settings.warmup_steps + result["steps"])
+    assert calls == ["forward"] * (settings.warmup_steps + result["steps"])

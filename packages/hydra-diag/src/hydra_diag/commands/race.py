@@ -85,7 +85,7 @@ def run_cmd(
             "--set",
             help="CONFIG.FIELD=VALUE (repeatable; CONFIG a name or a wildcard such as * or hydra*): a "
             "model-config field (hydra.mod_capacity=0.125, '*.use_chunked_ce=true'), or the race's own "
-            "lr or compile (model, blocks, none) for those configurations. A later --set wins.",
+            "lr or compile (graphs, model, blocks, none) for those configurations. A later --set wins.",
         ),
     ] = None,
     lr: Annotated[float, opt("--lr", help="Peak learning rate of every configuration.", min=0.0)] = 6e-4,
@@ -109,8 +109,13 @@ def run_cmd(
     ] = None,
     no_compile: Annotated[bool, opt("--no_compile", help="Eager on CUDA too (CPU is always eager).")] = False,
     compile_scope: Annotated[
-        str, opt("--compile_scope", help="model (torch.compile the whole model) or blocks (each block).")
-    ] = "model",
+        str,
+        opt(
+            "--compile_scope",
+            help="graphs (torch.compile the whole model, replayed as CUDA graphs), model (compiled, "
+            "no graphs) or blocks (each block compiled).",
+        ),
+    ] = "graphs",
     dataset: Annotated[
         str, opt("--dataset", help="pyenv, or any hydra-train --dataset (shard folder ...).")
     ] = "pyenv",
@@ -145,8 +150,10 @@ def run_cmd(
     from hydra_diag.race.progress import RaceProgress
     from hydra_diag.race.runner import resolve_device, run_race
 
-    if compile_scope not in COMPILE_CHOICES[:2]:
-        raise typer.BadParameter(f"{compile_scope!r}: use model or blocks", param_hint="--compile-scope")
+    if compile_scope not in COMPILE_CHOICES[:3]:
+        raise typer.BadParameter(
+            f"{compile_scope!r}: use graphs, model or blocks", param_hint="--compile-scope"
+        )
 
     def go():
         dev = resolve_device(device)

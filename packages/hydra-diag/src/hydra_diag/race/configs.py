@@ -7,8 +7,9 @@ configuration, edit :data:`RACE_CONFIGS`; nothing else names them.
 ``--set`` items are ``CONFIG.FIELD=VALUE``: CONFIG is a name or a shell-style wildcard over the
 names (``*`` every configuration, ``hydra*`` every HYDRA one); VALUE is read as JSON (``true``,
 ``0.125``, ``"ccgqa"``) else kept as text; a later item wins. Two fields belong to the race rather
-than the model: ``lr`` (that configuration's peak learning rate) and ``compile``
-(``model``, ``blocks`` or ``none``; see :mod:`hydra_diag.race.loop`).
+than the model: ``lr`` (that configuration's peak learning rate) and ``compile`` (``model``,
+``graphs`` = the model compiled and replayed as CUDA graphs, ``blocks`` or ``none``; see
+:mod:`hydra_diag.race.loop`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ RACE_CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
 }
 DEFAULT_CONFIGS = ("gpt", "hydra")
 RACE_FIELDS = ("lr", "compile")
-COMPILE_CHOICES = ("model", "blocks", "none")
+COMPILE_CHOICES = ("model", "graphs", "blocks", "none")
 
 
 @dataclass

@@ -2,17 +2,19 @@
 clock with evaluations at fixed points of training time (clock paused while they run).
 
 Setup: the model is built (seeded), moved to the device, compiled (CUDA: ``torch.compile`` of the
-whole model by default; ``blocks`` compiles each attention+FFN block with dynamic shapes, as
-hydra-train's ``--compile_scope blocks`` does; the CPU runs eager fp32), and ``warmup_steps``
-training steps run so that compilation and autotuning happen now. Then every parameter and buffer
-is copied back IN PLACE to its value from before the warm-up (compiled code keeps referencing the
-same tensors), the optimizer is built afresh and the clock starts. ``setup_s`` is all of that.
+whole model replayed as CUDA graphs by default (``graphs``; ``model`` compiles without graphs,
+which leaves HYDRA's many small kernels waiting on the host); ``blocks`` compiles each
+attention+FFN block with dynamic shapes, as hydra-train's ``--compile_scope blocks`` does; the
+CPU runs eager fp32), and ``warmup_steps`` training steps run so that compilation and
+autotuning happen now. Then every parameter and buffer is copied back IN PLACE to its value from
+before the warm-up (compiled code keeps referencing the same tensors), the optimizer is built
+afresh and the clock starts. ``setup_s`` is all of that.
 
 Training step: bf16 autocast on CUDA, ``out.loss.backward()`` (CE plus the model's weighted
 auxiliary losses), gradient-norm clip, AdamW (betas 0.9/0.95, weight decay on matrices only, fused
 on CUDA; hydra-train's ``build_optimizer``), learning rate from :mod:`hydra_diag.race.schedule` at
-the clock's reading, then (HYDRA's causal routing) the router thresholds committed, as
-hydra-train's trainer does after each optimizer step. Nothing is read back to the host per step;
+the clock's reading; HYDRA's causal routing thresholds are committed at the start of the next
+training forward (the model's default), inside the compiled code. Nothing is read back to the host per step;
 the clock is read on the host and ``torch.cuda.synchronize()`` runs at every clock boundary
 (evaluations, the end), so the recorded training seconds include all GPU work of the steps.
 
@@ -112,6 +114,8 @@ def compile_entrant(model: torch.nn.Module, scope: str):
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if scope == "model":
         return torch.compile(model)
+    if scope == "graphs":  # the whole model compiled and replayed as CUDA graphs (static shapes)
+        return torch.compile(model, mode="reduce-overhead")
     from hydra_train.safe_opts.toggles import compile_units
 
     for unit in compile_units(model):
@@ -180,11 +184,10 @@ def race_one(
     scope = cfg.compile if (cuda and s.compile) else "none"
     fwd = compile_entrant(model, scope) if scope != "none" else model
     params = [p for p in model.parameters() if p.requires_grad]
-    # causal routing thresholds move once per optimizer step, after it, as hydra-train's trainer
-    # does (the model's default commits inside the next training forward instead)
-    commit_thresholds = getattr(model, "commit_router_thresholds", None)
-    if commit_thresholds is not None:
-        model.threshold_commit = "manual"
+    # causal routing thresholds move once per optimizer step: the model's default commits the
+    # last step's record at the start of the next training forward, inside the compiled (and
+    # graphed) code; committing eagerly after the step instead cost ~40 small launches per routing
+    # point, host time that an H100 profile (race_profile.py) showed the GPU waiting on
 
     def new_optimizer():
         return build_optimizer(model, lr=cfg.lr, weight_decay=s.weight_decay, betas=BETAS, log=say)
@@ -195,16 +198,16 @@ def race_one(
             x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         for g in opt.param_groups:
             g["lr"] = lr
+        if scope == "graphs":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten
         with autocast(device):
             out = fwd(x, targets=y)
         out.loss.backward()
         if s.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         opt.step()
-        if commit_thresholds is not None:
-            commit_thresholds()
         opt.zero_grad(set_to_none=True)
-        return out.ce_loss.detach()
+        return out.ce_loss.detach().clone()  # a graph replay reuses the output's memory
 
     choice = new_optimizer()
     for i in range(s.warmup_steps):
