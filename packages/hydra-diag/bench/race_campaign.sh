@@ -9,7 +9,8 @@
 # Settings (environment): RACE_DIR (/tmp/race), SIZE (100M), SHORT (120) and LONG (600) budgets
 # in seconds, EXTRA (extra `race run` options, e.g. for a CPU dry run: "--device cpu
 # --seq_len 64 --batch_size 2 --val_windows 4"), LANE0 / LANE1 (space-separated
-# CONFIG:BUDGET items; `inference` runs `bench inference` on that lane's GPU), MIN_EPOCH_S (the
+# CONFIG:BUDGET items; `inference` runs `bench inference` on that lane's GPU; LANE1= (empty) on a
+# one-GPU machine), MIN_EPOCH_S (the
 # training split must last at least this many seconds at 520K tokens/s, else the source
 # extensions below are added), CORPUS (options naming other source trees, e.g. for a dry run
 # "--corpus_root /some/small/tree").
@@ -22,8 +23,8 @@ EXTRA=${EXTRA:-}
 CORPUS=${CORPUS:-}
 MIN_EPOCH_S=${MIN_EPOCH_S:-660}
 WIDE_EXT=${WIDE_EXT:-py,pyi,c,h,cc,cpp,hpp,cu,cuh,md,rst,txt}
-LANE0=${LANE0:-"gpt:$SHORT gpt:$LONG inference hydra-no-mod:$SHORT gpt-ccgqa:$SHORT hydra-expert-choice:$SHORT"}
-LANE1=${LANE1:-"hydra:$SHORT hydra:$LONG hydra-no-mor:$SHORT hydra-routing-off:$SHORT hydra-v1:$SHORT"}
+LANE0=${LANE0-"gpt:$SHORT gpt:$LONG inference hydra-no-mod:$SHORT gpt-ccgqa:$SHORT hydra-expert-choice:$SHORT"}
+LANE1=${LANE1-"hydra:$SHORT hydra:$LONG hydra-no-mor:$SHORT hydra-routing-off:$SHORT hydra-v1:$SHORT"}
 mkdir -p "$RACE_DIR"
 stamp() { date -u +%H:%M:%S; }
 
