@@ -157,8 +157,10 @@ def _mixed_model(**overrides):
     return model
 
 
-def test_training_forward_is_causal_and_routing_mixes():
-    model = _mixed_model()
+@pytest.mark.parametrize("recursions", [3, 1])
+def test_training_forward_is_causal_and_routing_mixes(recursions):
+    """Also with one recursion per block (MoD only, no MoR router: the 100M preset's layout)."""
+    model = _mixed_model(recursions_per_block=recursions)
     x = random_tokens(2, 29, seed=11)
     with torch.no_grad():
         ref = model(x).logits
@@ -169,7 +171,10 @@ def test_training_forward_is_causal_and_routing_mixes():
             got = model(x2).logits
             torch.testing.assert_close(got[:, : t + 1], ref[:, : t + 1], atol=1e-5, rtol=0)
     assert 0 < stats["mod"][0]["selected_frac"] < 1
-    assert any(1 < s["avg_depth"] < 3 for s in stats["mor"])
+    if recursions > 1:
+        assert any(1 < s["avg_depth"] < 3 for s in stats["mor"])
+    else:
+        assert stats["mor"] == [] and not any("router" in n for n, _ in model.blocks[0].mor.named_parameters())
 
 
 def test_training_forward_with_gradients_is_causal_too():
@@ -185,7 +190,9 @@ def test_training_forward_with_gradients_is_causal_too():
     torch.testing.assert_close(got[:, :15], ref[:, :15], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"moe_enabled": True, "moe_num_experts": 3}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"moe_enabled": True, "moe_num_experts": 3}, {"recursions_per_block": 1}]
+)
 def test_eval_routes_exactly_as_training(overrides):
     model = _mixed_model(**overrides)
     x, y = random_tokens(3, 31, seed=21), random_tokens(3, 31, seed=22)

@@ -16,9 +16,9 @@ from hydra_model.cache import CacheSlot
 E, HQ, HKV, D, R = 40, 4, 2, 10, 4  # latent q width 40 (C = 1), kv width 20, head size 10
 
 
-def make_attention(seed=0, k_seq=2, k_ch=2, rotary=R) -> CCGQAAttention:
+def make_attention(seed=0, k_seq=2, k_ch=2, rotary=R, conv_impl="headwise") -> CCGQAAttention:
     torch.manual_seed(seed)
-    attn = CCGQAAttention(E, HQ, HKV, D, rotary, k_seq, k_ch)
+    attn = CCGQAAttention(E, HQ, HKV, D, rotary, k_seq, k_ch, conv_impl=conv_impl)
     with torch.no_grad():  # non-trivial biases and temperatures, so the reference has to use them
         attn.conv_seq.bias.normal_()
         attn.conv_ch.bias.normal_()
@@ -95,9 +95,10 @@ def run(attn, x, pos, **kw):
     return attn(x, cos, sin, **kw)
 
 
+@pytest.mark.parametrize("conv_impl", ccgqa_mod.CONV_IMPLS)
 @pytest.mark.parametrize(("k_seq", "k_ch", "rotary"), [(2, 2, R), (3, 2, R), (1, 3, 0), (2, 1, D)])
-def test_matches_independent_fp64_reference(k_seq, k_ch, rotary):
-    attn = make_attention(k_seq=k_seq, k_ch=k_ch, rotary=rotary)
+def test_matches_independent_fp64_reference(k_seq, k_ch, rotary, conv_impl):
+    attn = make_attention(k_seq=k_seq, k_ch=k_ch, rotary=rotary, conv_impl=conv_impl)
     x = torch.randn(2, 11, E)
     pos = torch.tensor([[0, 1, 2, 4, 7, 8, 9, 15, 16, 20, 33], list(range(11))])  # original positions
     torch.testing.assert_close(run(attn, x, pos).double(), reference(attn, x, pos), atol=2e-5, rtol=2e-5)
@@ -115,8 +116,9 @@ def test_latent_widths():
     assert torch.equal(CCGQAAttention(E, HQ, HKV, D, R).temperature, torch.zeros(HKV))
 
 
-def test_conv_and_attention_are_causal():
-    attn = make_attention(k_seq=3, k_ch=3)
+@pytest.mark.parametrize("conv_impl", ccgqa_mod.CONV_IMPLS)
+def test_conv_and_attention_are_causal(conv_impl):
+    attn = make_attention(k_seq=3, k_ch=3, conv_impl=conv_impl)
     x = torch.randn(2, 12, E)
     pos = torch.arange(12).expand(2, 12)
     y = run(attn, x, pos)
@@ -140,8 +142,9 @@ class Capture:
         monkeypatch.setattr(ccgqa_mod, "flexible_attention", spy)
 
 
-def test_value_shift_qk_mean_and_temperature(monkeypatch):
-    attn = make_attention(rotary=0)
+@pytest.mark.parametrize("conv_impl", ccgqa_mod.CONV_IMPLS)
+def test_value_shift_qk_mean_and_temperature(monkeypatch, conv_impl):
+    attn = make_attention(rotary=0, conv_impl=conv_impl)
     with torch.no_grad():  # silence the convs: q, k are then exactly the normalised q-k means
         for conv in (attn.conv_seq, attn.conv_ch):
             conv.weight.zero_()
@@ -170,10 +173,11 @@ def test_value_shift_qk_mean_and_temperature(monkeypatch):
     assert torch.count_nonzero(vv[:, 0, half:]) == 0
 
 
-def test_decoding_with_cache_equals_full_forward_of_the_member_tokens():
+@pytest.mark.parametrize("conv_impl", ccgqa_mod.CONV_IMPLS)
+def test_decoding_with_cache_equals_full_forward_of_the_member_tokens(conv_impl):
     """Prefill from a prefix-member sequence, then decode with some tokens skipping the layer: each
     written token's output equals a fresh full forward over that sequence's held tokens."""
-    attn = make_attention(k_seq=3, k_ch=2).double()
+    attn = make_attention(k_seq=3, k_ch=2, conv_impl=conv_impl).double()
     torch.manual_seed(5)
     b, n = 2, 7
     x = torch.randn(b, n, E, dtype=torch.float64)
@@ -228,6 +232,56 @@ def test_folded_conv_weight_equals_the_two_convolutions(heads, d, k_seq, k_ch):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize(
+    ("heads", "d", "k_seq", "k_ch"), [(3, 5, 2, 2), (5, 4, 3, 2), (2, 6, 1, 3), (4, 3, 2, 1)]
+)
+def test_headwise_conv_weight_equals_the_two_convolutions(heads, d, k_seq, k_ch):
+    """headwise_qk_weight (one GEMM per head) against F.conv1d (depthwise, then head-wise grouped)
+    in fp64 on unpadded windows; gradients of the conv parameters flow through the folding."""
+    g = torch.Generator().manual_seed(heads * 7 + d)
+    c, k_total = heads * d, k_seq + k_ch - 1
+    w1 = torch.randn(c, 1, k_seq, generator=g, dtype=torch.float64, requires_grad=True)
+    b1 = torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(c, d, k_ch, generator=g, dtype=torch.float64, requires_grad=True)
+    b2 = torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True)
+    win = torch.randn(2, 9 + k_total - 1, c, generator=g, dtype=torch.float64)  # [B, n + K−1, C]
+    ref = torch.nn.functional.conv1d(
+        torch.nn.functional.conv1d(win.transpose(1, 2), w1, b1, groups=c), w2, b2, groups=heads
+    ).transpose(1, 2)
+    weight, bias = ccgqa_mod.headwise_qk_weight(w1, b1, w2, b2)
+    assert weight.shape == (heads, d, d * k_total)
+    taps = win.unfold(1, k_total, 1).reshape(2, 9, heads, d * k_total)
+    got = (torch.einsum("bngk,gok->bngo", taps, weight) + bias.view(heads, d)).reshape(2, 9, c)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    params = (w1, b1, w2, b2)
+    want = torch.autograd.grad(ref, params, grad)
+    have = torch.autograd.grad(got, params, grad)
+    for a, b in zip(have, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_conv_impls_agree_on_outputs_and_gradients():
+    """The two forms of the conv stage are the same function of the same parameters."""
+    torch.manual_seed(3)
+    a = CCGQAAttention(48, 6, 2, 8, 4, 2, 2, conv_impl="headwise").double()
+    b = CCGQAAttention(48, 6, 2, 8, 4, 2, 2, conv_impl="folded").double()
+    with torch.no_grad():  # non-trivial biases, so both folds must carry them
+        a.conv_seq.bias.copy_(torch.linspace(-1, 1, a.qk_channels))
+        a.conv_ch.bias.normal_()
+    b.load_state_dict(a.state_dict())
+    rope = RotaryEmbedding(4, 32)
+    x = torch.randn(3, 13, 48, dtype=torch.float64)
+    outs = [m(x, *rope.tables(13)) for m in (a, b)]
+    # the QK norm and RoPE ops keep fp32 statistics and tables: the two sums of the same fp64
+    # terms can round differently there, hence fp32-level tolerances (a wrong fold is off by O(1))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-5)
+    g = torch.randn_like(outs[0])
+    grads = [torch.autograd.grad(o, list(m.parameters()), g) for o, m in zip(outs, (a, b), strict=True)]
+    for ga, gb in zip(*grads, strict=True):
+        torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-4)
+
+
 def test_qk_mean_matrix_matches_the_head_formula():
     hq, hkv, d = 6, 2, 3
     m = ccgqa_mod.qk_mean_matrix(hq, hkv, d).double()
@@ -245,8 +299,8 @@ def test_folded_weight_is_built_once_per_decoding_slot_and_per_call_elsewhere(mo
     rope = RotaryEmbedding(4, 16)
     x = torch.randn(2, 9, 24)
     built = []
-    real = ccgqa_mod.folded_qk_weight
-    monkeypatch.setattr(ccgqa_mod, "folded_qk_weight", lambda *a: built.append(1) or real(*a))
+    real = ccgqa_mod.headwise_qk_weight
+    monkeypatch.setattr(ccgqa_mod, "headwise_qk_weight", lambda *a: built.append(1) or real(*a))
     with torch.no_grad():
         attn(x, *rope.tables(9))
         attn(x, *rope.tables(9))

@@ -35,7 +35,7 @@ def test_info_rows_add_up():
     data = json.loads(res.stdout)
     assert sum(r["parameters"] for r in data["parameter_rows"]) == data["parameters"]
     assert sum(r["flops"] for r in data["flops_rows"]) == pytest.approx(data["flops_per_token_executed"])
-    assert len([r for r in data["flops_rows"] if r["name"].startswith("block")]) == 24  # 12 × 2
+    assert len([r for r in data["flops_rows"] if r["name"].startswith("block")]) == 12  # 12 × 1
     static = json.loads(
         runner.invoke(
             app, ["info", "--model-size", "debug", "--set", "static_routing_mode=true", "--json"]

@@ -16,7 +16,7 @@ from hydra_model import (
     create_ccgqa_mod_mor_model,
     preset_config,
 )
-from hydra_model.config import HYDRA_V1_100M
+from hydra_model.config import HYDRA_V1_100M, HYDRA_V2_100M
 
 
 def _meta_params(name: str, **kw) -> int:
@@ -41,7 +41,8 @@ def _hand_count(cfg: HydraConfig) -> int:
         + cfg.n_kv_heads
         + q * e
     )
-    block = 2 * e + attn + 3 * e * cfg.mlp_hidden + (e * cfg.recursions_per_block + cfg.recursions_per_block)
+    mor_router = (e + 1) * cfg.recursions_per_block if cfg.recursions_per_block > 1 else 0
+    block = 2 * e + attn + 3 * e * cfg.mlp_hidden + mor_router
     mod_routers = sum(e + 1 for i in range(cfg.n_mor_blocks) if cfg.mod_routed(i))
     return cfg.vocab_size * e + cfg.n_mor_blocks * block + mod_routers + e
 
@@ -59,7 +60,7 @@ def test_preset_widths_and_hand_count(name):
 def test_seed_table_dims_and_depths():
     table = {
         "debug": (512, 2, 2),
-        "100M": (768, 12, 2),  # changed from the seed's 8 × 4 for the race (config.py)
+        "100M": (768, 12, 1),  # changed from the seed's 8 × 4 by the races (config.py)
         "250M": (1024, 10, 4),
         "500M": (1280, 16, 4),
         "1B": (1792, 20, 4),
@@ -114,11 +115,15 @@ def test_validation_names_the_bad_field(overrides, fragment):
 
 def test_derived_widths():
     cfg = preset_config("100M")
-    assert (cfg.head_dim, cfg.q_latent_dim, cfg.kv_latent_dim) == (64, 256, 128)
+    assert (cfg.head_dim, cfg.q_latent_dim, cfg.kv_latent_dim) == (64, 768, 256)
     assert cfg.rotary_dim == 32
-    assert cfg.mor_capacity_schedule == (1.0, 0.5)
-    assert cfg.mlp_hidden == math.ceil(3.25 * 768 / 64) * 64
+    assert cfg.mor_capacity_schedule == (1.0,) and not cfg.mor_routed  # one recursion: no MoR router
+    assert cfg.mlp_hidden == 2048
     assert [i for i in range(12) if cfg.mod_routed(i)] == [1, 3, 5, 7, 9]  # every other, not the last
+    v2 = HydraConfig(**HYDRA_V2_100M)
+    assert (v2.head_dim, v2.q_latent_dim, v2.kv_latent_dim) == (64, 256, 128)
+    assert v2.mor_capacity_schedule == (1.0, 0.5) and v2.mor_routed
+    assert v2.mlp_hidden == math.ceil(3.25 * 768 / 64) * 64
     v1 = HydraConfig(**HYDRA_V1_100M)
     assert v1.mor_capacity_schedule == (1.0, 0.75, 0.5, 0.25)
     assert v1.mlp_hidden == math.ceil(16 / 3 * 768 / 64) * 64

@@ -123,10 +123,11 @@ def test_bad_calls_are_refused():
         model.train()(random_tokens(1, 3), cache=ModelCache(capacity=8))
 
 
-def test_compiles_fullgraph_without_graph_breaks():
+@pytest.mark.parametrize("recursions", [2, 1])
+def test_compiles_fullgraph_without_graph_breaks(recursions):
     """Dynamic routing in training (top-k, gather/scatter, statistics buffers) traces as one graph
-    and matches eager in loss and gradients."""
-    model = small_model(n_mor_blocks=1, recursions_per_block=2, mod_dense_first_last=False).train()
+    and matches eager in loss and gradients (MoD + MoR, and MoD alone as in the 100M preset)."""
+    model = small_model(n_mor_blocks=1, recursions_per_block=recursions, mod_dense_first_last=False).train()
     x, y = random_tokens(2, 12), random_tokens(2, 12, seed=2)
     model.threshold_commit = "manual"  # no commits: both forwards route with the same thresholds
     eager = model(x, targets=y)

@@ -129,6 +129,42 @@ def test_build_cache_hit_and_shards_match_direct_encoding(tmp_path):
     assert sum(more.tokens.values()) > sum(touched.tokens.values())
 
 
+def test_identical_files_are_tokenized_once_training_split_first(tmp_path):
+    """A file whose bytes equal another's is left out: of training copies all but the first in
+    hash order, and every validation copy of a training file; counted in the description."""
+    root = _tree(tmp_path / "tree")
+    roots = _roots(root)
+    split = split_sources(scan_sources(roots, ("py",)))
+    train_src, val_src = split["train"][3], split["val"][0]
+    # copies under new names: two of a training file, one of a validation file, one of a training
+    # file that will sort into validation (found by trying names)
+    copies = {"dup_a.py": train_src, "dup_b.py": train_src, "dup_c.py": val_src}
+    name = next(
+        f"x{i}.py" for i in range(500) if is_validation_path(f"stdlib/pkg0/x{i}.py")
+    )
+    copies[name] = train_src
+    for fn, src in copies.items():
+        (root / "lib" / "pkg0" / fn).write_bytes(Path(src.path).read_bytes())
+    built = load_pyenv_corpus(
+        vocab_size=VOCAB, roots=roots, cache=tmp_path / "cache", sample_chars=50_000, log=lambda m: None
+    )
+    assert sum(built.duplicates.values()) == 4
+    assert built.files["train"] + built.files["val"] == 82  # as without the copies
+    assert built.duplicates["val"] >= 1  # the training file's copy sorted into validation
+    assert "4 duplicate files left out" in built.describe()
+    # shards: each distinct text once; validation holds no training document
+    tok = load_tokenizer(built.tokenizer_path)
+    train_ids = np.asarray(open_shard(built.folder / "train.bin").tokens)
+    val_ids = np.asarray(open_shard(built.folder / "val.bin").tokens)
+    doc = encode_documents(tok, [Path(train_src.path).read_text()])
+    hits = [i for i in range(train_ids.size - doc.size + 1) if train_ids[i] == doc[0]
+            and np.array_equal(train_ids[i : i + doc.size], doc)]
+    assert len(hits) == 1
+    assert not any(
+        np.array_equal(val_ids[i : i + doc.size], doc) for i in range(val_ids.size - doc.size + 1)
+    )
+
+
 def test_real_stdlib_subset_is_deterministic(tmp_path):
     """A few real standard-library packages (bounded size): two builds in two caches agree."""
     std = Path(sysconfig.get_paths()["stdlib"])

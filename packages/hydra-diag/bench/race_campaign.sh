@@ -13,7 +13,9 @@
 # one-GPU machine), MIN_EPOCH_S (the
 # training split must last at least this many seconds at 520K tokens/s, else the source
 # extensions below are added), CORPUS (options naming other source trees, e.g. for a dry run
-# "--corpus_root /some/small/tree").
+# "--corpus_root /some/small/tree"), EXTENSIONS (build the corpus from these file types at once,
+# without first trying .py alone), WAIT_FOR (a file the lanes wait for after the corpus is built,
+# so that other GPU work of the same call can finish before the first timed step).
 set -u -o pipefail
 RACE_DIR=${RACE_DIR:-/tmp/race}
 SIZE=${SIZE:-100M}
@@ -28,12 +30,22 @@ LANE1=${LANE1-"hydra:$SHORT hydra:$LONG hydra-no-mor:$SHORT hydra-routing-off:$S
 mkdir -p "$RACE_DIR"
 stamp() { date -u +%H:%M:%S; }
 
-echo "[$(stamp)] corpus (py)"
-# shellcheck disable=SC2086
-python3 -m hydra_diag race corpus --tokens_per_s 520000 $CORPUS 2>&1 | tee "$RACE_DIR/corpus-py.log" \
-  || { echo "[$(stamp)] the corpus could not be built: no race"; exit 1; }
-epoch=$(sed -n 's/.*one epoch of the training split = \([0-9]*\) s.*/\1/p' "$RACE_DIR/corpus-py.log" | tail -1)
+EXTENSIONS=${EXTENSIONS:-}
 EXT_OPT=""
+epoch=""
+if [ -n "$EXTENSIONS" ]; then
+  echo "[$(stamp)] corpus ($EXTENSIONS)"
+  # shellcheck disable=SC2086
+  python3 -m hydra_diag race corpus --tokens_per_s 520000 --extensions "$EXTENSIONS" $CORPUS 2>&1 \
+    | tee "$RACE_DIR/corpus.log" || { echo "[$(stamp)] the corpus could not be built: no race"; exit 1; }
+  EXT_OPT="--extensions $EXTENSIONS"
+else
+  echo "[$(stamp)] corpus (py)"
+  # shellcheck disable=SC2086
+  python3 -m hydra_diag race corpus --tokens_per_s 520000 $CORPUS 2>&1 | tee "$RACE_DIR/corpus-py.log" \
+    || { echo "[$(stamp)] the corpus could not be built: no race"; exit 1; }
+  epoch=$(sed -n 's/.*one epoch of the training split = \([0-9]*\) s.*/\1/p' "$RACE_DIR/corpus-py.log" | tail -1)
+fi
 if [ -n "$epoch" ] && [ "$epoch" -lt "$MIN_EPOCH_S" ]; then
   echo "[$(stamp)] one epoch = ${epoch} s < ${MIN_EPOCH_S} s: adding $WIDE_EXT"
   # shellcheck disable=SC2086
@@ -42,6 +54,10 @@ if [ -n "$epoch" ] && [ "$epoch" -lt "$MIN_EPOCH_S" ]; then
   EXT_OPT="--extensions $WIDE_EXT"
 fi
 echo "$EXT_OPT" > "$RACE_DIR/extensions.txt"
+if [ -n "${WAIT_FOR:-}" ]; then
+  echo "[$(stamp)] waiting for $WAIT_FOR"
+  while [ ! -e "$WAIT_FOR" ]; do sleep 2; done
+fi
 
 lane() {  # lane GPU ITEMS...
   local gpu=$1; shift

@@ -158,7 +158,7 @@ class CCGQAMoRBlock(nn.Module):
         self.ponder = cfg.ponder_weight > 0
         self.mode = (
             "dense"
-            if cfg.routing_off or not cfg.mor_enabled
+            if not cfg.mor_routed
             else "static"
             if cfg.static_routing_mode
             else cfg.mor_routing

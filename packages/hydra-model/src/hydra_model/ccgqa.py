@@ -10,15 +10,18 @@ The three down-projections share one matmul (W_q | W_k | W_v1 | W_v2 stacked by 
 shift moves the x·W_v2 projection one step instead of x itself: the projection is linear without
 bias, so this is the same value and it lets the decoding cache keep n_kv·d/2 numbers, not E.
 
-The two convolutions and the q-k mean are all linear in the packed pre-conv inputs u of the last
-K = k_seq + k_ch − 1 tokens, so they run as ONE matmul: the window of those inputs [B, n, C·K]
-(a strided unfold of the left-padded u, copied once) times a folded weight [C, C·K] built from the
-conv weights each call (``folded_qk_weight``; the head-wise conv becomes block-diagonal, the
-depthwise conv scales its columns, the q-k mean is a constant matrix added on the current
-token's slot). On the GPU this replaces two cuDNN depthwise/grouped conv1d calls (and their
-slow weight-gradient kernels), two layout transposes and five elementwise q-k-mean passes with
-one GEMM whose cost is C·K/(E + …) of a projection. The block-diagonal weight spends
-(heads − 1)/heads of that GEMM on zeros: cheap next to the MLP, and cuBLAS runs it at full rate.
+The two convolutions are linear in the packed pre-conv inputs u of the last K = k_seq + k_ch − 1
+tokens, and the head-wise conv never mixes heads, so they run as ONE batched matmul, one small
+GEMM per head: the window of the inputs per head [B, n, heads, d·K] (a strided unfold of the
+left-padded u, copied once) times a per-head folded weight [heads, d, d·K] built from the conv
+weights each call (``headwise_qk_weight``: the depthwise conv scales its columns). The q-k mean
+reads only the current token's inputs and is added elementwise. This replaces two cuDNN
+depthwise/grouped conv1d calls (and their slow weight-gradient kernels) and two layout transposes.
+An earlier form (``folded_qk_weight``, kept for ``conv_impl = "folded"``) ran convs and q-k mean
+as one [C, C·K] GEMM whose block-diagonal weight spends (heads − 1)/heads of its work on zeros:
+at the dense GPT's head layout (C = 1024, 16 heads) that GEMM cost more than the MLP's up
+projection, which made the ``gpt-ccgqa`` race entrant 22% slower than ``gpt``
+(packages/hydra-model/BENCHMARKS.md, "CCGQA conv stage").
 """
 
 from __future__ import annotations
@@ -84,6 +87,35 @@ def folded_qk_weight(
     return weight, bias
 
 
+def headwise_qk_weight(
+    seq_weight: torch.Tensor,
+    seq_bias: torch.Tensor,
+    ch_weight: torch.Tensor,
+    ch_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight [heads, d, d·K], bias [C]) such that, per head g, ``taps_g @ weight[g].T`` plus
+    bias equals depthwise conv (``seq_weight`` [C, 1, k_seq], ``seq_bias``) → head-wise grouped
+    conv (``ch_weight`` [C, d, k_ch], ``ch_bias``, C/d groups), where ``taps_g[i·K + s]`` is input
+    channel i of head g at window offset s (s = K−1 is the current token). The q-k mean is not
+    included (it crosses heads; the caller adds it). Elementwise ops only, differentiable."""
+    c, d, k_ch = ch_weight.shape
+    k_seq = seq_weight.shape[-1]
+    heads = c // d
+    k_total = k_seq + k_ch - 1
+    w_seq = seq_weight[:, 0, :].view(heads, 1, d, 1, k_seq)  # [g, ·, i, ·, seq tap]
+    w_ch = ch_weight.view(heads, d, d, k_ch)  # [g, o, i, ch tap]
+    per_pair = w_ch.unsqueeze(-1) * w_seq  # [g, o, i, ch tap, seq tap]
+    # ch tap a over seq tap b reads input offset s = a + b
+    folded = sum(F.pad(per_pair[:, :, :, a, :], (a, k_total - k_seq - a)) for a in range(k_ch))
+    bias = ch_bias + (w_ch.sum(-1) * seq_bias.view(heads, 1, d)).sum(-1).reshape(c)
+    return folded.reshape(heads, d, d * k_total), bias
+
+
+#: how the convs run: "headwise" (a GEMM per head plus an elementwise q-k mean) or "folded"
+#: (one block-diagonal GEMM with the q-k mean inside); see the module docstring
+CONV_IMPLS = ("headwise", "folded")
+
+
 class CCGQAAttention(nn.Module):
     """Compressed convolutional grouped-query attention on x [B, n, E] → [B, n, E]."""
 
@@ -96,8 +128,12 @@ class CCGQAAttention(nn.Module):
         rotary_dim: int,
         conv_kernel_seq: int = 2,
         conv_kernel_ch: int = 2,
+        conv_impl: str = "headwise",
     ) -> None:
         super().__init__()
+        if conv_impl not in CONV_IMPLS:
+            raise ValueError(f"conv_impl={conv_impl!r}; expected one of {CONV_IMPLS}")
+        self.conv_impl = conv_impl
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
         if head_dim % 2 or rotary_dim > head_dim:
@@ -129,27 +165,50 @@ class CCGQAAttention(nn.Module):
         mix = qk_mean_matrix(self.n_heads, self.n_kv_heads, self.head_dim)
         self.qk_mean_mix = mix.to(self.qk_mean_mix.device, self.qk_mean_mix.dtype)
 
-    def _conv_qk(self, window: torch.Tensor, slot: CacheSlot | None = None) -> torch.Tensor:
+    def _conv_qk(
+        self, window: torch.Tensor, slot: CacheSlot | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 2–3 on a time-major window [B, n + K−1, C] of packed pre-conv inputs (K−1 rows of
-        left context) → pre-norm [q;k] [B, n, C]: both convs and the q-k mean as one matmul."""
+        left context) → pre-norm q [B, n, n_heads, d] and k [B, n, n_kv_heads, d]."""
         b, length, c = window.shape
+        hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         k_total = self.conv_context + 1
         n = length - self.conv_context
-        taps = window.unfold(1, k_total, 1).reshape(b, n, c * k_total)  # [B, n, C·K]: [c, s] = u[t+s, c]
         weight, bias = self._folded(slot)
-        return F.linear(taps, weight, bias)
+        if self.conv_impl == "folded":
+            taps = window.unfold(1, k_total, 1).reshape(b, n, c * k_total)  # [c, s] = u[t+s, c]
+            q, k = F.linear(taps, weight, bias).split([self.q_dim, self.kv_dim], dim=-1)
+            return q.view(b, n, hq, d), k.view(b, n, hkv, d)
+        taps = window.unfold(1, k_total, 1).reshape(b, n, hq + hkv, d * k_total)  # [B, n, g, i·K+s]
+        z = torch.einsum("bngk,gok->bngo", taps, weight.to(taps.dtype))  # [B, n, heads, d]
+        z = z + bias.view(hq + hkv, d).to(z.dtype)
+        # q-k mean on the current token's inputs: query head h gets (q_pre[h] + k_pre[h // G])/2,
+        # kv head g the mean of those over its G query heads
+        u = window[:, self.conv_context :]  # [B, n, C]
+        q_pre = u[..., : self.q_dim].view(b, n, hkv, hq // hkv, d)
+        k_pre = u[..., self.q_dim :].view(b, n, hkv, 1, d)
+        mean = 0.5 * (q_pre + k_pre)  # [B, n, n_kv, G, d]
+        q = z[:, :, :hq] + mean.reshape(b, n, hq, d).to(z.dtype)
+        k = z[:, :, hq:] + mean.mean(3).to(z.dtype)
+        return q, k
 
     def _folded(self, slot: CacheSlot | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The folded conv + q-k-mean weight. A decoding slot keeps it for the whole generation
-        (the weights cannot change while decoding): rebuilding it every token was most of a
-        decode step's time. Anywhere else it is built per call (a cache keyed on the parameters
-        would go stale under optimizers that update them in place without a version bump)."""
-        params = (self.conv_seq.weight, self.conv_seq.bias, self.conv_ch.weight, self.conv_ch.bias)
+        """The folded conv weight (``conv_impl``'s form). A decoding slot keeps it for the whole
+        generation (the weights cannot change while decoding): rebuilding it every token was most
+        of a decode step's time. Anywhere else it is built per call (a cache keyed on the
+        parameters would go stale under optimizers that update them in place without a version
+        bump)."""
         if slot is None or torch.is_grad_enabled():
-            return folded_qk_weight(*params, self.qk_mean_mix)
+            return self._build_folded()
         if slot.folded is None:
-            slot.folded = folded_qk_weight(*params, self.qk_mean_mix)
+            slot.folded = self._build_folded()
         return slot.folded
+
+    def _build_folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        params = (self.conv_seq.weight, self.conv_seq.bias, self.conv_ch.weight, self.conv_ch.bias)
+        if self.conv_impl == "folded":
+            return folded_qk_weight(*params, self.qk_mean_mix)
+        return headwise_qk_weight(*params)
 
     def forward(
         self,
@@ -183,9 +242,7 @@ class CCGQAAttention(nn.Module):
             window = F.pad(u, (0, 0, self.conv_context, 0))  # [B, n + K−1, C]
         else:
             window = torch.cat([entry.conv_state.to(u.dtype), u], dim=1)
-        qk = self._conv_qk(window, slot)  # [B, n, C]
-        q, k = qk.split([self.q_dim, self.kv_dim], dim=-1)
-        q, k = q.view(b, n, hq, d), k.view(b, n, hkv, d)
+        q, k = self._conv_qk(window, slot)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
 
         # 4. value shift: channels [0, half) from x_t, [half, kv_dim) from x_{t−1} (zero at t=0)
         if entry is None:

@@ -77,9 +77,7 @@ def applications(cfg: HydraConfig, seq_len: int, executed: bool = True) -> list[
 
     apps = []
     r_total = cfg.recursions_per_block
-    fixed_shape_dense = (
-        cfg.static_routing_mode or cfg.routing_off or not cfg.mor_enabled or cfg.mor_routing == "token_choice"
-    )
+    fixed_shape_dense = cfg.static_routing_mode or not cfg.mor_routed or cfg.mor_routing == "token_choice"
     causal = cfg.routing == "causal"
     for i in range(cfg.n_mor_blocks):
         n = seq_len
@@ -148,7 +146,7 @@ def flops_breakdown(
     if not cfg.routing_off:
         for i in range(cfg.n_mor_blocks):
             router += 2.0 * e * (1 if cfg.mod_routed(i) else 0)
-            router += 2.0 * e * cfg.recursions_per_block * (1 if cfg.mor_enabled else 0)
+            router += 2.0 * e * cfg.recursions_per_block * (1 if cfg.mor_routed else 0)
     rows.append({"name": "routers", "token_fraction": 1.0, "context": seq_len, "flops": 3.0 * router})
     rows.append(
         {

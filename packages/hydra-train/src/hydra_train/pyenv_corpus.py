@@ -24,6 +24,11 @@ vocabulary size, the tokenizer sample size and :data:`FORMAT_VERSION`. Listing a
 change this misses is a file rewritten with the same size and mtime, which package managers do not
 do (they write new files).
 
+Duplicates: a file whose bytes equal an earlier file's (the same header shipped by two packages, a
+vendored copy) is tokenized once: the training split first, then validation, so no validation
+file repeats a training file and no training text is seen twice per epoch. They are counted
+(``duplicates`` in meta.json and the description).
+
 Tokenizing streams: files are read and encoded in batches of about :data:`BATCH_CHARS` characters
 (``encode_batch_fast`` runs each batch on every core, in Rust), and the ids are appended to the
 shard on disk, so memory stays bounded by one batch whatever the size of the environment.
@@ -39,7 +44,7 @@ import sys
 import sysconfig
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +55,7 @@ from hydra_train.errors import HydraDataError
 from hydra_train.shards import TokenShardWriter
 from hydra_train.tokenizer import eos_id, load_tokenizer, train_bpe
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: identical files tokenized once
 DEFAULT_EXTENSIONS = ("py",)
 MAX_FILE_BYTES = 4_000_000
 BATCH_CHARS = 16_000_000
@@ -83,6 +88,8 @@ class PyenvCorpus:
     vocab_size: int
     cache_hit: bool
     build_s: float
+    #: split -> files left out because their bytes equal an earlier file's
+    duplicates: dict[str, int] = field(default_factory=dict)
 
     @property
     def train_path(self) -> Path:
@@ -105,6 +112,7 @@ class PyenvCorpus:
             f"pyenv ({exts}): {n_files} files, {mb:.1f} MB, {tok:.1f}M tokens "
             f"(train {self.tokens['train'] / 1e6:.1f}M in {self.files['train']} files, "
             f"val {self.tokens['val'] / 1e6:.2f}M in {self.files['val']} files), vocab {self.vocab_size}"
+            + (f", {sum(self.duplicates.values())} duplicate files left out" if any(self.duplicates.values()) else "")
             + (" [cached]" if self.cache_hit else f" [built in {self.build_s:.0f} s]")
         )
 
@@ -207,25 +215,43 @@ def split_sources(files: list[SourceFile]) -> dict[str, list[SourceFile]]:
     }
 
 
-def read_text(f: SourceFile) -> str | None:
-    """The file as text (undecodable bytes replaced), or None when it is unreadable or binary."""
+class ContentSeen:
+    """Digests of the file contents read so far, and how many copies were met (left out)."""
+
+    def __init__(self) -> None:
+        self.digests: set[bytes] = set()
+        self.copies = 0
+
+    def is_copy(self, data: bytes) -> bool:
+        digest = hashlib.sha1(data).digest()
+        if digest in self.digests:
+            self.copies += 1
+            return True
+        self.digests.add(digest)
+        return False
+
+
+def read_text(f: SourceFile, seen: ContentSeen | None = None) -> str | None:
+    """The file as text (undecodable bytes replaced), or None when it is unreadable, binary or
+    (with ``seen``) a copy of a file read before."""
     try:
         data = Path(f.path).read_bytes()
     except OSError:
         return None
-    if b"\0" in data:
+    if b"\0" in data or (seen is not None and seen.is_copy(data)):
         return None
     return data.decode("utf-8", errors="replace")
 
 
 def text_batches(
-    files: list[SourceFile], batch_chars: int = BATCH_CHARS
+    files: list[SourceFile], batch_chars: int = BATCH_CHARS, seen: ContentSeen | None = None
 ) -> Iterable[list[tuple[SourceFile, str]]]:
-    """The readable files with their texts, in order, in lists of about ``batch_chars`` characters."""
+    """The readable files with their texts, in order, in lists of about ``batch_chars``
+    characters; with ``seen``, copies of files already read are left out (see read_text)."""
     batch: list[tuple[SourceFile, str]] = []
     n = 0
     for f in files:
-        text = read_text(f)
+        text = read_text(f, seen)
         if text is None:
             continue
         batch.append((f, text))
@@ -248,16 +274,17 @@ def _tokenizer_sample(train: list[SourceFile], sample_chars: int) -> list[str]:
 
 
 def _encode_split(
-    tok, files: list[SourceFile], path: Path, log: Callable[[str], None], label: str
+    tok, files: list[SourceFile], path: Path, log: Callable[[str], None], label: str, seen: ContentSeen
 ) -> tuple[int, int, int]:
-    """Stream ``files`` through the tokenizer into a ``.bin`` shard: (tokens, files, bytes) written."""
+    """Stream ``files`` through the tokenizer into a ``.bin`` shard: (tokens, files, bytes)
+    written. ``seen``: content digests of the files already written (copies are left out)."""
     eos = eos_id(tok)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     width = 2 if tok.get_vocab_size() <= 2**16 else 4
     total_chars = sum(f.size for f in files)
     done, n_files, t0 = 0, 0, time.perf_counter()
     with TokenShardWriter(path, width) as writer:
-        for batch in text_batches(files):
+        for batch in text_batches(files, seen=seen):
             for enc in encode([t for _, t in batch], add_special_tokens=False):
                 writer.append(np.asarray(enc.ids, dtype=np.uint32))
                 writer.append(np.asarray([eos], dtype=np.uint32))
@@ -318,7 +345,12 @@ def load_pyenv_corpus(
     tok = train_bpe(sample, vocab_size)
     del sample
     atomic_write_bytes(folder / "tokenizer.json", tok.to_str().encode("utf-8"))
-    written = {s: _encode_split(tok, split[s], folder / f"{s}.bin", log, s) for s in ("train", "val")}
+    seen = ContentSeen()  # train first: a validation file never repeats a training file
+    written, duplicates = {}, {}
+    for s in ("train", "val"):
+        before = seen.copies
+        written[s] = _encode_split(tok, split[s], folder / f"{s}.bin", log, s, seen)
+        duplicates[s] = seen.copies - before
     by_ext: dict[str, int] = {}
     for f in files:
         ext = f.key.rsplit(".", 1)[-1].lower()
@@ -332,6 +364,7 @@ def load_pyenv_corpus(
         tokens={s: w[0] for s, w in written.items()},
         by_extension=by_ext,
         vocab_size=int(tok.get_vocab_size()),
+        duplicates=duplicates,
         python=sys.version.split()[0],
     )
     atomic_write_bytes(meta_path, json.dumps(meta, indent=2).encode("utf-8"))

@@ -19,17 +19,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra_diag.output import DiagError
-from hydra_model.config import HYDRA_V1_100M
+from hydra_model.config import HYDRA_V1_100M, HYDRA_V2_100M
 
 #: name -> (arch, model overrides, description)
 RACE_CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
     "gpt": ("gpt", {}, "dense pre-norm GPT, GQA attention (the baseline a user would train)"),
     "gpt-ccgqa": ("gpt", {"attention": "ccgqa"}, "the dense GPT with HYDRA's CCGQA attention"),
-    "hydra": ("hydra", {}, "HYDRA: CCGQA + MoD + MoR, default routing"),
+    "hydra": ("hydra", {}, "HYDRA: CCGQA + MoD (+ MoR where the preset has recursions)"),
     "hydra-no-mod": ("hydra", {"mod_enabled": False}, "HYDRA without Mixture-of-Depths"),
-    "hydra-no-mor": ("hydra", {"mor_enabled": False}, "HYDRA without Mixture-of-Recursions"),
-    "hydra-routing-off": ("hydra", {"routing_off": True}, "HYDRA's recursive blocks, no routers"),
+    "hydra-no-mor": ("hydra", {"mor_enabled": False}, "HYDRA without MoR routing (all recursions)"),
+    "hydra-mor": (
+        "hydra",
+        {"recursions_per_block": 2, "mor_capacities": [1.0, 0.5]},
+        "HYDRA with MoR: each block twice, the second time for half the tokens",
+    ),
+    "hydra-routing-off": ("hydra", {"routing_off": True}, "HYDRA's blocks, no routers, GQA attention"),
     "hydra-expert-choice": ("hydra", {"routing": "expert_choice"}, "HYDRA with top-k expert-choice routing"),
+    "hydra-c3": (
+        "hydra",
+        {**HYDRA_V2_100M, "recursions_per_block": 1, "mor_capacities": None},
+        "HYDRA with CCGQA compressed 3x (4 latent query heads), wider MLP, one recursion",
+    ),
+    "hydra-v2": ("hydra", dict(HYDRA_V2_100M), "HYDRA's 100M preset of the 2026-11-23 race (12 x 2, C=3)"),
     "hydra-v1": ("hydra", dict(HYDRA_V1_100M), "HYDRA's 100M preset before the race (8 x 4, MoD 0.75)"),
 }
 DEFAULT_CONFIGS = ("gpt", "hydra")
