@@ -35,7 +35,9 @@ def test_causal_routing_computes_only_the_gathered_rows_at_inference():
 
     cfg = preset_config("100M")
     predicted = flops_per_token(cfg, 1024, executed=True) / flops_per_token(cfg, 1024, executed=False)
-    assert causal["eval_flops_per_token"] / expert["eval_flops_per_token"] == pytest.approx(predicted, rel=0.02)
+    assert causal["eval_flops_per_token"] / expert["eval_flops_per_token"] == pytest.approx(
+        predicted, rel=0.02
+    )
     assert expert["eval_flops_per_token"] == pytest.approx(dense["eval_flops_per_token"], rel=0.02)
 
 

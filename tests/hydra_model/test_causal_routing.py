@@ -113,6 +113,25 @@ def test_threshold_commit_reads_the_quantile_off_the_grid_and_blends_an_ema():
     assert thr.tau.item() == pytest.approx(0.9 * first + 0.1 * second, abs=1e-5)
 
 
+def test_threshold_commit_compiles_without_graph_breaks():
+    """The commit runs inside the race's compiled (CUDA-graphed) forward: it must trace as one
+    graph (a host read such as indexing by a 0-d tensor would split it) and equal eager."""
+    import torch._dynamo
+
+    torch.manual_seed(3)
+    eager, compiled = RouterThreshold(0.25, 0.9), RouterThreshold(0.25, 0.9)
+    for step in range(4):
+        logits = torch.randn(3, 40) * (1 + step)
+        for thr in (eager, compiled):
+            thr.record(logits, None)
+        eager.commit()
+        torch._dynamo.reset()
+        torch.compile(compiled.commit, backend="aot_eager", fullgraph=True)()
+        for name in ("tau", "spread", "seen"):
+            torch.testing.assert_close(getattr(compiled, name), getattr(eager, name), rtol=1e-6, atol=1e-6)
+    assert eager.seen.item() == 1
+
+
 def test_threshold_records_add_up_and_a_rejected_step_changes_nothing():
     g = torch.Generator().manual_seed(4)
     logit = torch.randn(4, 30, generator=g)
@@ -174,7 +193,9 @@ def test_training_forward_is_causal_and_routing_mixes(recursions):
     if recursions > 1:
         assert any(1 < s["avg_depth"] < 3 for s in stats["mor"])
     else:
-        assert stats["mor"] == [] and not any("router" in n for n, _ in model.blocks[0].mor.named_parameters())
+        assert stats["mor"] == [] and not any(
+            "router" in n for n, _ in model.blocks[0].mor.named_parameters()
+        )
 
 
 def test_training_forward_with_gradients_is_causal_too():

@@ -139,9 +139,7 @@ def test_identical_files_are_tokenized_once_training_split_first(tmp_path):
     # copies under new names: two of a training file, one of a validation file, one of a training
     # file that will sort into validation (found by trying names)
     copies = {"dup_a.py": train_src, "dup_b.py": train_src, "dup_c.py": val_src}
-    name = next(
-        f"x{i}.py" for i in range(500) if is_validation_path(f"stdlib/pkg0/x{i}.py")
-    )
+    name = next(f"x{i}.py" for i in range(500) if is_validation_path(f"stdlib/pkg0/x{i}.py"))
     copies[name] = train_src
     for fn, src in copies.items():
         (root / "lib" / "pkg0" / fn).write_bytes(Path(src.path).read_bytes())
@@ -157,12 +155,13 @@ def test_identical_files_are_tokenized_once_training_split_first(tmp_path):
     train_ids = np.asarray(open_shard(built.folder / "train.bin").tokens)
     val_ids = np.asarray(open_shard(built.folder / "val.bin").tokens)
     doc = encode_documents(tok, [Path(train_src.path).read_text()])
-    hits = [i for i in range(train_ids.size - doc.size + 1) if train_ids[i] == doc[0]
-            and np.array_equal(train_ids[i : i + doc.size], doc)]
+    hits = [
+        i
+        for i in range(train_ids.size - doc.size + 1)
+        if train_ids[i] == doc[0] and np.array_equal(train_ids[i : i + doc.size], doc)
+    ]
     assert len(hits) == 1
-    assert not any(
-        np.array_equal(val_ids[i : i + doc.size], doc) for i in range(val_ids.size - doc.size + 1)
-    )
+    assert not any(np.array_equal(val_ids[i : i + doc.size], doc) for i in range(val_ids.size - doc.size + 1))
 
 
 def test_real_stdlib_subset_is_deterministic(tmp_path):

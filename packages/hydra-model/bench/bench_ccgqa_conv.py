@@ -56,7 +56,7 @@ def main() -> None:
             for compiled in (False, True):
                 fn_mod = torch.compile(mod) if compiled else mod
 
-                def step(fn_mod=fn_mod):
+                def step(fn_mod=fn_mod, x=x, cos=cos, sin=sin, grad=grad):
                     with cast:
                         out = fn_mod(x, cos, sin)
                     out.backward(grad)

@@ -155,7 +155,11 @@ class RouterThreshold(nn.Module):
         i = (frac > self.target).sum()
         lo = (i - 1).clamp(0, GRID_POINTS - 1)
         hi = i.clamp(0, GRID_POINTS - 1)
-        f_lo, f_hi, g_lo, g_hi = frac[lo], frac[hi], grid[lo], grid[hi]
+        # index_select with a [1] index, not frac[lo]: indexing by a 0-d tensor calls __index__,
+        # a host read that breaks a compiled graph (and kept the race's forward out of CUDA graphs)
+        pick = torch.stack([lo, hi])
+        f_lo, f_hi = frac.index_select(0, pick).unbind()
+        g_lo, g_hi = grid.index_select(0, pick).unbind()
         step = torch.where(f_lo > f_hi, (f_lo - self.target) / (f_lo - f_hi).clamp(min=1e-12), 0.0)
         quantile = g_lo + step.clamp(0, 1) * (g_hi - g_lo)
         mean = total / safe

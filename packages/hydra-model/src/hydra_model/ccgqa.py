@@ -227,7 +227,7 @@ class CCGQAAttention(nn.Module):
         ``member[b, 0]`` (all when None).
         """
         b, n, _ = x.shape
-        hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        hkv, d = self.n_kv_heads, self.head_dim
         entry = slot.entry if slot is not None else None
         proj = self.w_qkv(x)  # [B, n, C + kv_dim]
         half = self.kv_dim // 2

@@ -112,7 +112,11 @@ class PyenvCorpus:
             f"pyenv ({exts}): {n_files} files, {mb:.1f} MB, {tok:.1f}M tokens "
             f"(train {self.tokens['train'] / 1e6:.1f}M in {self.files['train']} files, "
             f"val {self.tokens['val'] / 1e6:.2f}M in {self.files['val']} files), vocab {self.vocab_size}"
-            + (f", {sum(self.duplicates.values())} duplicate files left out" if any(self.duplicates.values()) else "")
+            + (
+                f", {sum(self.duplicates.values())} duplicate files left out"
+                if any(self.duplicates.values())
+                else ""
+            )
             + (" [cached]" if self.cache_hit else f" [built in {self.build_s:.0f} s]")
         )
 

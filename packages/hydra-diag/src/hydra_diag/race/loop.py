@@ -14,8 +14,9 @@ Training step: bf16 autocast on CUDA, ``out.loss.backward()`` (CE plus the model
 auxiliary losses), gradient-norm clip, AdamW (betas 0.9/0.95, weight decay on matrices only, fused
 on CUDA; hydra-train's ``build_optimizer``), learning rate from :mod:`hydra_diag.race.schedule` at
 the clock's reading; HYDRA's causal routing thresholds are committed at the start of the next
-training forward (the model's default), inside the compiled code. Nothing is read back to the host per step;
-the clock is read on the host and ``torch.cuda.synchronize()`` runs at every clock boundary
+training forward (the model's default), inside the compiled code. Batches are built and pinned
+one to four steps ahead by a worker thread (hydra-train's Prefetcher). Nothing is read back to
+the host per step; the clock is read on the host and ``torch.cuda.synchronize()`` runs at every clock boundary
 (evaluations, the end), so the recorded training seconds include all GPU work of the steps.
 
 Evaluation calls the module itself, not the ``torch.compile`` wrapper (the same parameters; no
@@ -158,6 +159,7 @@ def race_one(
 ) -> dict[str, Any]:
     """Race ``cfg`` for ``s.budget_s`` seconds of training; the per-configuration result."""
     from hydra_train.optim import build_optimizer
+    from hydra_train.prefetch import Prefetcher
 
     cuda = device.type == "cuda"
     t_setup = time.perf_counter()
@@ -192,10 +194,8 @@ def race_one(
     def new_optimizer():
         return build_optimizer(model, lr=cfg.lr, weight_decay=s.weight_decay, betas=BETAS, log=say)
 
-    def step(k: int, opt, lr: float) -> torch.Tensor:
-        x, y = data.batch(k)
-        if cuda:
-            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    def step(batch, opt, lr: float) -> torch.Tensor:
+        x, y = batch
         for g in opt.param_groups:
             g["lr"] = lr
         if scope == "graphs":
@@ -212,7 +212,7 @@ def race_one(
     choice = new_optimizer()
     for i in range(s.warmup_steps):
         say(f"warm-up step {i + 1}/{s.warmup_steps} (compiling)" if scope != "none" else "warm-up")
-        step(i, choice.optimizer, cfg.lr * 0.01)
+        step(tuple(t.to(device) for t in data.batch(i)), choice.optimizer, cfg.lr * 0.01)
     evaluate(model, val[:1], device, train_mode=False)
     _sync(device)
     restore(model, initial)
@@ -254,6 +254,10 @@ def race_one(
         eval_graphs[0] += graphs_compiled() - g0
 
     record(0.0)
+    # batch k is built and pinned by a worker thread while the GPU runs earlier steps (the same
+    # batches in the same order: BatchPlan.batch(k) is a pure function of k); inline, a fast
+    # model's step waited on the host's slicing and pinning
+    batches = Prefetcher(data.batch, 0, threads=1, buffer_size=4, device=device)
     next_mark, last_log = 0, time.perf_counter()
     seg = time.perf_counter()
     while True:
@@ -272,7 +276,7 @@ def race_one(
             seg = time.perf_counter()
             continue
         lr = cfg.lr * lr_factor(now, s.budget_s, s.warmup_frac, s.min_lr_ratio)
-        loss = step(k, opt, lr)
+        loss = step(batches.next(), opt, lr)
         last_lr[0] = lr
         k += 1
         recent.append(loss)
@@ -286,6 +290,7 @@ def race_one(
             at = clock + time.perf_counter() - seg  # host time: the GPU may still be a step or two behind
             tick({"clock": at, "tokens": k * tokens_per_step, "loss": last_train_loss, "lr": lr})
 
+    batches.close()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     result = {
         **cfg.to_dict(),
