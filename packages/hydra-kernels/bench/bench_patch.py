@@ -239,8 +239,9 @@ def main(
     for name in models.split(","):
         for variant in variants.split(","):
             if variant == "liger" and not have_liger:
-                print(f"note: liger_kernel is not importable: {name}/liger skipped (carry its wheel in .whl/)")
-                rows.append({"model": name, "variant": variant, "skipped_reason": "liger_kernel not importable"})
+                why = "liger_kernel not importable"
+                print(f"note: {why}: {name}/liger skipped (carry its wheel in .whl/)")
+                rows.append({"model": name, "variant": variant, "skipped_reason": why})
                 continue
             args = [sys.executable, __file__, "--worker", f"{name}:{variant}", "--steps", str(steps)]
             args += ["--warmup", str(warmup)] + (["--smoke"] if smoke else [])
