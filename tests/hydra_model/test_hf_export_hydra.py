@@ -27,19 +27,15 @@ from hydra_model import create_ccgqa_mod_mor_model
 from hydra_model.hf_export import export_hf
 from hydra_model.hf_hydra import REMOTE_CODE_DIR, REMOTE_CODE_FILES, UnsupportedModelError, hydra_layout
 
-from .conftest import random_tokens, small_model
+from .conftest import MODES, random_tokens, small_model
 
-#: name → HydraConfig overrides of the SMALL config (conftest.py)
+#: name → HydraConfig overrides of the SMALL config: every routing mode the other model tests
+#: cover (conftest.MODES), and what only an export has to get right besides
 CONFIGS = {
-    "causal": {},
-    "expert_choice": {"routing": "expert_choice"},
+    **MODES,
     "mod_off_one_recursion": {"mod_enabled": False, "recursions_per_block": 1},
     "one_recursion": {"recursions_per_block": 1},
     "two_recursions_capacity_half": {"recursions_per_block": 2, "mor_capacities": (1.0, 0.5)},
-    "static": {"static_routing_mode": True},
-    "token_choice": {"mor_routing": "token_choice"},
-    "routing_off": {"routing_off": True},
-    "moe_top2": {"moe_enabled": True, "moe_num_experts": 3, "moe_top_k": 2},
     "moe_loss_free_expert_choice": {
         "moe_enabled": True,
         "moe_num_experts": 4,
@@ -240,3 +236,18 @@ def test_a_module_without_an_exported_implementation_is_refused(tmp_path):
     model.blocks[0].mor.block.ffn = torch.nn.Identity()
     with pytest.raises(UnsupportedModelError, match="Identity"):
         hydra_layout(model)
+
+
+def test_bfloat16_export_loads_and_generates(tmp_path):
+    model = small_model(seed=7)
+    randomise_routing_state(model, seed=7)
+    model.save_pretrained(tmp_path / "saved")
+    export_hf(tmp_path / "saved", tmp_path / "hf", dtype="bfloat16")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    assert loaded.embed.weight.dtype == torch.bfloat16
+    tokens = random_tokens(1, 24, seed=3)
+    with torch.no_grad():
+        logits = loaded(tokens).logits
+    assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
+    assert loaded.generate(tokens[:, :4], max_new_tokens=4, do_sample=False).shape == (1, 8)

@@ -21,9 +21,10 @@ instance, see configuration_hydra.py):
   token by σ(logit); token-choice MoR picks a depth per token. Routed tokens run as a
   sub-sequence (in time order, keeping their positions), and the update is gated by the router.
 
-There is no incremental cache: generation reruns the whole prefix each step (correct, slower).
-Padding is not supported (routing budgets count positions): an attention mask with zeros is
-refused.
+Inference and evaluation only: training HYDRA (threshold tracking, auxiliary losses) is
+hydra-train's. There is no incremental cache: generation reruns the whole prefix each step
+(correct, slower). Padding is not supported (routing budgets count positions): an attention mask
+with zeros is refused.
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ class MoRBlock(nn.Module):
         """h + gate·block(h) on every row (``selected`` None) or on the selected sub-sequence."""
         if selected is None:
             delta = self.block(h, pos, self.rope_base)
-            return h + delta if gate is None else torch.addcmul(h, gate.unsqueeze(-1), delta)
+            return h + delta if gate is None else torch.addcmul(h, gate.unsqueeze(-1).to(h.dtype), delta)
         perm, member, _, delta = run_on(
             selected, h, pos, lambda hs, ps, _m: self.block(hs, ps, self.rope_base)
         )
