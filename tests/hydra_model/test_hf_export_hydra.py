@@ -35,6 +35,7 @@ CONFIGS = {
     **MODES,
     "mod_off_one_recursion": {"mod_enabled": False, "recursions_per_block": 1},
     "one_recursion": {"recursions_per_block": 1},
+    "mor_off": {"mor_enabled": False},
     "two_recursions_capacity_half": {"recursions_per_block": 2, "mor_capacities": (1.0, 0.5)},
     "moe_loss_free_expert_choice": {
         "moe_enabled": True,
@@ -251,3 +252,15 @@ def test_bfloat16_export_loads_and_generates(tmp_path):
         logits = loaded(tokens).logits
     assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
     assert loaded.generate(tokens[:, :4], max_new_tokens=4, do_sample=False).shape == (1, 8)
+
+
+def test_one_recursion_without_a_router_exports_as_the_plain_residual_update(tmp_path):
+    """A MoR block of one recursion without a router (what hydra_model may build) is laid out as
+    the dense kind, h + block(h): the layout of a model with MoR switched off, which exports
+    exactly (the "mor_off" configuration above)."""
+    model = small_model(seed=8, recursions_per_block=1)
+    for block in model.blocks:
+        block.mor.router = None
+    reference = small_model(seed=8, recursions_per_block=1, mor_enabled=False)
+    assert hydra_layout(model) == hydra_layout(reference)
+    assert {b["mor"]["kind"] for b in hydra_layout(model)["blocks"]} == {"dense"}

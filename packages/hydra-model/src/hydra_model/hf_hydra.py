@@ -89,6 +89,8 @@ def _mor_spec(mor: CCGQAMoRBlock) -> dict[str, Any]:
     if mode not in ("dense", *_ROUTED_MOR):
         raise UnsupportedModelError(f"MoR mode {mode!r} has no exported implementation")
     has_router = getattr(mor, "router", None) is not None
+    if mode in _ROUTED_MOR and not has_router and mor.recursions == 1:
+        mode = "dense"  # one recursion without a router: the plain residual update h + block(h)
     if (mode in _ROUTED_MOR) != has_router:
         raise UnsupportedModelError(f"MoR mode {mode!r} with{'' if has_router else 'out'} a router")
     causal = getattr(mor, "causal", None) or {}
