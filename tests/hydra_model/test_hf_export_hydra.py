@@ -205,13 +205,19 @@ def test_export_loads_where_hydra_is_not_installed(tmp_path):
     assert got["generated"].tolist() == model.generate(tokens[:1, :5], 8).tolist()
 
 
-def test_padding_is_refused(tmp_path):
-    loaded = export_and_load(small_model(seed=4), tmp_path)
-    tokens = random_tokens(2, 10)
+def test_right_padding_is_harmless_and_left_padding_refused(tmp_path):
+    model = small_model(seed=4)
+    randomise_routing_state(model, seed=4)
+    loaded = export_and_load(model, tmp_path)
+    tokens = random_tokens(2, 16)
     mask = torch.ones_like(tokens)
-    loaded(tokens, attention_mask=mask)  # all ones: fine
-    mask[0, :3] = 0
-    with pytest.raises(ValueError, match="padding"):
+    mask[1, 10:] = 0  # the second sequence is 10 tokens long, padded on the right
+    with torch.no_grad():
+        padded = loaded(tokens, attention_mask=mask).logits
+        alone = loaded(tokens[1:, :10]).logits
+    torch.testing.assert_close(padded[1, :10], alone[0])
+    mask[0, :3], mask[0, 3:] = 0, 1  # left padding
+    with pytest.raises(ValueError, match="left padding"):
         loaded(tokens, attention_mask=mask)
 
 

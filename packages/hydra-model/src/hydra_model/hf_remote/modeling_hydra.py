@@ -23,8 +23,9 @@ instance, see configuration_hydra.py):
 
 Inference and evaluation only: training HYDRA (threshold tracking, auxiliary losses) is
 hydra-train's. There is no incremental cache: generation reruns the whole prefix each step
-(correct, slower). Padding is not supported (routing budgets count positions): an attention mask
-with zeros is refused.
+(correct, slower). Only right padding is supported (every output depends on earlier tokens only,
+so padding after a sequence changes nothing before it); left padding would shift the positions
+routing budgets count, and is refused.
 """
 
 from __future__ import annotations
@@ -409,11 +410,13 @@ class HydraForCausalLM(HydraPreTrainedModel, GenerationMixin):
         **_unused,
     ) -> CausalLMOutputWithPast:
         """Logits [B, S, V] of every position; with ``labels`` the mean next-token cross-entropy
-        (labels shifted inside, −100 ignored). Cache arguments are accepted and ignored."""
-        if attention_mask is not None and not bool(attention_mask.all()):
+        (labels shifted inside, −100 ignored). Cache arguments are accepted and ignored; an
+        attention mask may only pad on the right (the padded positions' outputs are junk)."""
+        if attention_mask is not None and not bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+            # right padding is harmless: every output depends on earlier tokens only
             raise ValueError(
-                "HYDRA's exported model does not support padding (its routing budgets count "
-                "positions): pass sequences of equal length without an attention mask"
+                "HYDRA's exported model does not support left padding or holes in the attention "
+                "mask (routing budgets count positions from the first token): pad on the right"
             )
         b, s = input_ids.shape
         pos = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
