@@ -223,3 +223,17 @@ def test_what_the_gpt_cannot_compute_is_refused(tmp_path, case, message):
     assert res.exit_code == 1, res.output
     assert message in res.stderr and "\n" not in res.stderr.strip()
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_an_export_replaces_an_earlier_one_in_the_same_folder(tmp_path):
+    from .conftest import small_model
+
+    small_model().save_pretrained(tmp_path / "hydra")
+    word_tokenizer(tmp_path / "hydra" / "tokenizer.json", VOCAB, eos_at=None)
+    export_hf(tmp_path / "hydra", tmp_path / "hf", tokenizer=tmp_path / "hydra" / "tokenizer.json")
+    (tmp_path / "hf" / "README.md").write_text("mine")
+    random_gpt().save_pretrained(tmp_path / "gpt")
+    export_hf(tmp_path / "gpt", tmp_path / "hf")  # no tokenizer this time
+    names = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert names == ["README.md", "config.json", "generation_config.json", "model.safetensors"]
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")) is LlamaForCausalLM

@@ -18,7 +18,9 @@ def export_hf_command(
     checkpoint: Annotated[
         Path, typer.Argument(help="save_pretrained folder or hydra-train .pt file (HYDRA or GPT).")
     ],
-    out: Annotated[Path, typer.Argument(help="Folder to write (created; same-named files are replaced).")],
+    out: Annotated[
+        Path, typer.Argument(help="Folder to write (created; an earlier export there is replaced).")
+    ],
     tokenizer: Annotated[
         Path | None,
         typer.Option("--tokenizer", help="tokenizer.json to ship (default: the one beside the checkpoint)."),

@@ -28,6 +28,18 @@ from hydra_model.persistence import check_finite_weights, load_model
 #: --dtype choices: the dtype the weights are written in
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHTS_FILE = "model.safetensors"
+#: every file an export may write: those this export does not write are removed from OUT, so an
+#: earlier export into the same folder leaves nothing behind (other files are not touched)
+EXPORT_FILES = (
+    "config.json",
+    WEIGHTS_FILE,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "configuration_hydra.py",
+    "modeling_hydra.py",
+)
 
 
 class ExportError(ValueError):
@@ -116,7 +128,8 @@ def export_hf(
     allow_pickle: bool = False,
 ) -> Exported:
     """Write the model of ``checkpoint`` (a save_pretrained folder or a hydra-train .pt) as a
-    Hugging Face folder ``out`` (created; files of the same names are replaced). ``tokenizer``:
+    Hugging Face folder ``out`` (created; an earlier export there is replaced, other files are
+    left alone). ``tokenizer``:
     a tokenizer.json to ship (None: none is written). Raises ExportError (or the loaders'
     ValueError / FileNotFoundError) naming what is wrong."""
     from hydra_model.hf_hydra import MODEL_TYPE, copy_remote_code, hydra_hf_config
@@ -156,6 +169,8 @@ def export_hf(
     files += ["config.json", WEIGHTS_FILE, "generation_config.json"]
     if tok_path is not None:
         files += write_tokenizer(tok_path, out, eos_text, cfg.max_seq_len)
+    for stale in sorted(set(EXPORT_FILES) - set(files)):  # an earlier export's, e.g. remote code
+        (out / stale).unlink(missing_ok=True)
     return Exported(
         folder=out,
         arch=arch,
