@@ -102,6 +102,10 @@ def test_exported_model_matches_hydra_model(tmp_path, name):
     loaded = export_and_load(model, tmp_path)
     assert type(loaded).__name__ == "HydraForCausalLM"
     assert_same_model(model, loaded, tokens)
+    if name == "causal":  # nn.Module's own machinery (.to, .float) works on the loaded model
+        with torch.no_grad():
+            wide = loaded.to(torch.float64)(tokens).logits
+        torch.testing.assert_close(wide.float(), model(tokens).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_a_size_preset_exports(tmp_path):

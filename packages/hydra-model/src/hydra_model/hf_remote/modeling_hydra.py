@@ -290,7 +290,7 @@ class MoRBlock(nn.Module):
             {r: CausalRouter(q, capacity_bits) for r, q in (spec.get("causal_cap_q") or {}).items()}
         )
 
-    def _apply(self, h, pos, gate, selected=None):
+    def _update(self, h, pos, gate, selected=None):
         """h + gate·block(h) on every row (``selected`` None) or on the selected sub-sequence."""
         if selected is None:
             delta = self.block(h, pos, self.rope_base)
@@ -306,21 +306,21 @@ class MoRBlock(nn.Module):
     def forward(self, h: torch.Tensor, pos: torch.Tensor, member: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "dense":
             for _ in range(self.recursions):
-                h = self._apply(h, pos, None)
+                h = self._update(h, pos, None)
             return h
         if self.kind == "static":
             for r in range(self.recursions):
-                h = self._apply(h, pos, self.alpha * torch.sigmoid(self._logit(h, r)))
+                h = self._update(h, pos, self.alpha * torch.sigmoid(self._logit(h, r)))
             return h
         if self.kind == "token_choice":
             normed = F.rms_norm(h, (h.shape[-1],), eps=ROUTER_EPS)
             probs = self.router(normed).float().softmax(dim=-1)  # [B, n, R]: depth 1..R
             choice = probs.argmax(dim=-1)
             gate = self.alpha * probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
-            h = self._apply(h, pos, gate)
+            h = self._update(h, pos, gate)
             for r in range(1, self.recursions):
                 selected = choice + 1 > r if member is None else (choice + 1 > r) & member
-                h = self._apply(h, pos, gate, selected)
+                h = self._update(h, pos, gate, selected)
             return h
         active = member  # causal or expert choice: recursion r picks among recursion r−1's tokens
         for r in range(self.recursions):
@@ -329,15 +329,15 @@ class MoRBlock(nn.Module):
             if self.kind == "causal":
                 router = self.causal[str(r)] if str(r) in self.causal else None  # noqa: SIM401
                 if router is None:  # capacity 1: every candidate
-                    h, taken = self._apply(h, pos, gate), active
+                    h, taken = self._update(h, pos, gate), active
                 else:
                     taken = router.decide(logit, pos, active)
-                    h = self._apply(h, pos, gate, taken)
+                    h = self._update(h, pos, gate, taken)
             elif self.capacities[r] >= 1.0:
-                h, taken = self._apply(h, pos, gate), active
+                h, taken = self._update(h, pos, gate), active
             else:  # expert choice evaluated: σ(logit) > ½ among the candidates
                 taken = logit > 0 if active is None else (logit > 0) & active
-                h = self._apply(h, pos, gate, taken)
+                h = self._update(h, pos, gate, taken)
             active = taken
         return h
 
