@@ -2,6 +2,7 @@
 Triton kernels themselves run (interpreted) on CPU tensors when there is no GPU."""
 
 import os
+import tempfile
 
 try:  # probing CUDA without importing torch first would be nicer, but torch is cheap enough here
     import torch
@@ -12,3 +13,9 @@ except Exception:  # pragma: no cover
 
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Hugging Face interop tests (export/import, patch): never touch the network, and keep the
+# remote-code modules transformers copies out of the user's cache. Read when transformers is
+# imported, so set before any test module imports it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_MODULES_CACHE", os.path.join(tempfile.gettempdir(), "hydra-tests-hf-modules"))

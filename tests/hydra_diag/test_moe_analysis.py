@@ -7,7 +7,7 @@ import torch
 
 from hydra_diag.loading import build_model
 from hydra_diag.moe_analysis import token_purity, weight_balance
-from hydra_train.checkpoint_digest import CHECKSUM_KEY, payload_digest
+from hydra_model.checkpoint_digest import CHECKSUM_KEY, payload_digest
 
 from .conftest import TINY, VOCAB, assert_png, invoke, last_error_line, run_json
 

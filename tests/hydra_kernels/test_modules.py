@@ -1,4 +1,5 @@
-"""HydraRMSNorm and patch(): drop-in replacement decided by a numerical probe."""
+"""HydraRMSNorm and patch()'s RMSNorm part: drop-in replacement decided by a numerical probe
+(the other kinds on stock transformers models: test_patch_hf.py)."""
 
 import os
 
@@ -86,6 +87,12 @@ class Model(nn.Module):
         return self.final_norm(x)
 
 
+def pairs(record):
+    """(qualified name, original class) of every RMSNorm replacement in a PatchRecord."""
+    assert all(r.kind == "rms_norm" for r in record)
+    return sorted((r.where, r.original) for r in record)
+
+
 def _randomise(model):
     with torch.no_grad():
         for p in model.parameters():
@@ -102,7 +109,7 @@ def test_patch_swaps_same_math_and_skips_the_rest():
 
     replaced = patch(model)
 
-    assert sorted(replaced) == sorted(
+    assert pairs(replaced) == sorted(
         [
             ("blocks.0.attn_norm", "RMSNorm"),
             ("blocks.0.mlp_norm", "LlamaStyleRMSNorm"),
@@ -111,7 +118,7 @@ def test_patch_swaps_same_math_and_skips_the_rest():
             ("final_norm", "RMSNorm"),
         ]
     )
-    for name, _ in replaced:
+    for name, _ in pairs(replaced):
         module = model.get_submodule(name)
         assert isinstance(module, HydraRMSNorm)
         if name in weights:
@@ -132,7 +139,7 @@ def test_patched_weight_trains_through_the_kernel():
     reference = nn.Sequential(nn.Linear(dim, dim), LlamaStyleRMSNorm(dim)).to(DEVICE)
     reference.load_state_dict(model.state_dict())
     norm_weight = model[1].weight
-    assert patch(model) == [("1", "LlamaStyleRMSNorm")]
+    assert pairs(patch(model)) == [("1", "LlamaStyleRMSNorm")]
     x = torch.randn(7, dim, device=DEVICE)
     model(x).square().sum().backward()
     reference(x).square().sum().backward()
@@ -149,7 +156,7 @@ def test_shared_module_is_replaced_everywhere():
     norm = nn.RMSNorm(16)
     model = nn.ModuleDict({"a": norm, "b": nn.Sequential(norm)})
     replaced = patch(model)
-    assert sorted(replaced) == [("a", "RMSNorm"), ("b.0", "RMSNorm")]
+    assert pairs(replaced) == [("a", "RMSNorm"), ("b.0", "RMSNorm")]
     assert model["a"] is model["b"][0] and isinstance(model["a"], HydraRMSNorm)
 
 

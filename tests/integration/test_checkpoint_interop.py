@@ -104,3 +104,28 @@ def test_hydra_model_generate_cli_on_a_training_checkpoint(trained) -> None:
     expected = model.generate(prompt, max_new_tokens=5)[0, prompt.shape[1] :].tolist()
     assert out["generated_ids"] == expected
     assert out["text"] == tok.decode(expected)
+
+
+def test_export_hf_ships_the_runs_tokenizer_and_loads_in_transformers(trained, tmp_path) -> None:
+    """`hydra-model export-hf` on the final checkpoint (the README's follow-up): the tokenizer the
+    run copied beside it goes into the folder, and transformers loads model and tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hydra_model import CCGQAMoDMoRModel
+    from hydra_model.persistence import load_checkpoint_file
+
+    ckpt_dir, _ = trained
+    final = ckpt_dir / "hydra_tiny_final.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hydra_model", "export-hf", str(final), str(tmp_path / "hf"), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (ckpt_dir / "tokenizer.json").read_bytes()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tok("def add(a, b):", return_tensors="pt")["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    model = load_checkpoint_file(CCGQAMoDMoRModel, final).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-5, atol=2e-5)
+    assert hf.generation_config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|endoftext|>")

@@ -17,7 +17,7 @@ from hydra_kernels.controls import (
     set_use_triton_kernels,
     use_triton_kernels,
 )
-from hydra_kernels.modules import HydraLinearCrossEntropyLoss, HydraRMSNorm, HydraSwiGLUMLP, patch
+from hydra_kernels.modules import HydraLinearCrossEntropyLoss, HydraRMSNorm, HydraSwiGLUMLP
 from hydra_kernels.ops.linear_cross_entropy import (
     LinearCEOptions,
     linear_ce_options,
@@ -30,6 +30,7 @@ from hydra_kernels.ops.qk_norm import qk_norm, qk_norm_ref
 from hydra_kernels.ops.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from hydra_kernels.ops.rope import rope, rope_ref
 from hydra_kernels.ops.swiglu import swiglu, swiglu_packed, swiglu_ref
+from hydra_kernels.patching import PatchRecord, Replacement, patch, patch_fallback_counts
 
 __all__ = [
     "OPS",
@@ -37,6 +38,8 @@ __all__ = [
     "HydraRMSNorm",
     "HydraSwiGLUMLP",
     "LinearCEOptions",
+    "PatchRecord",
+    "Replacement",
     "__version__",
     "benchmark_kernels",
     "fallback_counts",
@@ -47,6 +50,7 @@ __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
     "patch",
+    "patch_fallback_counts",
     "print_benchmark_results",
     "qk_norm",
     "qk_norm_ref",

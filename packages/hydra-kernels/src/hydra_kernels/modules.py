@@ -1,6 +1,7 @@
-"""``nn.Module`` faces of the fused ops, and :func:`patch` that swaps them into existing models.
+"""``nn.Module`` faces of the fused ops, and the RMSNorm part of :func:`hydra_kernels.patch`.
 
-One section per op family; each section owns its module classes and its part of :func:`patch`.
+One section per op family. :func:`hydra_kernels.patch` itself (every kind of replacement, the
+record, undo) is in patching.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from hydra_kernels.ops.rms_norm import rms_norm, rms_norm_ref
 from hydra_kernels.ops.swiglu import swiglu_packed
 
 # =================================================================================================
-# RMSNorm: HydraRMSNorm, and the RMSNorm part of patch()
+# RMSNorm: HydraRMSNorm, and the RMSNorm part of patch() (rms_norm_replacement)
 # =================================================================================================
 
 
@@ -123,36 +124,28 @@ def _computes_rms_norm(
     return bool(torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5))
 
 
-def _patch_rms_norms(model: nn.Module) -> list[tuple[str, str]]:
-    fallback_device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
-    replaced: list[tuple[str, str]] = []
-    decided: dict[int, nn.Module | None] = {}  # a module shared by several parents is probed once
-    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
-        for child_name, child in list(parent.named_children()):
-            key = id(child)
-            if key not in decided:
-                decided[key] = None
-                found = _rms_norm_candidate(child)
-                if found is not None:
-                    dim, eps, weight = found
-                    device = weight.device if weight is not None else fallback_device
-                    if _computes_rms_norm(child, dim, eps, weight, device):
-                        new = HydraRMSNorm(
-                            dim,
-                            eps=eps,
-                            elementwise_affine=weight is not None,
-                            device=device,
-                            dtype=weight.dtype if weight is not None else None,
-                        )
-                        if weight is not None:
-                            new.weight = weight  # the same Parameter: optimizers and ties keep working
-                        new.train(child.training)
-                        decided[key] = new
-            if decided[key] is not None:
-                setattr(parent, child_name, decided[key])
-                qualified = f"{parent_name}.{child_name}" if parent_name else child_name
-                replaced.append((qualified, type(child).__name__))
-    return replaced
+def rms_norm_replacement(module: nn.Module, fallback_device: torch.device) -> HydraRMSNorm | None:
+    """The :class:`HydraRMSNorm` that computes what ``module`` computes, sharing its ``weight``
+    Parameter (optimizers and ties keep working), or None when ``module`` is not such an RMSNorm
+    (used by :func:`hydra_kernels.patch`; ``fallback_device`` probes a norm without a weight)."""
+    found = _rms_norm_candidate(module)
+    if found is None:
+        return None
+    dim, eps, weight = found
+    device = weight.device if weight is not None else fallback_device
+    if not _computes_rms_norm(module, dim, eps, weight, device):
+        return None
+    new = HydraRMSNorm(
+        dim,
+        eps=eps,
+        elementwise_affine=weight is not None,
+        device=device,
+        dtype=weight.dtype if weight is not None else None,
+    )
+    if weight is not None:
+        new.weight = weight  # the same Parameter: optimizers and ties keep working
+    new.train(module.training)
+    return new
 
 
 # =================================================================================================
@@ -235,23 +228,3 @@ class HydraLinearCrossEntropyLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, z_loss={self.z_loss}"
-
-
-# =================================================================================================
-# patch(): every section's replacements
-# =================================================================================================
-
-
-def patch(model: nn.Module) -> list[tuple[str, str]]:
-    """Swap the modules of ``model`` that the fused ops can stand in for, in place.
-
-    RMSNorm: ``torch.nn.RMSNorm`` and any leaf module with the same math (e.g. a Llama-style
-    RMSNorm with ``.weight`` and ``.variance_epsilon``) becomes a :class:`HydraRMSNorm` sharing
-    the original ``weight`` Parameter. "Same math" is decided by a numerical probe, not by class
-    name: variants such as Gemma's ``x·(1 + w)`` fail it and are left alone, as are modules with
-    hooks, extra state or a multi-dimensional normalized shape. The root module itself is never
-    replaced.
-
-    Returns ``[(qualified_name, original_class_name), ...]`` for every replacement.
-    """
-    return _patch_rms_norms(model)

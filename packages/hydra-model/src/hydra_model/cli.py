@@ -1,4 +1,4 @@
-"""The `hydra-model` command line: sizes, info, generate."""
+"""The `hydra-model` command line: sizes, info, generate, export-hf, import-hf (cli_hf.py)."""
 
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,10 +18,11 @@ from hydra_kernels.cli_support import (
     parse_assignments,
 )
 from hydra_model import __version__
+from hydra_model.cli_hf import register as register_hf_commands
 
 app = new_app(
     "The HYDRA model (CCGQA attention with MoD/MoR/MoE routing) and its dense GPT baseline: "
-    "size presets, per-layer info, generation."
+    "size presets, per-layer info, generation, Hugging Face export and import."
 )
 add_version_option(app, "hydra-model", __version__)
 
@@ -251,14 +252,12 @@ def info(
 
 
 def _find_tokenizer(checkpoint: Path, tokenizer: Path | None) -> Path:
-    if tokenizer is not None:
-        if not tokenizer.is_file():
-            fail(f"--tokenizer {tokenizer} does not exist")
-        return tokenizer
-    beside = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "tokenizer.json"
-    if beside.is_file():
-        return beside
-    fail(f"no tokenizer: pass --tokenizer PATH/tokenizer.json (none found at {beside})")
+    from hydra_model.text_generation import find_tokenizer
+
+    try:
+        return find_tokenizer(checkpoint, tokenizer)
+    except FileNotFoundError as exc:
+        fail(str(exc))
 
 
 def _load_model(checkpoint: Path, device: str, allow_pickle: bool):
@@ -374,3 +373,6 @@ def generate(
     else:
         console.print(Text(prompt, style="bold") + Text(text), highlight=False)
         err_console.print(result.summary(), style="dim", highlight=False, markup=False)
+
+
+register_hf_commands(app)  # export-hf, import-hf (cli_hf.py), listed after generate

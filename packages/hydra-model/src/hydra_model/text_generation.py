@@ -10,12 +10,29 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+#: The tokenizer file hydra-train copies beside its checkpoints (and import-hf beside its own).
+TOKENIZER_FILE = "tokenizer.json"
+
 #: Names of end-of-text tokens, in order of preference.
 END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
+
+
+def find_tokenizer(checkpoint: Path, explicit: Path | None = None) -> Path:
+    """``explicit`` when given (it must exist), else the ``tokenizer.json`` beside ``checkpoint``
+    (inside it when it is a save_pretrained folder); FileNotFoundError naming where it looked."""
+    if explicit is not None:
+        if not explicit.is_file():
+            raise FileNotFoundError(f"--tokenizer {explicit} does not exist")
+        return explicit
+    beside = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / TOKENIZER_FILE
+    if beside.is_file():
+        return beside
+    raise FileNotFoundError(f"no tokenizer: pass --tokenizer PATH/tokenizer.json (none found at {beside})")
 
 
 def end_of_text_id(tokenizer: Any) -> int | None:

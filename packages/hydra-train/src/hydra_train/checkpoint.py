@@ -13,8 +13,13 @@ Layout of a checkpoint (a ``torch.save`` dict, loadable with ``weights_only=True
     config                   {"model": <model config>.to_dict(), "train": TrainConfig.to_dict()}
                              (the architecture is ``train["arch"]``; absent in older files: HYDRA)
     callbacks                {callback name: callback.state_dict()} (SafeOptimizations lives here)
-    checksum                 "sha256:..." over every tensor above (checkpoint_digest.py), verified
-                             on load; files without one (older) load with a note
+    checksum                 "sha256:..." over every tensor above (hydra_model/checkpoint_digest.py:
+                             hydra-model import-hf writes checkpoints too), verified on load; files
+                             without one (older) load with a note
+
+A file with only format, version, step, model, config and checksum (``hydra-model import-hf``
+writes one from a Hugging Face Llama) is a weights-only start: ``--resume`` loads its weights and
+begins at step 0 with a fresh optimizer, schedule and data order (``Trainer.resume_from``).
 
 Names: ``hydra_{model_id}_step{N}.pt`` every ``--save_every`` steps (the last ``--keep_checkpoints``
 kept) and ``hydra_{model_id}_final.pt`` at the end.
@@ -38,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hydra_model.checkpoint_digest import CHECKSUM_KEY, payload_digest
 from hydra_train.atomic_files import atomic_write, fsync_dir
-from hydra_train.checkpoint_digest import CHECKSUM_KEY, payload_digest
 from hydra_train.errors import HydraCheckpointError, short_error
 
 FORMAT = "hydra-train-checkpoint"

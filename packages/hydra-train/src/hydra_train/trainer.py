@@ -467,9 +467,16 @@ class Trainer:
         return self.saver(self, final) if self.saver is not None else None
 
     def resume_from(self, point: ResumePoint) -> None:
-        """Load everything a checkpoint holds; the model config must match (else HydraCheckpointError)."""
+        """Load everything a checkpoint holds; the model config must match (else HydraCheckpointError).
+        A weights-only checkpoint (no loop state) loads the weights and leaves the rest fresh."""
         ck = point.checkpoint
         check_model_config(ck, self.model.config, point.path)
+        if "trainer" not in ck:
+            # weights only (hydra-model import-hf writes such files): a model to start from, not a
+            # run to continue; optimizer, schedule, data order and loop state start fresh
+            load_full_state(self.model, self.optimizer, ck["model"], None)
+            self.log(f"{point.path.name} holds weights only: training starts from them at step 0")
+            return
         load_full_state(self.model, self.optimizer, ck["model"], ck.get("optimizer"))
         for g in self.optimizer.param_groups:  # the current --lr wins over the saved one
             g["initial_lr"] = self.cfg.lr

@@ -5,7 +5,8 @@ carry no checksum that torch checks), and a bit flip inside the weights then sho
 losses many steps later. :func:`payload_digest` hashes each tensor's raw bytes together with its
 key path, dtype and shape (SHA-256); the saver stores it under ``"checksum"`` and the loader
 recomputes and compares it. Checkpoints written before this existed carry no checksum: they load
-with a note (there is nothing to check them against).
+with a note (there is nothing to check them against). It lives in hydra_model because both
+hydra-train's saver and ``hydra-model import-hf`` write checkpoints that hydra-train verifies.
 """
 
 from __future__ import annotations
