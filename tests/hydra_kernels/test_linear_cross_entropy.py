@@ -219,10 +219,12 @@ def test_never_allocates_full_logits(triton, reduction):
             assert mode.largest >= 2 * n * v
 
 
-def test_compile_fullgraph_without_graph_breaks():
+@pytest.mark.parametrize(("dw_accum", "dtype"), [("fp32", torch.float32), ("compensated", torch.bfloat16)])
+def test_compile_fullgraph_without_graph_breaks(dw_accum, dtype):
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
+    set_linear_ce_options(chunk_rows=CHUNK, dw_accum=dw_accum)
     h, w, y = _inputs(8)
     for reduction in ("mean", "none"):
 
@@ -234,10 +236,11 @@ def test_compile_fullgraph_without_graph_breaks():
         counters.clear()
         backend = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(step, backend=backend, fullgraph=True)
-        hc, wc = h.float().requires_grad_(), w.float().requires_grad_()
+        hc, wc = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
         compiled(hc, wc, y).backward()
-        he, we = h.float().requires_grad_(), w.float().requires_grad_()
+        he, we = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
         step(he, we, y).backward()
+        assert wc.grad.dtype == dtype
         assert not counters["graph_break"], dict(counters["graph_break"])
         assert backend.frame_count == 1
         assert "hydra_kernels.linear_ce_fwd" in backend.graphs[0].code

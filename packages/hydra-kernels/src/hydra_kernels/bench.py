@@ -115,7 +115,7 @@ def _peers(op: str, ref: Callable[..., Any], liger: dict[str, Callable[..., Any]
 # --- workloads -------------------------------------------------------------------------------
 
 #: linear+CE dW schemes timed beside the default (``dw_accum``): see ops/_linear_ce_chunks.
-LINEAR_CE_MODES = ("slab", "input")
+LINEAR_CE_MODES = ("compensated", "slab", "input")
 
 
 def _with_dw_accum(mode: str) -> Callable[..., Any]:

@@ -5,6 +5,10 @@ Per chunk of C tokens: ``logits = h_c @ Wᵀ`` (cuBLAS, one reused ``[C, V]`` bu
 step (loss, and the logits' gradient in place), ``dh_c = dlogits @ W`` straight into rows of dh,
 and ``dW (+)= dlogitsᵀ @ h_c`` into the accumulator. Nothing ``[N, V]``-sized is allocated.
 
+``dw_accum="compensated"`` keeps dW in its own 16-bit tensor plus a 4-bit residual per element
+(``_linear_ce_compensated``): the precision of an fp32 accumulator for V·D/2 extra bytes, and an
+automatic chunk that fits twice Liger's workspace.
+
 ``dw_accum="slab"`` adds no accumulator at all: the chunk loop computes the loss, each row's
 log-sum-exp and dh only; then a second loop over vocabulary slabs of S rows recomputes
 ``logits_s = h @ W_sᵀ`` for every token (``[N, S]``, in the same buffer), turns it into the
@@ -20,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hydra_kernels.ops import _linear_ce_compensated as comp
 from hydra_kernels.ops import _linear_ce_kernels as K
 
-DW_ACCUM_MODES = ("fp32", "input", "slab")
+DW_ACCUM_MODES = ("fp32", "input", "slab", "compensated")
 DW_BACKENDS = ("auto", "cublas", "triton", "torch")
 
 
@@ -30,8 +35,9 @@ DW_BACKENDS = ("auto", "cublas", "triton", "torch")
 class LinearCEOptions:
     """``chunk_rows``: tokens per chunk, 0 = automatic. ``dw_accum``: ``"fp32"`` (a running fp32
     accumulator over token chunks), ``"input"`` (a running accumulator in the weight's dtype:
-    less memory, rounding per chunk) or ``"slab"`` (no accumulator: dW per vocabulary slab in one
-    GEMM after a second logits pass; see the module docstring). ``dw_backend``: who adds a chunk
+    less memory, rounding per chunk), ``"slab"`` (no accumulator: dW per vocabulary slab in one
+    GEMM after a second logits pass; see the module docstring) or ``"compensated"`` (the 16-bit
+    gradient itself plus a 4-bit residual plane; ``_linear_ce_compensated``). ``dw_backend``: who adds a chunk
     into an fp32 accumulator from 16-bit operands: ``"auto"``, ``"cublas"``, ``"triton"`` or
     ``"torch"`` (widen the chunk to fp32 first)."""
 
@@ -55,12 +61,28 @@ class LinearCEOptions:
 
 
 def acc_dtype_for(compute_dtype: torch.dtype, weight_dtype: torch.dtype, dw_accum: str) -> torch.dtype:
-    """dtype of the dW accumulator: at least fp32 unless the lean mode asked for the weight's."""
+    """dtype of the dW accumulator: at least fp32 unless the mode asked for the weight's ("input",
+    "slab", and "compensated", where a 16-bit result comes with its residual plane)."""
     widest = torch.promote_types(compute_dtype, weight_dtype)
-    return widest if dw_accum in ("input", "slab") else torch.promote_types(widest, torch.float32)
+    if dw_accum in ("input", "slab", "compensated"):
+        return widest
+    return torch.promote_types(widest, torch.float32)
 
 
-def chunk_rows_for(n: int, d: int, v: int, acc_dtype: torch.dtype, opts: LinearCEOptions) -> int:
+def compensates(acc_dtype: torch.dtype, opts: LinearCEOptions) -> bool:
+    """Whether dW is accumulated as a 16-bit value plus a residual plane."""
+    return opts.dw_accum == "compensated" and acc_dtype.itemsize == 2
+
+
+def chunk_rows_for(
+    n: int,
+    d: int,
+    v: int,
+    acc_dtype: torch.dtype,
+    opts: LinearCEOptions,
+    itemsize: int = 2,
+    need_dw: bool = True,
+) -> int:
     """Tokens per chunk. Set: as given. Automatic, with a 4-byte accumulator: 2²²/D rows, in
     [1024, 4096], rounded up to 128: the dW GEMM reads and writes the whole fp32 accumulator once
     per chunk, so fewer, larger chunks win (measured on an H100 at D = 768, V = 50304: 4096 rows
@@ -69,13 +91,15 @@ def chunk_rows_for(n: int, d: int, v: int, acc_dtype: torch.dtype, opts: LinearC
     runs over V) enough output tiles to fill the GPU without split-K. In the lean
     mode, Liger's rule: the chunk's logits hold as many elements as ``hidden``. In the slab mode,
     Liger's own sizing (``next_power_of_2(N / ceil(V / D))`` rows), so that the one buffer of the
-    call takes what Liger's chunk takes."""
+    call takes what Liger's chunk takes. In the compensated mode, the largest chunk that fits twice
+    Liger's logits chunk beside the residual plane (``compensated_chunk_rows``; ``itemsize`` is
+    the logits' and ``need_dw`` says whether the plane is allocated)."""
     if opts.chunk_rows:
         rows = opts.chunk_rows
+    elif opts.dw_accum == "compensated":
+        rows = comp.compensated_chunk_rows(n, d, v, itemsize, need_dw and acc_dtype.itemsize == 2)
     elif opts.dw_accum == "slab":
-        per_row = -(-v // d)
-        want = -(-n // per_row)
-        rows = 1 << (want - 1).bit_length() if want > 1 else 1
+        rows = comp.liger_chunk_rows(n, d, v)
         # Liger's chunk holds all its workspace; this call also keeps each token's loss and
         # log-sum-exp (fp32): give those rows back so the total stays within Liger's.
         rows = max(1, rows - -(-8 * n // (2 * v)))
@@ -182,13 +206,16 @@ def chunked_pass(hidden, weight, targets, ignore_index, z_loss, scale, need_dh, 
     cdt = hidden.dtype
     w = weight if weight.dtype == cdt else weight.to(cdt)  # [V, D] in the compute dtype
     acc_dtype = acc_dtype_for(cdt, weight.dtype, opts.dw_accum)
-    rows = chunk_rows_for(n, d, v, acc_dtype, opts)
+    rows = chunk_rows_for(n, d, v, acc_dtype, opts, cdt.itemsize, need_dw)
     slabs = need_dw and opts.dw_accum == "slab"
     dev = hidden.device
     loss_rows = torch.empty(n, dtype=torch.promote_types(cdt, torch.float32), device=dev)
     lse = torch.empty(n, dtype=torch.float32, device=dev) if slabs else None
     dh = torch.empty((n, d), dtype=cdt, device=dev) if need_dh else None
     dw = (torch.empty if n else torch.zeros)((v, d), dtype=acc_dtype, device=dev) if need_dw else None
+    plane = None  # the 4-bit residuals of a compensated dW (no zero fill: the first chunk writes it)
+    if need_dw and n and compensates(acc_dtype, opts):
+        plane = torch.empty(comp.plane_shape(v, d), dtype=torch.uint8, device=dev)
     slab_cols = slab_cols_for(n, v, rows) if slabs else 0
     buffer = torch.empty(max(rows * v, n * slab_cols), dtype=cdt, device=dev) if n else None
     write_grad = need_dh or (need_dw and not slabs)
@@ -207,7 +234,9 @@ def chunked_pass(hidden, weight, targets, ignore_index, z_loss, scale, need_dh, 
             _ce_rows_torch(*row_args)
         if need_dh:
             torch.mm(lg, w, out=dh[start:stop])
-        if need_dw and not slabs:
+        if plane is not None:
+            comp.accumulate_compensated(dw, plane, lg, h_c, start == 0, use_triton, rows)
+        elif need_dw and not slabs:
             _accumulate_dw(dw, lg, h_c, start == 0, use_triton, opts.dw_backend, rows)
     if slabs and n:
         for v0 in range(0, v, slab_cols):

@@ -180,6 +180,19 @@ def _ce_slab_grad_kernel(
 
 
 @triton.jit
+def vocab_major_tile(n_cols, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(rows, columns), int64, of this program's tile of a [V, n_cols] output; consecutive
+    programs share a vocabulary tile (and its strip of the logits' gradient, from L2)."""
+    pid = tl.program_id(0)
+    n_col_tiles = tl.cdiv(n_cols, BLOCK_D)
+    pid_v = pid // n_col_tiles
+    pid_d = pid - pid_v * n_col_tiles
+    offs_v = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    return offs_v, offs_d
+
+
+@triton.jit
 def _dw_accum_kernel(
     g_ptr,
     stride_gc,
@@ -200,14 +213,8 @@ def _dw_accum_kernel(
     BLOCK_C: tl.constexpr,
     K_BLOCKS: tl.constexpr,
 ):
-    # Consecutive programs share a vocabulary tile (and so its strip of dlogits, read from L2);
-    # the chunk of h is small enough to stay in L2 for the whole launch.
-    pid = tl.program_id(0)
-    n_d_tiles = tl.cdiv(n_dim, BLOCK_D)
-    pid_v = pid // n_d_tiles
-    pid_d = pid - pid_v * n_d_tiles
-    offs_v = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
-    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    # The chunk of h is small enough to stay in L2 for the whole launch.
+    offs_v, offs_d = vocab_major_tile(n_dim, BLOCK_V, BLOCK_D)
     v_ok = offs_v < n_vocab
     d_ok = offs_d < n_dim
     acc = tl.zeros([BLOCK_V, BLOCK_D], dtype=tl.float32)

@@ -22,7 +22,9 @@ simulation, see the README). ``HYDRA_LINEAR_CE_DW_ACCUM=input`` selects that mem
 (the accumulator in the weight's dtype, Liger-sized chunks): Liger's memory, Liger's precision.
 ``HYDRA_LINEAR_CE_DW_ACCUM=slab`` keeps the precision in Liger's memory instead, at the price of a
 fourth matmul: no accumulator, dW per vocabulary slab in one GEMM after a second logits pass
-(``_linear_ce_chunks``).
+(``_linear_ce_chunks``). ``HYDRA_LINEAR_CE_DW_ACCUM=compensated`` keeps three matmuls and the
+precision with V·D/2 extra bytes: dW accumulates in its own 16-bit tensor plus a 4-bit residual
+per element (``_linear_ce_compensated``), and its automatic chunk fits twice Liger's workspace.
 
 ``reduction="none"``: dW = Σ_n g_n·dlogits_nᵀ h_n needs the per-token gradient before the sum, so
 the forward computes only the loss and the backward recomputes the chunks (four matmuls).
@@ -32,7 +34,8 @@ skipped. The public function is a ``torch.library`` op (``hydra_kernels::linear_
 
 Options (``set_linear_ce_options`` or the environment; the bench script sweeps them):
 ``HYDRA_LINEAR_CE_CHUNK_ROWS`` (0 = automatic), ``HYDRA_LINEAR_CE_DW_ACCUM`` (``fp32`` |
-``input`` | ``slab``), ``HYDRA_LINEAR_CE_DW_BACKEND`` (``auto`` | ``cublas`` | ``triton`` | ``torch``).
+``input`` | ``slab`` | ``compensated``), ``HYDRA_LINEAR_CE_DW_BACKEND`` (``auto`` | ``cublas`` |
+``triton`` | ``torch``).
 """
 
 from __future__ import annotations
