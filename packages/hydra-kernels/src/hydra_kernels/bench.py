@@ -251,22 +251,18 @@ def graph_ms(step: Callable[[], None], rep: int = 100) -> float | None:
     None when the step cannot be captured."""
     from triton.testing import do_bench
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator pools
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    from hydra_kernels.cuda_graph import CUDAGraphStep
+
+    graphed = CUDAGraphStep.deferred(step)
+    graphed.warm_up(2)  # off the capture: compiles, allocator pools
     try:
-        with torch.cuda.graph(graph):
-            step()
+        graphed.capture()
     except Exception:
         return None
     try:
-        return float(do_bench(graph.replay, warmup=25, rep=rep, return_mode="median"))
+        return float(do_bench(graphed.replay, warmup=25, rep=rep, return_mode="median"))
     finally:
-        del graph
+        graphed.release()
 
 
 def peak_extra_mib(step: Callable[[], None]) -> float:

@@ -5,7 +5,10 @@ A callback subclasses :class:`TrainerCallback` and overrides what it needs:
 ``on_train_start(trainer)``          before the first step (after a resume has been applied)
 ``on_after_backward(step, model)``   after the backward of the eager step, before the finiteness
                                      check and the optimizer (fault injection, gradient probes);
-                                     not called when ``trainer.step_impl`` is a captured graph
+                                     not called in the steps a CUDA graph runs (the capture step
+                                     included: host code cannot be replayed)
+``on_graph_failure(step, reason)``   the trainer's CUDA graph could not be captured or replayed and
+                                     was dropped; the step ran (or runs) eagerly
 ``on_step_end(step, metrics)``       after every optimizer step, applied or skipped
 ``on_log(step, row)``                at log intervals, with the floats written to the database
 ``on_eval(step, val_loss)``          after each validation pass
@@ -70,6 +73,9 @@ class TrainerCallback:
     def on_after_backward(self, step: int, model: torch.nn.Module) -> None:
         pass
 
+    def on_graph_failure(self, step: int, reason: str) -> None:
+        pass
+
     def on_step_end(self, step: int, metrics: StepMetrics) -> None:
         pass
 
@@ -101,6 +107,9 @@ class CallbackList:
         if any(c.name == cb.name for c in self.callbacks):
             raise ValueError(f"a callback named {cb.name!r} is already registered")
         self.callbacks.append(cb)
+
+    def remove(self, cb: TrainerCallback) -> None:
+        self.callbacks.remove(cb)
 
     def __iter__(self):
         return iter(self.callbacks)

@@ -17,9 +17,8 @@ import torch
 
 from hydra_train.callbacks import CallbackList
 from hydra_train.config import TrainConfig, resolve_config
-from hydra_train.optim import LRSchedule, build_optimizer
 from hydra_train.prefetch import Prefetcher
-from hydra_train.safe_opts.callback import graph_modes_for
+from hydra_train.safe_opts.activation import graph_modes_for
 from hydra_train.safe_opts.faults import FaultInjector
 from hydra_train.safe_opts.pretest import PretestRunner, PretestSettings
 from hydra_train.safe_opts.pretest_log import PretestHook, environment, fingerprint
@@ -60,16 +59,14 @@ def request_all(cfg: TrainConfig) -> TrainConfig:
 
 
 def build_trainer(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[Trainer, Callable, TrainConfig]:
-    from hydra_train.run import (
+    from hydra_train.build import (
         build_model,
+        build_optimizer_and_schedule,
         check_model_flags,
-        choose_cpu_threads,
-        device_info,
         load_run_data,
-        pick_device,
         preset_vocab_size,
-        seed_everything,
     )
+    from hydra_train.device_setup import choose_cpu_threads, device_info, pick_device, seed_everything
 
     device = pick_device(cfg.device)
     random_data = cfg.dataset in (RANDOM, "auto")
@@ -89,8 +86,7 @@ def build_trainer(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[Trainer
         cfg = cfg.replace(seq_len=data.seq_len, vocab_size=data.vocab_size)
         make_batch = BatchPlan(data.train, cfg.batch_size, seed=cfg.seed).batch
     model = build_model(cfg, cfg.vocab_size, device)
-    choice = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
-    schedule = LRSchedule.from_config(choice.optimizer, cfg)
+    choice, schedule = build_optimizer_and_schedule(model, cfg)
     trainer = Trainer(
         model,
         cfg,
