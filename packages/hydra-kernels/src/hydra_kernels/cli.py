@@ -22,19 +22,20 @@ from hydra_kernels.cli_support import (
     new_app,
     require_cuda,
 )
+from hydra_kernels.registry import OP_SPECS
 
 app = new_app("Fused Triton kernels for HYDRA: status, numerical checks, benchmarks.")
 add_version_option(app, "hydra-kernels", __version__)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
 
-_OP_MODULES = {
-    "rms_norm": "hydra_kernels.ops.rms_norm",
-    "swiglu": "hydra_kernels.ops.swiglu",
-    "qk_norm": "hydra_kernels.ops.qk_norm",
-    "rope": "hydra_kernels.ops.rope",
-    "linear_cross_entropy": "hydra_kernels.ops.linear_cross_entropy",
-}
+_OP_MODULES = {spec.name: spec.module for spec in OP_SPECS}
+_BENCH_NAMES = [name for spec in OP_SPECS for name in spec.bench]
+_SWEEP_NAMES = [spec.name for spec in OP_SPECS if spec.sweep]
+
+
+def _either(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def resolved_launch_configs(device: Any) -> dict[str, dict[str, Any]]:
@@ -299,12 +300,13 @@ def render_bench_report(report: dict[str, Any], console: Any) -> None:
 def bench(
     op: Annotated[
         list[str] | None,
-        typer.Option("--op", help="rms_norm, swiglu, qk_norm, rope or linear_ce (repeatable); default all."),
+        typer.Option("--op", help=f"{_either(_BENCH_NAMES)} (repeatable); default all."),
     ] = None,
     sweep: Annotated[
         bool,
         typer.Option(
-            "--sweep", help="Instead: time only hydra's swiglu/rope under a grid of launch configs."
+            "--sweep",
+            help=f"Instead: time only hydra's {'/'.join(_SWEEP_NAMES)} under a grid of launch configs.",
         ),
     ] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write the full JSON report here.")] = None,

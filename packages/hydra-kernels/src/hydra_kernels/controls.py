@@ -16,7 +16,8 @@ defaulting to on:
 ====================================  =====================================================
 ``HYDRA_DISABLE_TRITON=1``            every op uses its reference
 ``HYDRA_ENABLE_FUSED_<OP>=0`` or      that op's Triton forward (and backward) off; ``<OP>`` is
-``HYDRA_DISABLE_FUSED_<OP>=1``        ``RMS_NORM``, ``SWIGLU``, ``QK_NORM``, ``ROPE``, ``LINEAR_CE``
+``HYDRA_DISABLE_FUSED_<OP>=1``        ``RMS_NORM``, ``SWIGLU``, ``QK_NORM``, ``ROPE``, ``LINEAR_CE`` (each
+                                      op's ``env`` in hydra_kernels.registry)
 ``HYDRA_ENABLE_FUSED_<OP>_BWD=0`` or  only the fused backward off (``RMS_NORM``, ``SWIGLU``,
 ``HYDRA_DISABLE_FUSED_<OP>_BWD=1``    ``QK_NORM``): the forward stays fused, the backward is
                                       computed by PyTorch from the saved inputs
@@ -36,18 +37,13 @@ import torch
 
 from hydra_kernels import launch_config
 from hydra_kernels.options import OPTIONS, OpSwitch, env_flag, env_switch
+from hydra_kernels.registry import OP_SPECS
 
-#: The five ops, in the order status tables list them.
-OPS: tuple[str, ...] = ("rms_norm", "swiglu", "qk_norm", "rope", "linear_cross_entropy")
+#: The ops, in the order status tables list them (hydra_kernels.registry, one entry each).
+OPS: tuple[str, ...] = tuple(spec.name for spec in OP_SPECS)
 
 # op -> (environment stem of the forward switch, stem of the backward switch or None)
-_ENV_STEMS: dict[str, tuple[str, str | None]] = {
-    "rms_norm": ("FUSED_RMS_NORM", "FUSED_RMS_NORM_BWD"),
-    "swiglu": ("FUSED_SWIGLU", "FUSED_SWIGLU_BWD"),
-    "qk_norm": ("FUSED_QK_NORM", "FUSED_QK_NORM_BWD"),
-    "rope": ("FUSED_ROPE", None),
-    "linear_cross_entropy": ("FUSED_LINEAR_CE", None),
-}
+_ENV_STEMS: dict[str, tuple[str, str | None]] = {spec.name: (spec.env, spec.env_bwd) for spec in OP_SPECS}
 
 
 # --- Triton availability (decided once: importing triton is what makes it usable) ------------

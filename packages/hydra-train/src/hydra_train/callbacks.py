@@ -1,4 +1,4 @@
-"""Callbacks: how code outside the loop (SafeOptimizations, TensorBoard, W&B, tests) joins in.
+"""Callbacks: how code outside the loop (SafeOptimizations, loggers, tests) joins in.
 
 A callback subclasses :class:`TrainerCallback` and overrides what it needs:
 
@@ -15,6 +15,9 @@ A callback subclasses :class:`TrainerCallback` and overrides what it needs:
 ``on_train_end(summary)``            once, with the run summary (also after a failure: status says)
 ``state_dict()/load_state_dict()``   saved in checkpoints under ``"callbacks"[name]``, restored on resume
 
+Loggers (TensorBoard, W&B) are callbacks registered with their flag in :mod:`hydra_train.loggers`.
+No torch import at module level: the configuration (and ``--help``) reads the logger registry.
+
 :class:`StepMetrics` holds device tensors. Reading one (``float(metrics.loss)``,
 :meth:`StepMetrics.as_floats`) waits for the GPU; a callback that needs a float every step
 therefore costs a host sync every step, which is its choice, not the loop's.
@@ -25,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from hydra_train.trainer import Trainer
 
 
@@ -48,6 +51,8 @@ class StepMetrics:
 
     def as_floats(self) -> dict[str, Any]:
         """Everything as Python numbers (syncs with the device once)."""
+        import torch
+
         names = ["loss", "ce_loss", "grad_norm"]
         aux_names = sorted(self.aux_losses)
         vals = torch.stack(
@@ -133,68 +138,10 @@ class CallbackList:
             log(f"checkpoint has state for callbacks not active in this run: {', '.join(unknown)}")
 
 
-class TensorBoardCallback(TrainerCallback):
-    """``--tensorboard``: scalars to ``<run folder>/tensorboard``."""
+def __getattr__(name: str):
+    # the loggers moved to hydra_train.loggers (their registry); importable from here as before
+    if name in ("TensorBoardCallback", "WandbCallback"):
+        from hydra_train import loggers
 
-    name = "tensorboard"
-
-    def __init__(self, log_dir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            from hydra_train.errors import HydraTrainError
-
-            raise HydraTrainError(
-                "--tensorboard needs the tensorboard package: pip install 'hydra-train[tensorboard]'"
-            ) from None
-        self.writer = SummaryWriter(log_dir=log_dir)
-
-    def on_log(self, step: int, row: dict[str, Any]) -> None:
-        for k, v in row.items():
-            if isinstance(v, (int, float)) and k != "step":
-                self.writer.add_scalar(f"train/{k}", v, step)
-        for k, v in (row.get("aux") or {}).items():
-            self.writer.add_scalar(f"aux/{k}", v, step)
-
-    def on_eval(self, step: int, val_loss: float) -> None:
-        self.writer.add_scalar("val/loss", val_loss, step)
-
-    def on_train_end(self, summary: dict[str, Any]) -> None:
-        self.writer.close()
-
-
-class WandbCallback(TrainerCallback):
-    """``--wandb``: offline unless ``WANDB_MODE`` says otherwise (files under the run folder)."""
-
-    name = "wandb"
-
-    def __init__(self, run_dir: str, run_id: str, config: dict[str, Any]):
-        import os
-
-        try:
-            import wandb
-        except ImportError:
-            from hydra_train.errors import HydraTrainError
-
-            raise HydraTrainError(
-                "--wandb needs the wandb package: pip install 'hydra-train[wandb]'"
-            ) from None
-        self.wandb = wandb
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "hydra"),
-            name=run_id,
-            dir=run_dir,
-            config=config,
-            mode=os.environ.get("WANDB_MODE", "offline"),
-        )
-
-    def on_log(self, step: int, row: dict[str, Any]) -> None:
-        flat = {k: v for k, v in row.items() if isinstance(v, (int, float))}
-        flat.update({f"aux/{k}": v for k, v in (row.get("aux") or {}).items()})
-        self.run.log(flat, step=step)
-
-    def on_eval(self, step: int, val_loss: float) -> None:
-        self.run.log({"val/loss": val_loss}, step=step)
-
-    def on_train_end(self, summary: dict[str, Any]) -> None:
-        self.run.finish()
+        return getattr(loggers, name)
+    raise AttributeError(f"module 'hydra_train.callbacks' has no attribute {name!r}")

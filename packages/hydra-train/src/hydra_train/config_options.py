@@ -6,7 +6,8 @@ into the options of ``hydra-train run`` and ``hydra-train pretest`` (``commands`
 it), and :class:`hydra_train.config.TrainConfig` holds one instance of each section. A new knob is
 a new field in its section: the flag, the stored config and ``--dry_run`` follow.
 
-``None`` (or ``"auto"``) means: chosen for the device and mode by
+A logger's flag is declared with the logger (:mod:`hydra_train.loggers`) and lands in the runtime
+section. ``None`` (or ``"auto"``) means: chosen for the device and mode by
 :func:`hydra_train.config.resolve_config`. No torch and no Typer here: ``--help`` stays fast.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from hydra_train.loggers import LOGGERS
 
 RUN, PRETEST = "run", "pretest"
 BOTH = (RUN, PRETEST)
@@ -168,9 +171,20 @@ class DataOptions:
     )
 
 
+#: One boolean flag per registered logger (hydra_train.loggers: the class and its flag, one place).
+LoggerFlags = dataclasses.make_dataclass(
+    "LoggerFlags",
+    [
+        (name, bool, flag(False, f"--{name}", help=cls.help, commands=(RUN,)))
+        for name, cls in LOGGERS.items()
+    ],
+)
+
+
 @dataclass
-class RuntimeOptions:
-    """How long, where and how the run goes: device, precision, evaluation, logging, checkpoints."""
+class RuntimeOptions(LoggerFlags):
+    """How long, where and how the run goes: device, precision, evaluation, logging (the loggers'
+    flags come from hydra_train.loggers), checkpoints."""
 
     mode: str = flag(
         "testing",
@@ -237,15 +251,6 @@ class RuntimeOptions:
         commands=(RUN,),
     )
     seed: int = flag(1337, "--seed", help="Seed for initialisation and data order.")
-    tensorboard: bool = flag(
-        False, "--tensorboard", help="Also log scalars to TensorBoard (run folder).", commands=(RUN,)
-    )
-    wandb: bool = flag(
-        False,
-        "--wandb",
-        help="Also log to Weights & Biases (offline unless WANDB_MODE says otherwise).",
-        commands=(RUN,),
-    )
     progress: bool = True  # the progress bar; ``run --json`` turns it off
 
 

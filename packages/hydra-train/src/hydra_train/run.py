@@ -33,7 +33,7 @@ from hydra_train.build import (
     param_counts,
     preset_vocab_size,
 )
-from hydra_train.callbacks import CallbackList, TensorBoardCallback, TrainerCallback, WandbCallback
+from hydra_train.callbacks import CallbackList, TrainerCallback
 from hydra_train.checkpoint import (
     ResumePoint,
     check_model_config,
@@ -56,6 +56,7 @@ from hydra_train.distributed import (
     wrap_model,
 )
 from hydra_train.errors import HydraTrainError
+from hydra_train.loggers import build_loggers
 from hydra_train.metrics_db import DB_NAME, TrainingDB
 from hydra_train.optim import OptimizerChoice
 from hydra_train.prefetch import Prefetcher
@@ -269,10 +270,8 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
         cbs.add(db_cb)
         if cfg.progress:
             cbs.add(ProgressCallback(console, cfg.max_steps))
-        if cfg.tensorboard:
-            cbs.add(TensorBoardCallback(str(artifacts.folder / "tensorboard")))
-        if cfg.wandb:
-            cbs.add(WandbCallback(str(artifacts.folder), run_id, cfg.to_dict()))
+        for logger in build_loggers(cfg, artifacts.folder, run_id):
+            cbs.add(logger)
     cbs.add(ArtifactsCallback(artifacts))
     trainer = Trainer(
         model,
