@@ -69,3 +69,19 @@ def test_the_command_line_parses_into_one_config():
         "wsd",
     )
     assert cfg["progress"] is False  # --json: no progress bar
+
+
+def test_the_summary_goes_where_summary_dir_says_not_to_the_machines_out(bin_dataset, tmp_path, monkeypatch):
+    from hydra_train.run import run_training
+
+    from .conftest import tiny_config
+
+    elsewhere = tmp_path / "out"
+    elsewhere.mkdir()
+    monkeypatch.setenv("OUT", str(elsewhere))  # a variable of the measuring machine: not read
+    summary = run_training(
+        tiny_config(bin_dataset, tmp_path / "ck", max_steps=2, summary_dir=str(tmp_path / "s"))
+    )
+    written = list((tmp_path / "s").glob("train_summary_*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["run_id"] == summary["run_id"]
+    assert list(elsewhere.iterdir()) == []

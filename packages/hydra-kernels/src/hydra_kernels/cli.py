@@ -4,7 +4,6 @@ torch and the kernels are imported inside the commands, so ``--help`` stays fast
 """
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -315,8 +314,7 @@ def bench(
 ) -> None:
     """Time each op × shape, forward+backward, against torch eager, torch.compile and Liger-Kernel
     (when importable): ms, GB/s over the byte floor, % of the measured copy bandwidth. CUDA only.
-    Also writes the JSON report to $OUT/hydra_kernels_bench.json (hydra_kernels_bench_sweep.json with --sweep)
-    when $OUT is set."""
+    --out PATH also writes the full JSON report there."""
     from hydra_kernels.bench import BENCH_OPS, SWEEP_CONFIGS
 
     unknown = [o for o in op or () if o not in BENCH_OPS]
@@ -341,9 +339,6 @@ def bench(
         [*(f"--op {o}" for o in op or ()), *(["--sweep"] if sweep else []), f"--rep {rep}"]
     )
     targets = [Path(out)] if out else []
-    if os.environ.get("OUT"):
-        name = "hydra_kernels_sweep.json" if sweep else "hydra_kernels_bench.json"
-        targets.append(Path(os.environ["OUT"]) / name)
     for path in targets:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1, default=str))

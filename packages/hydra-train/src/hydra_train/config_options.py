@@ -252,6 +252,12 @@ class RuntimeOptions(LoggerFlags):
     )
     seed: int = flag(1337, "--seed", help="Seed for initialisation and data order.")
     progress: bool = True  # the progress bar; ``run --json`` turns it off
+    summary_dir: str | None = flag(
+        None,
+        "--summary_dir",
+        help="Also write the final summary as JSON into this folder (train_summary_<model>_<run>.json).",
+        commands=(RUN,),
+    )
 
 
 @dataclass

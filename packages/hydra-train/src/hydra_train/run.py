@@ -354,8 +354,9 @@ def _train(run: TrainingRun, log) -> dict[str, Any]:
         trainer.callbacks.call("on_train_end", summary)
         if run.db is not None:
             run.db.close()
-        out = os.environ.get("OUT")
-        if run.dist.is_main and out and Path(out).is_dir():
+        if run.dist.is_main and cfg.summary_dir:
+            folder = Path(cfg.summary_dir)
+            folder.mkdir(parents=True, exist_ok=True)
             name = f"train_summary_{run.model_id}_{trainer.run_id}.json"
-            (Path(out) / name).write_text(json.dumps(summary, indent=2))
+            (folder / name).write_text(json.dumps(summary, indent=2))
     return summary

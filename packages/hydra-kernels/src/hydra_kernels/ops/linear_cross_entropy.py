@@ -1,7 +1,7 @@
 """Cross-entropy of ``hidden @ weight.T`` against targets without the full [N, V] logits.
 
-Scheme (decided for speed; measured by ``bench/bench_linear_ce.py``): tokens are taken in chunks
-of C rows. Per chunk, with the gradient computed during the forward:
+Scheme (decided for speed; measured by ``packages/hydra-diag/bench/bench_linear_ce.py``): tokens are
+taken in chunks of C rows. Per chunk, with the gradient computed during the forward:
 
 1. ``logits = h_c @ Wᵀ``  (cuBLAS, ``[C, V]`` in the compute dtype, one reused buffer)
 2. ``_ce_rows_kernel`` (Triton): fp32 log-sum-exp, per-token loss, and the logits' gradient

@@ -1,7 +1,7 @@
 """Tuning harness for linear_cross_entropy on one GPU: check, time, measure memory, pick configs.
 
-    python packages/hydra-kernels/bench/bench_linear_ce.py          # everything, ~2-3 min on an H100
-    python packages/hydra-kernels/bench/bench_linear_ce.py --smoke  # tiny shapes on the CPU interpreter
+    python packages/hydra-diag/bench/bench_linear_ce.py          # everything, ~2-3 min on an H100
+    python packages/hydra-diag/bench/bench_linear_ce.py --smoke  # tiny shapes on the CPU interpreter
 
 1. Correctness on CUDA at a moderate odd shape (N=1537, D=320, V=5003, a fifth of the targets
    ignored, z-loss): the default path in bf16 and fp32, mean / sum / none, the lean mode and the
@@ -37,7 +37,7 @@ import typer
 try:
     import hydra_kernels
 except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hydra-kernels" / "src"))
     import hydra_kernels
 
 from rich.console import Console

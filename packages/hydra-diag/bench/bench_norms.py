@@ -1,7 +1,7 @@
 """Tuning harness for the norm kernels (RMSNorm, fused residual-add RMSNorm, QK-norm) on one GPU.
 
-    python packages/hydra-kernels/bench/bench_norms.py            # check + time, ~1-2 min on an H100
-    python packages/hydra-kernels/bench/bench_norms.py --sweep    # also sweep launch configs, ~+3 min
+    python packages/hydra-diag/bench/bench_norms.py            # check + time, ~1-2 min on an H100
+    python packages/hydra-diag/bench/bench_norms.py --sweep    # also sweep launch configs, ~+3 min
 
 1. Correctness on CUDA: every output and gradient against an fp64 reference with the project
    criterion (hydra_kernels.numerics), at the bench shapes and at odd ones.
@@ -33,7 +33,7 @@ import typer
 try:
     import hydra_kernels
 except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hydra-kernels" / "src"))
     import hydra_kernels
 
 from rich.console import Console
