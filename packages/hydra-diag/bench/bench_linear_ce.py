@@ -9,8 +9,8 @@
    (hydra_kernels.numerics) plus the op's gradient-rounding tolerance (grad_rounding_atol). The
    lean mode is reported, not required to pass: it trades that precision for memory.
 2. Forward+backward time (triton.testing.do_bench median) and peak memory above the inputs after
-   a warm call (as PERF.md's anchors script, shared/anchors/bench_anchors.py measures it: the previous call's
-   gradients are still allocated at the base and freed by the step) at the PERF.md shapes
+   a warm call (as the targets in docs/TARGETS.md are measured: the previous call's
+   gradients are still allocated at the base and freed by the step) at the docs/TARGETS.md shapes
    16384×768 V=50304 and 16384×2048 V=128256, for hydra variants (chunk rows, dW backend, lean
    mode, row-kernel launch settings) and the peers: torch eager, torch.compile, Liger (its
    default bf16 dW accumulation, and with accum_dtype=fp32).
@@ -54,7 +54,7 @@ from hydra_kernels.ops import linear_cross_entropy as lce
 from hydra_kernels.ops._linear_ce_liger import positional_args
 
 OP = "linear_cross_entropy"
-#: PERF.md targets per shape: (ms, MiB) = torch.compile's time and Liger's memory.
+#: docs/TARGETS.md targets per shape: (ms, MiB) = torch.compile's time and Liger's memory.
 TARGETS = {(768, 50304): (7.46, 25.0), (2048, 128256): (44.4, 125.0)}
 
 #: hydra variants: name -> (set_linear_ce_options kwargs, row-kernel launch overrides,
@@ -371,7 +371,9 @@ def report(result: dict[str, Any]) -> None:
             r.get("error", "")[:50],
         )
     Console(width=max(console.width, 140)).print(table)
-    console.print("targets (PERF.md): 16384x768 ≤ 7.46 ms and ≤ +25 MiB; 16384x2048 ≤ 44.4 ms and ≤ +125 MiB")
+    console.print(
+        "targets (docs/TARGETS.md): 16384x768 ≤ 7.46 ms and ≤ +25 MiB; 16384x2048 ≤ 44.4 ms and ≤ +125 MiB"
+    )
 
 
 def main(

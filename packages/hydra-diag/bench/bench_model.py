@@ -41,7 +41,7 @@ import torch
 from hydra_diag.harness import compile_model, train_step
 
 H100_BF16_PEAK = 989e12
-#: the original HYDRA code at the 100M preset, same batch (PERF.md): tokens/s and peak GiB
+#: the original HYDRA code at the 100M preset, same batch (docs/TARGETS.md): tokens/s and peak GiB
 ORIGINAL_ANCHOR = (90_000, 23.4)
 
 CONFIGS = {
@@ -296,7 +296,7 @@ def print_table(env: dict, args, results: list[dict]) -> None:
         )
     print(
         f"anchor: original HYDRA code, 100M preset: {ORIGINAL_ANCHOR[0] / 1e3:.0f}K tok/s, "
-        f"{ORIGINAL_ANCHOR[1]} GiB (PERF.md). Targets: ≥4× tok/s, ≤½ memory, ≥40% MFU."
+        f"{ORIGINAL_ANCHOR[1]} GiB (docs/TARGETS.md). Targets: ≥4× tok/s, ≤½ memory, ≥40% MFU."
     )
     for r in results:
         if r["host_sync_sites"]:

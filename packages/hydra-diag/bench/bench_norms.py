@@ -57,7 +57,8 @@ class Setup:
 
     device = "cuda"
     smoke = False
-    rms_shapes: tuple[tuple[int, int], ...] = ((16384, 768), (16384, 2048), (16384, 4096))  # PERF.md rows
+    # the rows of docs/TARGETS.md
+    rms_shapes: tuple[tuple[int, int], ...] = ((16384, 768), (16384, 2048), (16384, 4096))
     qk_shapes: tuple[tuple[int, ...], ...] = ((8, 2048, 6, 64), (8, 2048, 16, 128))  # presets' [B, S, H, d]
     check_rms: tuple[tuple[int, int], ...] = (
         (16384, 768),
@@ -96,7 +97,8 @@ def copy_tbps(rep: int) -> float:
 
 
 def fwd_bwd(fn: Callable[..., Any], inputs: list[Any], grads_out: list[torch.Tensor]) -> Callable[[], None]:
-    """Forward then backward of every output, gradients cleared first (as PERF.md's anchors do)."""
+    """Forward then backward of every output, gradients cleared first (as the targets are measured:
+    docs/TARGETS.md)."""
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def step() -> None:

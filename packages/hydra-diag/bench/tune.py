@@ -18,7 +18,7 @@ short still returns what it got):
 - ``sweep``: GPU time (CUDA-graph replay, no host work) of each op's forward and backward
   launchers under candidate launch configurations, beside the table default.
 - ``lce``: linear+CE schemes (fp32 accumulator at several chunk sizes, the slab scheme, the lean
-  mode) against torch.compile and Liger at PERF.md's two shapes: ms and peak extra MiB; plus a
+  mode) against torch.compile and Liger at docs/TARGETS.md's two shapes: ms and peak extra MiB; plus a
   correctness check of each scheme on CUDA at an odd shape.
 """
 

@@ -1,7 +1,7 @@
 """Benchmarks of the fused ops against torch eager, torch.compile and Liger-Kernel (CUDA only).
 
 Every figure is forward+backward, the median of ``triton.testing.do_bench`` on random inputs.
-Bandwidth counts the byte floor of PERF.md (each input read once and each output written once,
+Bandwidth counts the byte floor of docs/TARGETS.md (each input read once and each output written once,
 over forward and backward) and is set against the device-to-device copy bandwidth measured at the
 start of the run. linear+CE is compute-bound: it reports TFLOP/s (6·N·D·V) and the peak memory
 allocated above its inputs during one call.
@@ -30,7 +30,7 @@ from hydra_kernels.registry import PRESET_HEAD_SHAPES as PRESET_HEAD_SHAPES  # k
 
 #: Bench ops (``--op`` values) and the controls op each one exercises (hydra_kernels.registry).
 BENCH_OPS: dict[str, str] = {name: spec.name for spec in OP_SPECS for name in spec.bench}
-#: Where PERF.md's bandwidth target applies: calls that move at least this many bytes.
+#: Where docs/TARGETS.md's bandwidth target applies: calls that move at least this many bytes.
 BANDWIDTH_TARGET_BYTES = 64 * 2**20
 BANDWIDTH_TARGET_FRACTION = 0.8
 #: Launch configurations ``--sweep`` tries, for the ops whose registry entry has a sweep.
@@ -241,7 +241,7 @@ def _measure(w: Workload, copy_tbps: float, rep: int) -> list[dict[str, Any]]:
 
 
 def summarize(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One line per workload: hydra against its peers and PERF.md's targets."""
+    """One line per workload: hydra against its peers and docs/TARGETS.md's targets."""
     by = {r["impl"]: r for r in rows}
     ms = {k: r["ms"] for k, r in by.items() if r.get("ms")}
     hydra = ms.get("hydra")

@@ -27,12 +27,12 @@ def load_run_data(cfg: TrainConfig, log: Callable[[str], None]) -> Any:
     """The data ``cfg`` names (--dataset, --seq_len, --tokenizer), tokenized to --vocab_size or,
     without one, to the preset's vocabulary."""
     return load_data(
-        cfg.dataset,
-        seq_len=cfg.seq_len,
-        vocab_size=cfg.vocab_size,
-        default_vocab=preset_vocab_size(cfg.model_size),
-        tokenizer=cfg.tokenizer,
-        text_column=cfg.text_column,
+        cfg.data.dataset,
+        seq_len=cfg.data.seq_len,
+        vocab_size=cfg.model.vocab_size,
+        default_vocab=preset_vocab_size(cfg.model.model_size),
+        tokenizer=cfg.data.tokenizer,
+        text_column=cfg.data.text_column,
         log=log,
     )
 
@@ -40,13 +40,13 @@ def load_run_data(cfg: TrainConfig, log: Callable[[str], None]) -> Any:
 def model_overrides(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
     """The HydraConfig fields the training flags set (``--model_override`` last, so it wins)."""
     overrides: dict[str, Any] = {"vocab_size": vocab_size}
-    if cfg.chunked_ce:
+    if cfg.model.chunked_ce:
         overrides["use_chunked_ce"] = True
-    if cfg.static_routing_mode:
+    if cfg.model.static_routing_mode:
         overrides["static_routing_mode"] = True
-    if cfg.moe:
-        overrides.update(moe_enabled=True, moe_num_experts=cfg.moe_num_experts)
-    overrides.update(cfg.model_overrides)
+    if cfg.model.moe:
+        overrides.update(moe_enabled=True, moe_num_experts=cfg.model.moe_num_experts)
+    overrides.update(cfg.model.model_overrides)
     return overrides
 
 
@@ -56,13 +56,13 @@ def check_model_flags(cfg: TrainConfig) -> None:
     import hydra_model
 
     sizes = hydra_model.MODEL_PRESETS  # both architectures have these preset names
-    if cfg.model_size not in sizes:
+    if cfg.model.model_size not in sizes:
         raise HydraTrainError(
-            f"--model_size {cfg.model_size!r} is not a preset; choose from {', '.join(sizes)}"
+            f"--model_size {cfg.model.model_size!r} is not a preset; choose from {', '.join(sizes)}"
         )
-    vocab = cfg.vocab_size or preset_vocab_size(cfg.model_size)  # the data may change it later
+    vocab = cfg.model.vocab_size or preset_vocab_size(cfg.model.model_size)  # the data may change it later
     try:
-        hydra_model.build_config(cfg.arch, cfg.model_size, **model_overrides(cfg, vocab))
+        hydra_model.build_config(cfg.model.arch, cfg.model.model_size, **model_overrides(cfg, vocab))
     except (ValueError, TypeError) as exc:
         raise HydraTrainError(f"model config: {exc}") from None
 
@@ -73,11 +73,13 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
 
     check_model_flags(cfg)
     try:
-        model = hydra_model.build_model(cfg.arch, cfg.model_size, **model_overrides(cfg, vocab_size))
+        model = hydra_model.build_model(
+            cfg.model.arch, cfg.model.model_size, **model_overrides(cfg, vocab_size)
+        )
     except ValueError as exc:
         raise HydraTrainError(f"model config: {exc}") from None
-    if cfg.checkpoint_every:
-        model.enable_gradient_checkpointing(every=cfg.checkpoint_every)
+    if cfg.model.checkpoint_every:
+        model.enable_gradient_checkpointing(every=cfg.model.checkpoint_every)
     return model.to(device)
 
 
@@ -96,9 +98,9 @@ def build_optimizer_and_schedule(
     state carried over) and the ``--lr_schedule`` attached to it."""
     choice = build_optimizer(
         model,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        betas=(cfg.beta1, cfg.beta2),
+        lr=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
         eight_bit=False,
         log=log,
     )

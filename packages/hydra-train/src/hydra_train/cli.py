@@ -49,7 +49,7 @@ def run(
     summary = run_guarded(
         lambda: run_training(cfg, console=err_console if json_out else console),
         debug=debug,
-        resume_hint=f"hydra-train run --resume --checkpoint_dir {cfg.checkpoint_dir}",
+        resume_hint=f"hydra-train run --resume --checkpoint_dir {cfg.runtime.checkpoint_dir}",
     )
     import os
 

@@ -87,7 +87,7 @@ def pretest(
     from hydra_train.safe_opts.pretest_log import PretestHook
     from hydra_train.safe_opts.registry import NAMES
 
-    logs = log_dir or str(Path(cfg.checkpoint_dir) / "pretest_logs")
+    logs = log_dir or str(Path(cfg.runtime.checkpoint_dir) / "pretest_logs")
     hook = PretestHook(logs)
     if history:
         if json_out:

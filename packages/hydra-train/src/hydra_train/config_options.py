@@ -174,10 +174,7 @@ class DataOptions:
 #: One boolean flag per registered logger (hydra_train.loggers: the class and its flag, one place).
 LoggerFlags = dataclasses.make_dataclass(
     "LoggerFlags",
-    [
-        (name, bool, flag(False, f"--{name}", help=cls.help, commands=(RUN,)))
-        for name, cls in LOGGERS.items()
-    ],
+    [(name, bool, flag(False, f"--{name}", help=cls.help, commands=(RUN,))) for name, cls in LOGGERS.items()],
 )
 
 

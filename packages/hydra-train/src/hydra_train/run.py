@@ -112,7 +112,7 @@ def run_training(
     """Train as ``cfg`` says; returns the summary (see :meth:`Trainer.summary` plus where things went)."""
     console = console or Console()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(cfg.device, local_rank)
+    device = pick_device(cfg.runtime.device, local_rank)
     dist_info = init_distributed(device.type)
     restore_sigterm = install_sigterm()
     held: list = []  # the checkpoint folder's lock, once taken
@@ -171,16 +171,16 @@ def _run(
 
     cfg = resolve_config(cfg, device_info(device))
     if device.type == "cpu":
-        threads, why = choose_cpu_threads(cfg.cpu_threads)
+        threads, why = choose_cpu_threads(cfg.runtime.cpu_threads)
         torch.set_num_threads(threads)
         log(f"CPU threads: {threads} ({why})")
-    seed_everything(cfg.seed)
+    seed_everything(cfg.runtime.seed)
     import hydra_kernels
 
-    hydra_kernels.set_use_triton_kernels(cfg.triton_kernels)
+    hydra_kernels.set_use_triton_kernels(cfg.optimizations.triton_kernels)
 
     check_model_flags(cfg)  # before the data: a bad --model_size must not wait for tokenization
-    ckpt_dir = Path(cfg.checkpoint_dir)
+    ckpt_dir = Path(cfg.runtime.checkpoint_dir)
     if main:  # before the data is read: a second run on this folder stops at once
         held.append(open_checkpoint_dir(ckpt_dir, log))
 
@@ -196,7 +196,7 @@ def _run(
     if main:
         settle_dead_runs(run.db, run.model_id, run.resume_step, log)
         model_cfg = run.model.config.to_dict()
-        run.db.upsert_model(run.model_id, cfg.model_size, run.n_params, run.n_params_ne, model_cfg)
+        run.db.upsert_model(run.model_id, cfg.model.model_size, run.n_params, run.n_params_ne, model_cfg)
         run.db.start_run(
             run.trainer.run_id,
             run.model_id,
@@ -216,39 +216,52 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
     model = build_model(cfg, data.vocab_size, device)
     for ds in (data.train, data.val):
         ds.check_max_seq_len(model.config.max_seq_len)
-    model_id = model_id_for(cfg.model_size, cfg.arch)
+    model_id = model_id_for(cfg.model.model_size, cfg.model.arch)
     n_params, n_params_ne = param_counts(model)
     log(
-        f"model: {cfg.arch} {cfg.model_size} preset, {n_params / 1e6:.2f}M parameters, "
-        f"vocab {data.vocab_size}, device {device}, {cfg.precision}, world size {dist_info.world_size}"
+        f"model: {cfg.model.arch} {cfg.model.model_size} preset, {n_params / 1e6:.2f}M parameters, "
+        f"vocab {data.vocab_size}, device {device}, {cfg.runtime.precision}, "
+        f"world size {dist_info.world_size}"
     )
-    if cfg.fsdp and not dist_info.enabled:
+    if cfg.runtime.fsdp and not dist_info.enabled:
         raise HydraTrainError(
             "--fsdp shards across processes: launch with torchrun --nproc_per_node=N (N >= 2)"
         )
     wrapped = wrap_model(
-        model, dist_info, fsdp=cfg.fsdp, device=device, find_unused_parameters=cfg.ddp_find_unused_parameters
+        model,
+        dist_info,
+        fsdp=cfg.runtime.fsdp,
+        device=device,
+        find_unused_parameters=cfg.runtime.ddp_find_unused_parameters,
     )
     choice, schedule = build_optimizer_and_schedule(
         model, cfg, log=lambda m: console.print(Text(m, style="yellow")) if main else None
     )
     plan = BatchPlan(
-        data.train, cfg.batch_size, seed=cfg.seed, rank=dist_info.rank, world_size=dist_info.world_size
+        data.train,
+        cfg.data.batch_size,
+        seed=cfg.runtime.seed,
+        rank=dist_info.rank,
+        world_size=dist_info.world_size,
     )
     loader = Prefetcher(
         plan.batch,
         0,
-        threads=cfg.experimental_prefetch_threads,
-        buffer_size=cfg.prefetch_buffer_size,
+        threads=cfg.optimizations.experimental_prefetch_threads,
+        buffer_size=cfg.optimizations.prefetch_buffer_size,
         device=device,
     )
     val = eval_batches(
-        data.val, cfg.batch_size, cfg.eval_batches, rank=dist_info.rank, world_size=dist_info.world_size
+        data.val,
+        cfg.data.batch_size,
+        cfg.runtime.eval_batches,
+        rank=dist_info.rank,
+        world_size=dist_info.world_size,
     )
-    ckpt_dir = Path(cfg.checkpoint_dir)
+    ckpt_dir = Path(cfg.runtime.checkpoint_dir)
     found = None
     if main:
-        if cfg.resume:
+        if cfg.runtime.resume:
             found = find_resume_checkpoint(ckpt_dir, log=log)
             if found is not None:
                 check_model_config(found.checkpoint, model.config, found.path)
@@ -268,8 +281,8 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
     if main:
         db_cb = MetricsDBCallback(db, run_id, ckpt_dir, announce_commits=announce_commits)
         cbs.add(db_cb)
-        if cfg.progress:
-            cbs.add(ProgressCallback(console, cfg.max_steps))
+        if cfg.runtime.progress:
+            cbs.add(ProgressCallback(console, cfg.runtime.max_steps))
         for logger in build_loggers(cfg, artifacts.folder, run_id):
             cbs.add(logger)
     cbs.add(ArtifactsCallback(artifacts))
@@ -296,7 +309,7 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
         path = ckpt_dir / (final_name(model_id) if final else step_name(model_id, tr.step))
         check_finite_weights(payload["model"], tr.step)
         save_checkpoint(payload, path)
-        removed = prune_checkpoints(ckpt_dir, model_id, cfg.keep_checkpoints)
+        removed = prune_checkpoints(ckpt_dir, model_id, cfg.runtime.keep_checkpoints)
         db_cb.export()
         log(f"saved {path}" + (f" (removed {', '.join(p.name for p in removed)})" if removed else ""))
         return path
@@ -311,7 +324,7 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
 
 def _resume(run: TrainingRun, found: ResumePoint | None, log) -> None:
     """``--resume``: the checkpoint rank 0 found, loaded on every rank (or a fresh start)."""
-    if not run.cfg.resume:
+    if not run.cfg.runtime.resume:
         return
     path = broadcast_object(run.dist, str(found.path) if found else None)
     if path is None:
@@ -330,8 +343,11 @@ def _resume(run: TrainingRun, found: ResumePoint | None, log) -> None:
 def _train(run: TrainingRun, log) -> dict[str, Any]:
     """Apply the optimizations, train, write the final checkpoint; the summary in every case."""
     trainer, cfg = run.trainer, run.cfg
-    if trainer.step >= cfg.max_steps:
-        log(f"the checkpoint is at step {trainer.step} >= --max_steps {cfg.max_steps}; nothing to train")
+    if trainer.step >= cfg.runtime.max_steps:
+        log(
+            f"the checkpoint is at step {trainer.step} >= --max_steps {cfg.runtime.max_steps}; "
+            "nothing to train"
+        )
     start_step = trainer.step
     summary: dict[str, Any] = {}
     try:
@@ -354,8 +370,8 @@ def _train(run: TrainingRun, log) -> dict[str, Any]:
         trainer.callbacks.call("on_train_end", summary)
         if run.db is not None:
             run.db.close()
-        if run.dist.is_main and cfg.summary_dir:
-            folder = Path(cfg.summary_dir)
+        if run.dist.is_main and cfg.runtime.summary_dir:
+            folder = Path(cfg.runtime.summary_dir)
             folder.mkdir(parents=True, exist_ok=True)
             name = f"train_summary_{run.model_id}_{trainer.run_id}.json"
             (folder / name).write_text(json.dumps(summary, indent=2))

@@ -173,8 +173,8 @@ class StepMixin:
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return torch.zeros((), device=self.device)
-        if self.cfg.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+        if self.cfg.optim.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor

@@ -12,29 +12,29 @@ def describe_run(summary: dict[str, Any], run: Any) -> dict[str, Any]:
     """Add to the trainer's ``summary`` what the run was (model, device, data, where things went)."""
     cfg, model, device = run.cfg, run.model, run.device
     summary.update(
-        arch=cfg.arch,
-        model_size=cfg.model_size,
+        arch=cfg.model.arch,
+        model_size=cfg.model.model_size,
         params=run.n_params,
         device=str(device),
-        precision=cfg.precision,
+        precision=cfg.runtime.precision,
         world_size=run.dist.world_size,
         checkpoint_dir=str(run.ckpt_dir),
         run_dir=str(run.artifacts.folder),
         database=str(run.database),
         optimizer=run.optimizer_choice.name,
         optimizer_note=run.optimizer_choice.note,
-        batch_size=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        grad_accum=cfg.grad_accum,
+        batch_size=cfg.data.batch_size,
+        seq_len=cfg.data.seq_len,
+        grad_accum=cfg.optim.grad_accum,
         data=run.data.description,
         resumed_from=run.resumed_from,
-        compile=cfg.compile,
-        triton_kernels=cfg.triton_kernels,
-        chunked_ce=cfg.chunked_ce,
-        fsdp=cfg.fsdp,
+        compile=cfg.optimizations.compile,
+        triton_kernels=cfg.optimizations.triton_kernels,
+        chunked_ce=cfg.model.chunked_ce,
+        fsdp=cfg.runtime.fsdp,
     )
     if hasattr(model, "flops_per_token") and summary.get("tokens_per_s"):
-        fpt = float(model.flops_per_token(cfg.seq_len, executed=True))
+        fpt = float(model.flops_per_token(cfg.data.seq_len, executed=True))
         summary["tflops_per_s"] = summary["tokens_per_s"] * fpt / 1e12
     if device.type == "cuda":
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

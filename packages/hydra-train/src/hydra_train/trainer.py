@@ -96,8 +96,10 @@ class Trainer(StepMixin, TrainerStateMixin):
         self.stop_reason: str | None = None
         self.status = "running"
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._autocast_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
-        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.dist.world_size
+        self._autocast_dtype = torch.bfloat16 if cfg.runtime.precision == "bf16" else None
+        self.tokens_per_step = (
+            cfg.data.batch_size * cfg.data.seq_len * cfg.optim.grad_accum * self.dist.world_size
+        )
         self.last_log: dict[str, Any] = {}
         self.train_time_s = 0.0
         self.saver: Callable[[Trainer, bool], Path | None] | None = None
@@ -151,8 +153,8 @@ class Trainer(StepMixin, TrainerStateMixin):
         excluded = 0.0  # eval and save time inside the current log interval
         steps_since_log = 0
         t_prev_step = t_last_log = time.perf_counter()
-        while self.step < cfg.max_steps and self.stop_reason is None:
-            batches = [self.loader.next() for _ in range(cfg.grad_accum)]
+        while self.step < cfg.runtime.max_steps and self.stop_reason is None:
+            batches = [self.loader.next() for _ in range(cfg.optim.grad_accum)]
             res = self.step_impl(batches)
             self.schedule.step()
             self.state.step += 1
@@ -173,11 +175,11 @@ class Trainer(StepMixin, TrainerStateMixin):
             t_prev_step = now
             steps_since_log += 1
             self.callbacks.call("on_step_end", self.step, metrics)
-            last = self.step >= cfg.max_steps or self.stop_reason is not None
-            saving = bool(cfg.save_every) and self.step % cfg.save_every == 0
-            if self.step % cfg.log_every == 0 or last or saving:
+            last = self.step >= cfg.runtime.max_steps or self.stop_reason is not None
+            saving = bool(cfg.runtime.save_every) and self.step % cfg.runtime.save_every == 0
+            if self.step % cfg.runtime.log_every == 0 or last or saving:
                 self.check_skip_streak()
-            if self.step % cfg.log_every == 0 or last:
+            if self.step % cfg.runtime.log_every == 0 or last:
                 row = self._log_row(self._mean_over_ranks(metrics))  # syncs
                 now = time.perf_counter()
                 interval = max(now - t_last_log - excluded, 1e-9)
@@ -188,9 +190,9 @@ class Trainer(StepMixin, TrainerStateMixin):
                 t_last_log, excluded, steps_since_log = time.perf_counter(), 0.0, 0
                 t_prev_step = t_last_log
             t0 = time.perf_counter()
-            if self.val_batches and (self.step % cfg.eval_every == 0 or last):
+            if self.val_batches and (self.step % cfg.runtime.eval_every == 0 or last):
                 self.evaluate_and_record()
-            if cfg.save_every and self.step % cfg.save_every == 0 and not last:
+            if cfg.runtime.save_every and self.step % cfg.runtime.save_every == 0 and not last:
                 self.save_checkpoint()
             spent = time.perf_counter() - t0
             excluded += spent

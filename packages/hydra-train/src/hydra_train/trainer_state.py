@@ -57,11 +57,11 @@ class TrainerStateMixin:
         """Stop (:class:`HydraDivergedError`) once more than ``--max_skipped_steps`` optimizer steps in
         a row were skipped for non-finite loss or gradients (one host sync)."""
         streak = int(self._streak)
-        if streak > self.cfg.max_skipped_steps:
+        if streak > self.cfg.optim.max_skipped_steps:
             first = self.step - streak + 1
             raise HydraDivergedError(
                 f"training diverged: {streak} steps in a row ({first}-{self.step}) had non-finite "
-                f"loss or gradients (limit --max_skipped_steps {self.cfg.max_skipped_steps}); stopped "
+                f"loss or gradients (limit --max_skipped_steps {self.cfg.optim.max_skipped_steps}); stopped "
                 f"at step {self.step}. Lower --lr or --grad_clip and resume from the last checkpoint"
             )
 
@@ -116,12 +116,12 @@ class TrainerStateMixin:
             "time": time.time(),
             "run_id": self.run_id,
             "model_id": self.model_id,
-            "model_size": self.cfg.model_size,
+            "model_size": self.cfg.model.model_size,
             "model": full_model_state(self.model),
             "optimizer": full_optimizer_state(self.model, self.optimizer),
             "scheduler": self.schedule.state_dict(),
             "rng": capture_rng(),
-            "data": {"position": self.loader.position, "seed": self.cfg.seed},
+            "data": {"position": self.loader.position, "seed": self.cfg.runtime.seed},
             "trainer": self.state_dict(),
             "config": {"model": model_config, "train": self.cfg.to_dict()},
             "callbacks": self.callbacks.state_dict(),
@@ -137,7 +137,7 @@ class TrainerStateMixin:
         check_model_config(ck, self.model.config, point.path)
         load_full_state(self.model, self.optimizer, ck["model"], ck.get("optimizer"))
         for g in self.optimizer.param_groups:  # the current --lr wins over the saved one
-            g["initial_lr"] = self.cfg.lr
+            g["initial_lr"] = self.cfg.optim.lr
         if "scheduler" in ck:
             self.schedule.load_state_dict(ck["scheduler"])
         self.load_state_dict(ck["trainer"])

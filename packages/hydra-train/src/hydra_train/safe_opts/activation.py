@@ -43,7 +43,7 @@ ACTIVATION_ORDER = (
 
 def graph_modes_for(cfg: TrainConfig) -> tuple[str, ...]:
     """Routing modes to pretest CUDA graphs in: dynamic always, static too when it is requested."""
-    static = cfg.static_routing_mode or cfg.model_overrides.get("static_routing_mode")
+    static = cfg.model.static_routing_mode or cfg.model.model_overrides.get("static_routing_mode")
     return ("dynamic", "static") if static else ("dynamic",)
 
 
@@ -62,7 +62,7 @@ class ActivationMixin:
             o.deactivate(trainer)
         candidates = self._classify(trainer)
         if candidates:
-            if self.cfg.experimental_skip_pretest:
+            if self.cfg.optimizations.experimental_skip_pretest:
                 self._say(
                     f"[SafeOpts] pretests skipped (--experimental_skip_pretest): {', '.join(candidates)}"
                 )
@@ -93,7 +93,7 @@ class ActivationMixin:
         env = environment(trainer.device)
         model_cfg = trainer.model.config.to_dict()
         fp = fingerprint(model_cfg, cfg, env, self.checkpoint)
-        decision = self.hook.decide(fp, cfg.model_size, self.checkpoint) if self._main else None
+        decision = self.hook.decide(fp, cfg.model.model_size, self.checkpoint) if self._main else None
         trigger, cached = broadcast_object(trainer.dist, decision) if self._dist else decision
         if cached is not None:
             self._say(f"[SafeOpts] pretests: same fingerprint as the run of {cached.get('time')}, reusing it")
@@ -105,7 +105,9 @@ class ActivationMixin:
                 self.registry,
                 make_batch=trainer.loader.make_batch,
                 start_index=trainer.loader.position,
-                settings=PretestSettings(cfg.pretest_warmup_steps, cfg.pretest_steps),
+                settings=PretestSettings(
+                    cfg.optimizations.pretest_warmup_steps, cfg.optimizations.pretest_steps
+                ),
                 injector=self.injector,
                 log=self._say,
             )
@@ -115,7 +117,7 @@ class ActivationMixin:
             results = body["results"]
             if self._main:
                 rec = {
-                    "model_size": cfg.model_size,
+                    "model_size": cfg.model.model_size,
                     "fingerprint": fp,
                     "trigger": trigger,
                     "checkpoint": self.checkpoint,
@@ -166,7 +168,7 @@ class ActivationMixin:
                 self.attribution.stop(n)
                 continue
             if n == "cuda_graphs":
-                o.warmup = self.cfg.cuda_graphs_warmup
+                o.warmup = self.cfg.optimizations.cuda_graphs_warmup
             o.activate(trainer)
             if self.status[n] == ENABLED and not self.attribution.in_window(n):
                 self.attribution.start(n, trainer.step)

@@ -64,13 +64,18 @@ class SafeOptimizations(ActivationMixin, TrainerCallback):
         self.status = {n: PENDING if o.requested() else OFF for n, o in self.registry.items()}
         self.reasons: dict[str, str] = {}
         self.attribution = Attribution(
-            cfg.experimental_safety_window, {n: o.causes for n, o in self.registry.items()}, NAMES
+            cfg.optimizations.experimental_safety_window,
+            {n: o.causes for n, o in self.registry.items()},
+            NAMES,
         )
         self.detectors = Detectors(
-            cfg.experimental_loss_spike_threshold, cfg.experimental_throughput_drop_threshold
+            cfg.optimizations.experimental_loss_spike_threshold,
+            cfg.optimizations.experimental_throughput_drop_threshold,
         )
         self.injector = fault_injector if fault_injector is not None else FaultInjector.from_env(NAMES)
-        self.hook = PretestHook(log_dir if log_dir is not None else Path(cfg.checkpoint_dir) / "pretest_logs")
+        self.hook = PretestHook(
+            log_dir if log_dir is not None else Path(cfg.runtime.checkpoint_dir) / "pretest_logs"
+        )
         self.log = log
         self.checkpoint: str | None = None  # "path@step" of a resumed checkpoint (set by the runner)
         self.events: list[dict[str, Any]] = []
@@ -183,7 +188,7 @@ class SafeOptimizations(ActivationMixin, TrainerCallback):
                 self.status[n], self.reasons[n] = STATUS_NA, why
             else:
                 if n == "cuda_graphs":
-                    o.warmup = self.cfg.cuda_graphs_warmup
+                    o.warmup = self.cfg.optimizations.cuda_graphs_warmup
                 o.activate(tr)
                 self.status[n] = ENABLED
                 self.reasons.pop(n, None)

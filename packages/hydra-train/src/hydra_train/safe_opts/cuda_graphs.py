@@ -32,11 +32,11 @@ class CudaGraphs(Optimization):
     def __init__(self, cfg):
         super().__init__(cfg)
         #: warmup steps of the next activation (pretests use fewer than --cuda_graphs_warmup)
-        self.warmup = cfg.cuda_graphs_warmup
+        self.warmup = cfg.optimizations.cuda_graphs_warmup
         self._graphs: GraphedStep | None = None  # the last one activated, for describe()
 
     def requested(self) -> bool:
-        return self.cfg.experimental_cuda_graphs
+        return self.cfg.optimizations.experimental_cuda_graphs
 
     def not_applicable(self, trainer: Trainer) -> str | None:
         if trainer.device.type != "cuda":

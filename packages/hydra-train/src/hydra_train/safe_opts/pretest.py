@@ -156,14 +156,16 @@ class PretestRunner:
         s = self.settings
         x0, y0 = self.make_batch(self.start)
         probe_tokens = min(s.ref_chunk_rows, x0.shape[0]) * x0.shape[1]
-        bounds = bounds_for(self.tr.cfg.precision, probe_tokens, self.depth, self.tr.cfg.fp8_format)
+        bounds = bounds_for(
+            self.tr.cfg.runtime.precision, probe_tokens, self.depth, self.tr.cfg.optimizations.fp8_format
+        )
         body: dict[str, Any] = {
             "settings": dataclasses.asdict(s),
             "bounds": dataclasses.asdict(bounds),
             "depth": self.depth,
             "batch": [int(x0.shape[0]), int(x0.shape[1])],
-            "grad_accum": self.tr.cfg.grad_accum,
-            "precision": self.tr.cfg.precision,
+            "grad_accum": self.tr.cfg.optim.grad_accum,
+            "precision": self.tr.cfg.runtime.precision,
         }
         if not arms:
             body["results"] = results
@@ -306,7 +308,7 @@ class PretestRunner:
                 self.arm_active = tuple(o.name for o in activated)
             _sync(self.device)
             t0 = time.perf_counter()
-            batches = [pt.loader.next() for _ in range(pt.cfg.grad_accum)]
+            batches = [pt.loader.next() for _ in range(pt.cfg.optim.grad_accum)]
             res = pt.step_impl(batches)
             pt.schedule.step()
             loss, gn, fin = torch.stack(
