@@ -2,7 +2,7 @@
 # Source this on a GPU machine with no network, from the repository root:
 #   source tools/gpu_env.sh
 # It puts the four packages' sources on PYTHONPATH (no build step needed) and, when a .whl/ folder
-# of peer wheels is present (Liger-Kernel, bitsandbytes, torchao; see PERF.md for the download line),
+# of peer wheels is present (Liger-Kernel, bitsandbytes, torchao: wheels downloaded on a machine with network),
 # installs them into /tmp/site without touching the machine's own packages.
 export PYTHONUNBUFFERED=1
 root=$(pwd)

@@ -29,7 +29,7 @@ def test_cpu_only_machines_get_a_clear_error(no_cuda):
 def test_perf_md_rows_and_byte_floors():
     sw = {w.shape: w for w in _workloads("swiglu")}
     assert list(sw) == ["16384x2048", "16384x5440", "16384x10880", "16384x5440 packed"]
-    assert sw["16384x2048"].bytes_floor == 7 * 16384 * 2048 * 2  # PERF.md: 0.157 ms at 3.0 TB/s
+    assert sw["16384x2048"].bytes_floor == 7 * 16384 * 2048 * 2  # docs/TARGETS.md: 0.157 ms at 3.0 TB/s
     assert abs(sw["16384x2048"].bytes_floor / 3.0e12 * 1e3 - 0.157) < 0.001
     assert sw["16384x5440 packed"].inputs[0].shape == (16384, 2 * 5440)
     rms = {w.shape: w for w in _workloads("rms_norm")}

@@ -256,7 +256,7 @@ def test_bench_script_smoke_run(tmp_path):
     JSON goes to --out."""
     out = tmp_path / "lce.json"
     result = _run_script(
-        "packages/hydra-kernels/bench/bench_linear_ce.py", "--smoke", "--json", "--out", str(out)
+        "packages/hydra-diag/bench/bench_linear_ce.py", "--smoke", "--json", "--out", str(out)
     )
     assert out.exists() and result["fallbacks"] == 0
     assert all(c["passed"] for c in result["checks"] if c["required"])
@@ -269,7 +269,7 @@ def test_precision_emulation_supports_the_four_bits():
     """bench/precision_dw_accum.py at 32 chunks: fp32 and 4 residual bits pass the criterion,
     bf16 accumulation does not (the README's argument, at a size the CPU runs in seconds)."""
     result = _run_script(
-        "packages/hydra-kernels/bench/precision_dw_accum.py",
+        "packages/hydra-diag/bench/precision_dw_accum.py",
         *("--n", "2048", "--d", "32", "--v", "512", "--chunk", "64", "--bits", "4", "--json"),
     )
     line = result["rows"][0]

@@ -1,4 +1,4 @@
-"""CCGQA against an independent fp64 implementation of DESIGN.md §3 steps 1–8, plus the single
+"""CCGQA against an independent fp64 implementation of the steps ccgqa.py lists, plus the single
 properties one by one (latent widths, conv causality, q-k mean, value shift, temperature) and
 cached decoding against the full forward."""
 

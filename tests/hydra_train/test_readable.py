@@ -9,6 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+import hydra_train.build as build_mod
 import hydra_train.run as run_mod
 from hydra_train.cli import app
 from hydra_train.config import DeviceInfo, TrainConfig, resolve_config
@@ -63,7 +64,7 @@ def test_configuration_errors_come_before_any_data_is_loaded(change, message, mo
         raise AssertionError("the data was loaded before the configuration was checked")
 
     monkeypatch.setattr(run_mod, "load_run_data", must_not_load)
-    monkeypatch.setattr(run_mod, "load_data", must_not_load)
+    monkeypatch.setattr(build_mod, "load_data", must_not_load)
     cfg = tiny_config(tmp_path / "nowhere", tmp_path / "ck", **change)
     with pytest.raises(HydraTrainError, match=message):
         run_mod.run_training(cfg)

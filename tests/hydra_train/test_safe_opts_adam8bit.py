@@ -1,7 +1,7 @@
 """8-bit Adam state conversion: the blockwise quantiser against a brute-force fp64 nearest code,
 and the bitsandbytes-layout state -> torch AdamW mapping. (bitsandbytes' 8-bit optimizers need
-CUDA: on the CPU the optimization is N/A; ``bench/safe_opts_gpu_checks.py`` checks this quantiser
-against bitsandbytes' own, bit for bit, and the torch -> 8-bit -> torch round trip.)"""
+CUDA: on the CPU the optimization is N/A; ``packages/hydra-diag/bench/safe_opts_gpu_checks.py``
+checks this quantiser against bitsandbytes' own, bit for bit, and the torch -> 8-bit -> torch round trip.)"""
 
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ import torch
 
 from hydra_train.config import TrainConfig
 from hydra_train.distributed import DistInfo
+from hydra_train.graphed_step import make_capturable, make_uncapturable
 from hydra_train.optim import LRSchedule
-from hydra_train.safe_opts.cuda_graphs import CudaGraphs, make_capturable, make_uncapturable
+from hydra_train.safe_opts.cuda_graphs import CudaGraphs
 
 
 def fake_trainer(device, fused=True):
@@ -78,16 +79,14 @@ def test_replayed_steps_match_eager_steps(static, tmp_path):
             g.activate(tr)
         out = []
         for _ in range(6):
-            batches = [tr.loader.next()]
-            res = g.run_step(tr, batches, None) if graphed else None
-            if res is None:  # the eager path, or one of the graph's warmup steps
-                res = tr.eager_step(batches)
+            res = tr.step_impl([tr.loader.next()])  # the trainer's step: eager, or its CUDA graph
             tr.schedule.step()
             out.append(float(res.loss))
         if graphed:
-            # warmup 2: steps 1-2 eager (the 2nd on the capture stream); step 3 is captured and
-            # replayed on its own batch; steps 4-6 replay: one capture, four replays
-            assert g.step_runner.captures == 1 and g.step_runner.replays == 4
+            # warmup 2: step 1 eager; step 2 runs for real on the capture stream and is captured
+            # right after; steps 3-6 replay: one capture, four replays, no failure
+            gs = tr.cuda_graphs
+            assert gs.captures == 1 and gs.replays == 4 and tr.graph_failures == []
             g.deactivate(tr)
         losses[graphed] = out
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)

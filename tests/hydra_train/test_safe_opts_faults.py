@@ -1,4 +1,5 @@
-"""Fault-injection grammar, firing only while the optimization is active, and the dispatcher."""
+"""Fault-injection grammar, firing only while the optimization is active, the installed wrapper,
+and the trainer's graph fallback."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import time
 import pytest
 import torch
 
+from hydra_train.callbacks import CallbackList, TrainerCallback
 from hydra_train.errors import HydraTrainError
-from hydra_train.safe_opts.faults import ENV, FaultInjector, PoisonHook, StepDispatcher
+from hydra_train.safe_opts.faults import ENV, FaultInjector
 from hydra_train.safe_opts.registry import NAMES
-from hydra_train.trainer import StepResult
+from hydra_train.step import StepResult
 
 
 def test_grammar():
@@ -60,16 +62,18 @@ def test_env(monkeypatch):
 
 
 class _Eager:
-    """The eager step's contract as far as the dispatcher sees it: calls on_after_backward."""
+    """The trainer as far as the fault wrapper sees it: a step number, callbacks, and a step that
+    calls on_after_backward between backward and the finiteness check."""
 
     def __init__(self):
         self.step = 6
         self.w = torch.nn.Parameter(torch.ones(3))
-        self.hook = PoisonHook()
+        self.callbacks = CallbackList()
+        self.cuda_graphs = None
 
     def eager_step(self, batches):
         self.w.grad = torch.ones(3)
-        self.hook.on_after_backward(self.step + 1, self)
+        self.callbacks.call("on_after_backward", self.step + 1, self)
         gn = self.w.grad.norm()
         return StepResult(torch.tensor(2.0), torch.tensor(2.0), {}, gn, torch.isfinite(gn))
 
@@ -77,30 +81,50 @@ class _Eager:
         return [self.w]
 
 
-class _NoGraph:
-    def run_step(self, trainer, batches, poison):
-        return None
-
-
-def test_dispatcher_applies_poison_spike_and_sleep():
+def test_installed_faults_poison_spike_and_sleep():
     tr = _Eager()
+    tr.step_impl = tr.eager_step
     inj = FaultInjector.parse("inf_grad:compile@step7,loss_spike=4:compile@step7,slow=0.15:compile@step7")
-    d = StepDispatcher(tr, _NoGraph(), lambda: ("compile",), inj, tr.hook, lambda m: None)
+    step = inj.install(tr, lambda: ("compile",))
+    assert tr.step_impl is step
     t0 = time.perf_counter()
-    res = d([])
+    res = tr.step_impl([])
     assert time.perf_counter() - t0 >= 0.15
-    assert not bool(res.finite) and float(res.loss) == 8.0 and tr.hook.pending is None
+    assert not bool(res.finite) and float(res.loss) == 8.0
+    assert len(tr.callbacks) == 0  # the poison hook was there for that step only
     tr.step = 7  # next step: nothing fires
-    res = d([])
+    res = tr.step_impl([])
     assert bool(res.finite) and float(res.loss) == 2.0
 
 
-def test_dispatcher_reports_a_graph_failure_and_runs_eagerly():
+def test_a_graph_failure_is_reported_and_the_step_runs_eagerly(tmp_path):
+    from .test_safe_opts_pretest import make_trainer
+
     class Broken:
-        def run_step(self, trainer, batches, poison):
+        failure = None
+
+        def take_eager_step(self):
+            return False
+
+        def __call__(self, batches):
             raise RuntimeError("capture invalidated")
 
-    seen = []
-    tr = _Eager()
-    res = StepDispatcher(tr, Broken(), lambda: (), None, tr.hook, seen.append)([])
-    assert bool(res.finite) and seen == ["RuntimeError: capture invalidated"]
+        def release(self):
+            pass
+
+    class Seen(TrainerCallback):
+        name = "seen"
+
+        def __init__(self):
+            self.reports = []
+
+        def on_graph_failure(self, step, reason):
+            self.reports.append((step, reason))
+
+    tr, _ = make_trainer(tmp_path)
+    seen = Seen()
+    tr.callbacks.add(seen)
+    tr.cuda_graphs = Broken()
+    res = tr.step_impl([tr.loader.next()])
+    assert bool(res.finite) and seen.reports == [(1, "RuntimeError: capture invalidated")]
+    assert tr.cuda_graphs is None and tr.graph_failures == ["RuntimeError: capture invalidated"]

@@ -2,7 +2,7 @@
 
 The scaled matmul itself (``torch._scaled_mm``) needs an sm_89+ GPU: on the CPU the optimization is
 N/A and its forward runs the emulation (dequantised operands multiplied in fp32), which these tests
-check; ``packages/hydra-train/bench/safe_opts_gpu_checks.py`` checks the GPU GEMM against the same
+check; ``packages/hydra-diag/bench/safe_opts_gpu_checks.py`` checks the GPU GEMM against the same
 emulation.
 """
 

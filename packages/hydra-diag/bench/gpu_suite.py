@@ -214,8 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     for sub in ("json", "trace"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    # hydra-train writes a train_summary_*.json into $OUT after each scaling run: into the archive
-    os.environ["OUT"] = str(out / "json")
     chosen = [s for s in STEPS if not args.only or s[0] in args.only.split(",")]
     import triton
 

@@ -25,9 +25,8 @@ from collections import Counter, defaultdict
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "hydra-model", "bench"))
-from profile_model import kernel_events, kind_of  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling profile_model.py
+from profile_model import kernel_events, kind_of
 
 
 def profile_config(cfg, args, device) -> dict:

@@ -3,7 +3,9 @@
 bf16 autocast, fp32 weights, fused AdamW, random tokens over the model's vocabulary (``B × T+1``,
 input and shifted targets), ``loss.backward()``, ``opt.step()``, gradients set to None. Nothing in
 the step reads a value back to the host, so timing it with CUDA events measures the GPU's work.
-Shared by ``bench model``, ``sweep throughput``/``vram`` and both ``profile`` commands.
+Shared by ``bench model``, ``sweep throughput``/``vram``, both ``profile`` commands and the scripts
+in ``packages/hydra-diag/bench/`` that time a whole model step (``bench_model.py`` and the
+profilers built on it).
 """
 
 from __future__ import annotations
@@ -57,19 +59,36 @@ def free_cuda() -> None:
         torch.cuda.empty_cache()
 
 
-def compile_model(model, scope: str):
-    """``model``: torch.compile the whole forward; ``blocks``: each shared block with dynamic shapes
-    (routed lengths vary, one graph serves them all); returns what the step should call."""
+def compile_model(model, scope: str, *, static_model: bool = False):
+    """What the step should call. ``model``: torch.compile of the whole forward (with
+    ``dynamic=False`` when ``static_model``: one graph for the fixed benchmark shape); ``blocks``:
+    each shared HYDRA block with dynamic shapes (routed lengths vary, one graph serves them all) and
+    each dense GPT layer with fixed ones; ``blocks-static``: the blocks with one graph per length."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     if scope == "model":
-        return torch.compile(model)
-    if scope == "blocks":
-        for wrapper in model.blocks:
-            wrapper.mor.block.compile(dynamic=True)
+        return torch.compile(model, dynamic=False) if static_model else torch.compile(model)
+    if scope in ("blocks", "blocks-static"):
+        for layer in getattr(model, "layers", []):  # the dense GPT: every layer, fixed shapes
+            layer.compile(dynamic=False)
+        for wrapper in getattr(model, "blocks", []):
+            wrapper.mor.block.compile(dynamic=scope == "blocks")
         return model
     raise DiagError(f"--compile-scope {scope!r}: use blocks or model")
+
+
+def train_step(
+    forward, optimizer: torch.optim.Optimizer, data: torch.Tensor, device_type: str
+) -> torch.Tensor:
+    """One benchmark training step on ``data`` (``B × T+1`` tokens): bf16 autocast on CUDA, the loss
+    backward, the optimizer, gradients set to None; returns the detached loss (no host read)."""
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+        out = forward(data[:, :-1], targets=data[:, 1:])
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return out.loss.detach()
 
 
 @dataclass
@@ -113,12 +132,7 @@ class StepHarness:
     def step(self) -> torch.Tensor:
         data = self.batches[self.i % len(self.batches)]
         self.i += 1
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            out = self.forward(data[:, :-1], targets=data[:, 1:])
-        out.loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return out.loss.detach()
+        return train_step(self.forward, self.optimizer, data, self.device.type)
 
     def sync(self) -> None:
         if self.device.type == "cuda":

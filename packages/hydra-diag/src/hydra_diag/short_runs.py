@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from hydra_train.callbacks import TrainerCallback
 def train_fields() -> set[str]:
     from hydra_train.config import TrainConfig
 
-    return {f.name for f in fields(TrainConfig)}
+    return set(TrainConfig.field_names())
 
 
 def model_fields() -> set[str]:

@@ -1,7 +1,7 @@
 """Benchmarks of the fused ops against torch eager, torch.compile and Liger-Kernel (CUDA only).
 
 Every figure is forward+backward, the median of ``triton.testing.do_bench`` on random inputs.
-Bandwidth counts the byte floor of PERF.md (each input read once and each output written once,
+Bandwidth counts the byte floor of docs/TARGETS.md (each input read once and each output written once,
 over forward and backward) and is set against the device-to-device copy bandwidth measured at the
 start of the run. linear+CE is compute-bound: it reports TFLOP/s (6·N·D·V) and the peak memory
 allocated above its inputs during one call.
@@ -24,39 +24,21 @@ from hydra_kernels.launch_config import (
     resolve_launch_config,
     set_launch_overrides,
 )
-from hydra_kernels.ops import rope as rope_mod
-from hydra_kernels.ops import swiglu as swiglu_mod
-from hydra_kernels.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
-from hydra_kernels.ops.qk_norm import qk_norm, qk_norm_ref
-from hydra_kernels.ops.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from hydra_kernels.ops.linear_cross_entropy import linear_cross_entropy
+from hydra_kernels.registry import OP_SPECS, OPS_BY_NAME
+from hydra_kernels.registry import PRESET_HEAD_SHAPES as PRESET_HEAD_SHAPES  # kept importable here
 
-#: Bench ops (``--op`` values) and the controls op each one exercises.
-BENCH_OPS: dict[str, str] = {
-    "rms_norm": "rms_norm",
-    "fused_add_rms_norm": "rms_norm",
-    "swiglu": "swiglu",
-    "qk_norm": "qk_norm",
-    "rope": "rope",
-    "linear_ce": "linear_cross_entropy",
-}
-#: Where PERF.md's bandwidth target applies: calls that move at least this many bytes.
+#: Bench ops (``--op`` values) and the controls op each one exercises (hydra_kernels.registry).
+BENCH_OPS: dict[str, str] = {name: spec.name for spec in OP_SPECS for name in spec.bench}
+#: Where docs/TARGETS.md's bandwidth target applies: calls that move at least this many bytes.
 BANDWIDTH_TARGET_BYTES = 64 * 2**20
 BANDWIDTH_TARGET_FRACTION = 0.8
-#: Launch configurations ``--sweep`` tries for the ops with a sweep.
-SWEEP_CONFIGS: dict[str, list[dict[str, int]]] = {
-    "swiglu": [
-        {"block_q": b, "num_warps": w}
-        for b in (1024, 2048, 4096, 8192)
-        for w in (4, 8, 16)
-        if w * 128 <= b  # the launcher caps warps at block/128
-    ],
-    "rope": [{"block_rows": r, "num_warps": w} for r in (8, 16, 32, 64) for w in (2, 4, 8)],
-}
-_SWEEP_DEFAULTS = {"swiglu": swiglu_mod.LAUNCH_DEFAULTS, "rope": rope_mod.LAUNCH_DEFAULTS}
-
-PRESET_HEAD_SHAPES = ((8, 2048, 6, 64), (8, 2048, 16, 128))
+#: Launch configurations ``--sweep`` tries, for the ops whose registry entry has a sweep.
+SWEEP_CONFIGS: dict[str, list[dict[str, int]]] = {s.name: list(s.sweep) for s in OP_SPECS if s.sweep}
+#: Tokens of the row-wise workloads.
+TOKENS = 16384
 #: Implementations also timed as a CUDA-graph replay (``graph_ms``: GPU time without host work).
-GRAPH_IMPLS = ("hydra", "compile")  # [B, S, H, D] of q/k in the presets
+GRAPH_IMPLS = ("hydra", "compile")
 
 
 @dataclass
@@ -102,7 +84,9 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, dynamic=False)
 
 
-def _peers(op: str, ref: Callable[..., Any], liger: dict[str, Callable[..., Any]], why: str | None):
+def peers(op: str, ref: Callable[..., Any], liger: dict[str, Callable[..., Any]], why: str | None):
+    """The peers timed beside hydra: torch eager and torch.compile of the reference, and Liger's
+    op when it has one (else why not, as a note)."""
     impls = {"eager": ref, "compile": _compiled(ref)}
     notes = {}
     if op in liger:
@@ -118,7 +102,7 @@ def _peers(op: str, ref: Callable[..., Any], liger: dict[str, Callable[..., Any]
 LINEAR_CE_MODES = ("compensated", "slab", "input")
 
 
-def _with_dw_accum(mode: str) -> Callable[..., Any]:
+def with_dw_accum(mode: str) -> Callable[..., Any]:
     """linear_cross_entropy with ``dw_accum=mode`` (the option is read when the call is made)."""
     from hydra_kernels.ops.linear_cross_entropy import reset_linear_ce_options, set_linear_ce_options
 
@@ -137,79 +121,10 @@ def _randn(*shape: int, dev: torch.device, dt: torch.dtype, grad: bool = True) -
 
 
 def _workloads(op: str, dev: torch.device, dt: torch.dtype, liger, why) -> Iterator[Workload]:
-    es = torch.empty((), dtype=dt).element_size()
-    n = 16384
-    if op == "rms_norm":
-        for d in (768, 2048, 4096):
-            impls, notes = _peers(op, rms_norm_ref, liger, why)
-            impls["hydra"] = rms_norm
-            x, w = _randn(n, d, dev=dev, dt=dt), _randn(d, dev=dev, dt=dt)
-            yield Workload(op, f"{n}x{d}", [x, w], torch.randn_like(x), impls, notes, 5 * n * d * es)
-    elif op == "fused_add_rms_norm":
-        for d in (768, 2048, 4096):
-            impls, notes = _peers(op, fused_add_rms_norm_ref, liger, why)
-            impls["hydra"] = fused_add_rms_norm
-            x, r, w = _randn(n, d, dev=dev, dt=dt), _randn(n, d, dev=dev, dt=dt), _randn(d, dev=dev, dt=dt)
-            grads = (torch.randn_like(x), torch.randn_like(x))
-            # fwd reads x, r and writes normed, summed; bwd reads both upstream grads and summed and
-            # writes dx (the residual's gradient is the same values: counted once)
-            yield Workload(op, f"{n}x{d}", [x, r, w], grads, impls, notes, 8 * n * d * es)
-    elif op == "swiglu":
-        for d in (768, 2048, 4096):
-            h = int(8 * d / 3 / 64) * 64  # PERF.md's widths: 2048, 5440, 10880
-            impls, notes = _peers(op, swiglu_mod.swiglu_ref, liger, why)
-            impls["hydra"] = swiglu_mod.swiglu
-            a, b = _randn(n, h, dev=dev, dt=dt), _randn(n, h, dev=dev, dt=dt)
-            yield Workload(op, f"{n}x{h}", [a, b], torch.randn_like(a), impls, notes, 7 * n * h * es)
-        h = 5440  # the MLP's layout: both halves of one [N, 2H] projection
-
-        def split_ref(gu: torch.Tensor) -> torch.Tensor:
-            return swiglu_mod.swiglu_ref(gu[:, :h], gu[:, h:])
-
-        impls, notes = _peers(op, split_ref, {}, why)
-        impls["hydra"] = swiglu_mod.swiglu_packed
-        if "swiglu" in liger:
-            impls["liger"] = lambda gu: liger["swiglu"](gu[:, :h], gu[:, h:])
-        gu = _randn(n, 2 * h, dev=dev, dt=dt)
-        g = torch.randn(n, h, device=dev, dtype=dt)
-        yield Workload(op, f"{n}x{h} packed", [gu], g, impls, notes, 7 * n * h * es)
-    elif op == "qk_norm":
-        for bsz, seq, heads, d in PRESET_HEAD_SHAPES:
-            impls, notes = _peers(op, qk_norm_ref, {}, why)
-            impls["hydra"] = qk_norm
-            notes.setdefault("liger", "Liger-Kernel has no per-head L2 norm with temperature")
-            x = _randn(bsz, seq, heads, d, dev=dev, dt=dt)
-            temp = _randn(heads, dev=dev, dt=torch.float32)
-            inputs = [x, math.sqrt(d), temp]
-            shape = f"{bsz}x{seq}x{heads}x{d}"
-            yield Workload(op, shape, inputs, torch.randn_like(x), impls, notes, 5 * x.numel() * es)
-    elif op == "rope":
-        for bsz, seq, heads, d in PRESET_HEAD_SHAPES:
-            for rot in (d // 2, d):
-                impls, notes = _peers(op, rope_mod.rope_ref, {}, why)
-                impls["hydra"] = rope_mod.rope
-                notes["liger"] = "Liger's rope rotates q and k together in [B, H, S, D], full width"
-                x = _randn(bsz, seq, heads, d, dev=dev, dt=dt)
-                angles = torch.rand(seq, rot // 2, device=dev) * seq
-                cos, sin = angles.cos(), angles.sin()  # fp32 tables, as a rotary cache keeps them
-                floor = 4 * x.numel() * es + 4 * cos.numel() * cos.element_size()
-                shape = f"{bsz}x{seq}x{heads}x{d} R={rot}"
-                yield Workload(op, shape, [x, cos, sin], torch.randn_like(x), impls, notes, floor)
-    elif op == "linear_ce":
-        for d, v in ((768, 50304), (2048, 128256)):
-            impls, notes = _peers(op, linear_cross_entropy_ref, liger, why)
-            impls["hydra"] = linear_cross_entropy
-            for mode in LINEAR_CE_MODES:  # the other dW schemes: the memory/precision trade-off
-                impls[f"hydra {mode}"] = _with_dw_accum(mode)
-            hid = _randn(n, d, dev=dev, dt=dt)
-            w = (torch.randn(v, d, device=dev, dtype=dt) * 0.02).requires_grad_()
-            y = torch.randint(0, v, (n,), device=dev)
-            yield Workload(
-                op, f"{n}x{d} V={v}", [hid, w, y], None, impls, notes,
-                flops=6.0 * n * d * v, measure_memory=True,
-            )  # fmt: skip
-    else:
+    """The workloads of bench op ``op`` (its registry entry's generator)."""
+    if op not in BENCH_OPS:
         raise ValueError(f"unknown bench op {op!r}; expected one of {', '.join(BENCH_OPS)}")
+    yield from OPS_BY_NAME[BENCH_OPS[op]].bench[op](dev, dt, liger, why)
 
 
 # --- measurement -----------------------------------------------------------------------------
@@ -251,22 +166,18 @@ def graph_ms(step: Callable[[], None], rep: int = 100) -> float | None:
     None when the step cannot be captured."""
     from triton.testing import do_bench
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: compiles, allocator pools
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    from hydra_kernels.cuda_graph import CUDAGraphStep
+
+    graphed = CUDAGraphStep.deferred(step)
+    graphed.warm_up(2)  # off the capture: compiles, allocator pools
     try:
-        with torch.cuda.graph(graph):
-            step()
+        graphed.capture()
     except Exception:
         return None
     try:
-        return float(do_bench(graph.replay, warmup=25, rep=rep, return_mode="median"))
+        return float(do_bench(graphed.replay, warmup=25, rep=rep, return_mode="median"))
     finally:
-        del graph
+        graphed.release()
 
 
 def peak_extra_mib(step: Callable[[], None]) -> float:
@@ -330,7 +241,7 @@ def _measure(w: Workload, copy_tbps: float, rep: int) -> list[dict[str, Any]]:
 
 
 def summarize(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One line per workload: hydra against its peers and PERF.md's targets."""
+    """One line per workload: hydra against its peers and docs/TARGETS.md's targets."""
     by = {r["impl"]: r for r in rows}
     ms = {k: r["ms"] for k, r in by.items() if r.get("ms")}
     hydra = ms.get("hydra")
@@ -382,7 +293,8 @@ def summarize(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
 def _sweep(w: Workload, rep: int) -> dict[str, Any]:
     """Time the hydra op of ``w`` under each of :data:`SWEEP_CONFIGS` (then the table default)."""
     dev = next(t for t in w.inputs if isinstance(t, torch.Tensor)).device
-    default = resolve_launch_config(w.op, dev, _SWEEP_DEFAULTS[w.op])
+    spec = OPS_BY_NAME[BENCH_OPS[w.op]]
+    default = resolve_launch_config(w.op, dev, spec.function(spec.sweep_table))
     step = fwd_bwd_step(w.impls["hydra"], w.inputs, w.grad_out)
     trials = []
     try:
@@ -413,7 +325,7 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Measure every selected op × shape against its peers; or, with ``sweep``, time only the
-    hydra op of swiglu/rope under each launch config of :data:`SWEEP_CONFIGS` (to pick the
+    hydra op of each op with a sweep under each launch config of :data:`SWEEP_CONFIGS` (to pick the
     defaults of their launch tables). Returns a JSON-able report. CUDA only."""
     if not torch.cuda.is_available():
         raise RuntimeError("run_bench needs a CUDA GPU and torch.cuda.is_available() is False")
@@ -468,15 +380,6 @@ def run_bench(
 
 # --- the small Python face -------------------------------------------------------------------
 
-_DISPLAY = {
-    "rms_norm": "RMSNorm",
-    "swiglu": "SwiGLU",
-    "qk_norm": "QK-Norm",
-    "rope": "RoPE",
-    "linear_cross_entropy": "Linear+CE",
-}
-
-
 def benchmark_kernels(
     batch_size: int = 4, seq_len: int = 512, dim: int = 768, dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, dict[str, Any]]:
@@ -490,25 +393,19 @@ def benchmark_kernels(
     dev = torch.device("cuda", torch.cuda.current_device())
     n, hidden = batch_size * seq_len, max(64, int(8 * dim / 3 / 64) * 64)
     heads, hd = max(1, dim // 64), 64
-    angles = torch.rand(seq_len, hd // 2, device=dev) * seq_len
 
     def rnd(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return _randn(*shape, dev=dev, dt=dt)
 
-    vocab = 32000
-    ce_weight = (torch.randn(vocab, dim, device=dev, dtype=dtype) * 0.02).requires_grad_()
-    ce_targets = torch.randint(0, vocab, (n,), device=dev)
-    x4 = rnd(batch_size, seq_len, heads, hd)
+    shape4 = (batch_size, seq_len, heads, hd)
     cases = {
-        "rms_norm": (rms_norm_ref, rms_norm, [rnd(n, dim), rnd(dim)]),
-        "swiglu": (swiglu_mod.swiglu_ref, swiglu_mod.swiglu, [rnd(n, hidden), rnd(n, hidden)]),
-        "qk_norm": (qk_norm_ref, qk_norm, [x4, math.sqrt(hd), rnd(heads, dt=torch.float32)]),
-        "rope": (rope_mod.rope_ref, rope_mod.rope, [x4, angles.cos(), angles.sin()]),
-        "linear_cross_entropy": (
-            linear_cross_entropy_ref,
-            linear_cross_entropy,
-            [rnd(n, dim), ce_weight, ce_targets],
-        ),
+        spec.name: (
+            spec.function(spec.checks[0].ref),
+            spec.function(spec.checks[0].fn),
+            spec.small_bench(rnd, n, dim, hidden, shape4),
+        )
+        for spec in OP_SPECS
+        if spec.small_bench is not None
     }
     results = {}
     for op, (ref, fused, inputs) in cases.items():
@@ -531,7 +428,7 @@ def benchmark_kernels(
 def print_benchmark_results(results: dict[str, dict[str, Any]]) -> None:
     """Print :func:`benchmark_kernels`' results, one block per op."""
     for op, r in results.items():
-        print(f"{_DISPLAY.get(op, op)}:")
+        print(f"{OPS_BY_NAME[op].title if op in OPS_BY_NAME else op}:")
         print(f"  PyTorch: {r['pytorch_ms']:.3f} ms")
         ran = "" if r.get("backend") == "triton" else "  (the reference ran: Triton off or failed)"
         print(f"  Triton:  {r['triton_ms']:.3f} ms{ran}")

@@ -22,47 +22,25 @@ from torch.overrides import TorchFunctionMode
 
 from hydra_kernels import controls
 from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
-from hydra_kernels.ops.linear_cross_entropy import (
-    grad_rounding_atol,
-    linear_cross_entropy,
-    linear_cross_entropy_ref,
-)
-from hydra_kernels.ops.qk_norm import qk_norm, qk_norm_ref
-from hydra_kernels.ops.rms_norm import (
-    fused_add_rms_norm,
-    fused_add_rms_norm_ref,
-    rms_norm,
-    rms_norm_ref,
-)
-from hydra_kernels.ops.rope import rope, rope_ref
-from hydra_kernels.ops.swiglu import swiglu, swiglu_packed, swiglu_ref
+from hydra_kernels.registry import OP_SPECS, Check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-Maker = Callable[[tuple[int, ...], torch.Generator], tuple[list[Any], list[int]]]
-
-
 @dataclass(frozen=True)
 class CheckCase:
-    """One public op: how to build inputs for a shape, and its reference.
+    """One public function under check: its registry entry (:class:`hydra_kernels.registry.Check`:
+    input maker, shapes, tolerances), the op whose switch and fallbacks it uses, and the function
+    and reference resolved in the op's module."""
 
-    ``make(shape, gen)`` returns the positional arguments (float tensors in float64 on the CPU;
-    they are cast per run) and the indices of the arguments to differentiate. Two knobs follow
-    the op owners' own tests: ``half_reduction`` is the criterion's reduction in bf16/fp16
-    (``"max"`` where the op rounds an intermediate to the low precision, see
-    :mod:`hydra_kernels.numerics`), and ``grad_atol(args, dtype, grad_outs)`` adds elementwise
-    tolerances to the gradients (one per differentiated argument) where the op documents one."""
-
-    name: str
+    check: Check
     control_op: str
     fn: Callable[..., Any]
     ref: Callable[..., Any]
-    make: Maker
-    quick_shapes: tuple[tuple[int, ...], ...]
-    full_shapes: tuple[tuple[int, ...], ...]
-    half_reduction: str = "elementwise"
-    grad_atol: Callable[..., Sequence[torch.Tensor]] | None = None
-    repeatable: bool = True  # a second call must return bitwise the same (no cuBLAS inside)
+
+    def __getattr__(self, name: str) -> Any:  # name, make, quick_shapes, ... of the entry
+        if name == "check":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.check, name)
 
 
 @dataclass
@@ -86,59 +64,12 @@ def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float64)
 
 
-def _make_rms(shape, gen):
-    return [_randn(gen, *shape), 1 + 0.3 * _randn(gen, shape[-1]), 1e-6], [0, 1]
-
-
-def _make_add_rms(shape, gen):
-    return [_randn(gen, *shape), _randn(gen, *shape), 1 + 0.3 * _randn(gen, shape[-1]), 1e-6], [0, 1, 2]
-
-
-def _make_swiglu(shape, gen):
-    return [2 * _randn(gen, *shape), _randn(gen, *shape)], [0, 1]
-
-
-def _make_swiglu_packed(shape, gen):
-    return [2 * _randn(gen, *shape[:-1], 2 * shape[-1])], [0]
-
-
-def _make_qk_norm(shape, gen):
-    return [_randn(gen, *shape), 0.7 * shape[-1] ** 0.5, 0.2 * _randn(gen, shape[-2])], [0, 2]
-
-
-def _make_rope(shape, gen):
-    # shape = (B, S, H, D, R): per-sequence tables when B > 1 and S is odd, shared otherwise
-    b, s, h, d, r = shape
-    table = (b, s, r // 2) if s % 2 else (s, r // 2)
-    angles = 3 * _randn(gen, *table)
-    return [_randn(gen, b, s, h, d), angles.cos(), angles.sin()], [0]
-
-
-def _make_linear_ce(shape, gen):
-    n, d, v = shape
-    targets = torch.randint(0, v, (n,), generator=gen)
-    targets[torch.rand(n, generator=gen) < 0.2] = -100  # some ignored tokens
-    return [_randn(gen, n, d), 0.2 * _randn(gen, v, d), targets, -100, "mean", 1e-3], [0, 1]
-
-
-CASES: tuple[CheckCase, ...] = (
-    CheckCase("rms_norm", "rms_norm", rms_norm, rms_norm_ref, _make_rms,
-              ((3, 7, 50),), ((3, 333, 1000), (77, 4100))),
-    CheckCase("fused_add_rms_norm", "rms_norm", fused_add_rms_norm, fused_add_rms_norm_ref, _make_add_rms,
-              ((3, 7, 50),), ((3, 333, 1000),), half_reduction="max"),
-    CheckCase("swiglu", "swiglu", swiglu, swiglu_ref, _make_swiglu,
-              ((3, 7, 50),), ((3, 333, 1000), (999, 5443))),
-    CheckCase("swiglu_packed", "swiglu", swiglu_packed, lambda gu: swiglu_ref(*gu.chunk(2, -1)),
-              _make_swiglu_packed, ((3, 7, 50),), ((3, 333, 1000),)),
-    CheckCase("qk_norm", "qk_norm", qk_norm, qk_norm_ref, _make_qk_norm,
-              ((2, 5, 3, 24),), ((3, 67, 6, 64), (2, 33, 5, 100))),
-    CheckCase("rope", "rope", rope, rope_ref, _make_rope,
-              ((2, 5, 3, 24, 16),), ((3, 67, 6, 64, 32), (2, 34, 5, 100, 100))),
-    CheckCase("linear_cross_entropy", "linear_cross_entropy", linear_cross_entropy,
-              linear_cross_entropy_ref, _make_linear_ce, ((13, 24, 97),), ((333, 160, 5003),),
-              grad_atol=lambda args, dtype, gos: grad_rounding_atol(*args[:3], dtype, *args[3:6], gos[0]),
-              repeatable=False),
-)  # fmt: skip
+#: Every registered op's checks (hydra_kernels.registry).
+CASES: tuple[CheckCase, ...] = tuple(
+    CheckCase(c, spec.name, spec.function(c.fn), spec.function(c.ref))
+    for spec in OP_SPECS
+    for c in spec.checks
+)
 
 
 class _KeepFloat64(TorchFunctionMode):

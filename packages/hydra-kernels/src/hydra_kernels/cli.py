@@ -4,7 +4,6 @@ torch and the kernels are imported inside the commands, so ``--help`` stays fast
 """
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,19 +21,20 @@ from hydra_kernels.cli_support import (
     new_app,
     require_cuda,
 )
+from hydra_kernels.registry import OP_SPECS
 
 app = new_app("Fused Triton kernels for HYDRA: status, numerical checks, benchmarks.")
 add_version_option(app, "hydra-kernels", __version__)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
 
-_OP_MODULES = {
-    "rms_norm": "hydra_kernels.ops.rms_norm",
-    "swiglu": "hydra_kernels.ops.swiglu",
-    "qk_norm": "hydra_kernels.ops.qk_norm",
-    "rope": "hydra_kernels.ops.rope",
-    "linear_cross_entropy": "hydra_kernels.ops.linear_cross_entropy",
-}
+_OP_MODULES = {spec.name: spec.module for spec in OP_SPECS}
+_BENCH_NAMES = [name for spec in OP_SPECS for name in spec.bench]
+_SWEEP_NAMES = [spec.name for spec in OP_SPECS if spec.sweep]
+
+
+def _either(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def resolved_launch_configs(device: Any) -> dict[str, dict[str, Any]]:
@@ -299,12 +299,13 @@ def render_bench_report(report: dict[str, Any], console: Any) -> None:
 def bench(
     op: Annotated[
         list[str] | None,
-        typer.Option("--op", help="rms_norm, swiglu, qk_norm, rope or linear_ce (repeatable); default all."),
+        typer.Option("--op", help=f"{_either(_BENCH_NAMES)} (repeatable); default all."),
     ] = None,
     sweep: Annotated[
         bool,
         typer.Option(
-            "--sweep", help="Instead: time only hydra's swiglu/rope under a grid of launch configs."
+            "--sweep",
+            help=f"Instead: time only hydra's {'/'.join(_SWEEP_NAMES)} under a grid of launch configs.",
         ),
     ] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write the full JSON report here.")] = None,
@@ -313,8 +314,7 @@ def bench(
 ) -> None:
     """Time each op × shape, forward+backward, against torch eager, torch.compile and Liger-Kernel
     (when importable): ms, GB/s over the byte floor, % of the measured copy bandwidth. CUDA only.
-    Also writes the JSON report to $OUT/hydra_kernels_bench.json (hydra_kernels_bench_sweep.json with --sweep)
-    when $OUT is set."""
+    --out PATH also writes the full JSON report there."""
     from hydra_kernels.bench import BENCH_OPS, SWEEP_CONFIGS
 
     unknown = [o for o in op or () if o not in BENCH_OPS]
@@ -339,9 +339,6 @@ def bench(
         [*(f"--op {o}" for o in op or ()), *(["--sweep"] if sweep else []), f"--rep {rep}"]
     )
     targets = [Path(out)] if out else []
-    if os.environ.get("OUT"):
-        name = "hydra_kernels_sweep.json" if sweep else "hydra_kernels_bench.json"
-        targets.append(Path(os.environ["OUT"]) / name)
     for path in targets:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1, default=str))

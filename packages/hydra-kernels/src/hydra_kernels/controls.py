@@ -9,12 +9,15 @@ A Triton kernel that raises at run time is not fatal: the op reruns on its refer
 is counted per op (:func:`fallback_counts`, :func:`get_kernel_status`) and warned about once, so a
 broken kernel is visible instead of silently slow.
 
-Environment (read at import and by :func:`reload_env`), each op's switch defaults to on:
+The switches are fields of :data:`hydra_kernels.options.OPTIONS`; the ``set_*`` functions here set
+them, and the environment fills them (read at import and by :func:`reload_env`), each op's switch
+defaulting to on:
 
 ====================================  =====================================================
 ``HYDRA_DISABLE_TRITON=1``            every op uses its reference
 ``HYDRA_ENABLE_FUSED_<OP>=0`` or      that op's Triton forward (and backward) off; ``<OP>`` is
-``HYDRA_DISABLE_FUSED_<OP>=1``        ``RMS_NORM``, ``SWIGLU``, ``QK_NORM``, ``ROPE``, ``LINEAR_CE``
+``HYDRA_DISABLE_FUSED_<OP>=1``        ``RMS_NORM``, ``SWIGLU``, ``QK_NORM``, ``ROPE``, ``LINEAR_CE`` (each
+                                      op's ``env`` in hydra_kernels.registry)
 ``HYDRA_ENABLE_FUSED_<OP>_BWD=0`` or  only the fused backward off (``RMS_NORM``, ``SWIGLU``,
 ``HYDRA_DISABLE_FUSED_<OP>_BWD=1``    ``QK_NORM``): the forward stays fused, the backward is
                                       computed by PyTorch from the saved inputs
@@ -25,7 +28,6 @@ Environment (read at import and by :func:`reload_env`), each op's switch default
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -34,41 +36,14 @@ from typing import Any
 import torch
 
 from hydra_kernels import launch_config
+from hydra_kernels.options import OPTIONS, OpSwitch, env_flag, env_switch
+from hydra_kernels.registry import OP_SPECS
 
-#: The five ops, in the order status tables list them.
-OPS: tuple[str, ...] = ("rms_norm", "swiglu", "qk_norm", "rope", "linear_cross_entropy")
+#: The ops, in the order status tables list them (hydra_kernels.registry, one entry each).
+OPS: tuple[str, ...] = tuple(spec.name for spec in OP_SPECS)
 
 # op -> (environment stem of the forward switch, stem of the backward switch or None)
-_ENV_STEMS: dict[str, tuple[str, str | None]] = {
-    "rms_norm": ("FUSED_RMS_NORM", "FUSED_RMS_NORM_BWD"),
-    "swiglu": ("FUSED_SWIGLU", "FUSED_SWIGLU_BWD"),
-    "qk_norm": ("FUSED_QK_NORM", "FUSED_QK_NORM_BWD"),
-    "rope": ("FUSED_ROPE", None),
-    "linear_cross_entropy": ("FUSED_LINEAR_CE", None),
-}
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _env_flag(name: str) -> bool | None:
-    """True/False for a set boolean variable, None when unset or empty. Unknown values raise."""
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return None
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"environment variable {name}={os.environ[name]!r} is not a boolean; use 1 or 0")
-
-
-def _switch(stem: str) -> bool:
-    """``HYDRA_DISABLE_<stem>=1`` wins, then ``HYDRA_ENABLE_<stem>``, default on."""
-    if _env_flag(f"HYDRA_DISABLE_{stem}"):
-        return False
-    enable = _env_flag(f"HYDRA_ENABLE_{stem}")
-    return True if enable is None else enable
+_ENV_STEMS: dict[str, tuple[str, str | None]] = {spec.name: (spec.env, spec.env_bwd) for spec in OP_SPECS}
 
 
 # --- Triton availability (decided once: importing triton is what makes it usable) ------------
@@ -85,35 +60,34 @@ except Exception as exc:  # ImportError, or a broken install that raises anythin
     TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 #: True when Triton interprets kernels on CPU tensors (``TRITON_INTERPRET=1`` before import).
-INTERPRETER_ACTIVE: bool = TRITON_AVAILABLE and bool(_env_flag("TRITON_INTERPRET"))
+INTERPRETER_ACTIVE: bool = TRITON_AVAILABLE and bool(env_flag("TRITON_INTERPRET"))
 
 
 @dataclass
 class _OpState:
-    forward: bool = True
-    backward: bool = True
+    """What happened to an op's Triton kernels at run time (its switches are in OPTIONS.ops)."""
+
     fallbacks: int = 0
     warned: bool = False
     last_error: str | None = None
 
 
 _lock = threading.Lock()
-_global_enabled = True
-_liger_ce = False
 _states: dict[str, _OpState] = {op: _OpState() for op in OPS}
+OPTIONS.ops.update({op: OpSwitch() for op in OPS})
 
 
 def reload_env() -> None:
-    """Re-read the ``HYDRA_*`` switches (fallback counts are kept)."""
-    global _global_enabled, _liger_ce
+    """Re-read the ``HYDRA_*`` switches into :data:`hydra_kernels.options.OPTIONS` (fallback counts
+    are kept)."""
     launch_config.reload_env()
     with _lock:
-        _global_enabled = not _env_flag("HYDRA_DISABLE_TRITON")
-        _liger_ce = bool(_env_flag("HYDRA_ENABLE_LIGER_CE"))
+        OPTIONS.triton = not env_flag("HYDRA_DISABLE_TRITON")
+        OPTIONS.liger_ce = bool(env_flag("HYDRA_ENABLE_LIGER_CE"))
         for op, (fwd_stem, bwd_stem) in _ENV_STEMS.items():
-            st = _states[op]
-            st.forward = _switch(fwd_stem)
-            st.backward = st.forward and (_switch(bwd_stem) if bwd_stem else True)
+            sw = OPTIONS.ops[op]
+            sw.forward = env_switch(fwd_stem)
+            sw.backward = sw.forward and (env_switch(bwd_stem) if bwd_stem else True)
 
 
 reload_env()
@@ -128,30 +102,29 @@ def _check_op(op: str) -> _OpState:
 
 def set_use_triton_kernels(enabled: bool) -> None:
     """Switch every Triton kernel on or off at once (per-op switches are kept underneath)."""
-    global _global_enabled
-    _global_enabled = bool(enabled)
+    OPTIONS.triton = bool(enabled)
 
 
 def use_triton_kernels() -> bool:
     """Whether Triton kernels are switched on globally (and Triton imported)."""
-    return _global_enabled and TRITON_AVAILABLE
+    return OPTIONS.triton and TRITON_AVAILABLE
 
 
 def set_op_enabled(op: str, enabled: bool, *, backward: bool | None = None) -> None:
     """Switch one op's Triton forward (and by default its backward) on or off."""
-    st = _check_op(op)
-    st.forward = bool(enabled)
-    st.backward = bool(enabled) if backward is None else bool(backward) and bool(enabled)
+    _check_op(op)
+    sw = OPTIONS.ops[op]
+    sw.forward = bool(enabled)
+    sw.backward = bool(enabled) if backward is None else bool(backward) and bool(enabled)
 
 
 def use_liger_ce() -> bool:
     """Whether ``linear_cross_entropy`` should hand off to Liger-Kernel when it is importable."""
-    return _liger_ce
+    return OPTIONS.liger_ce
 
 
 def set_use_liger_ce(enabled: bool) -> None:
-    global _liger_ce
-    _liger_ce = bool(enabled)
+    OPTIONS.liger_ce = bool(enabled)
 
 
 def device_supports_triton(device: torch.device) -> bool:
@@ -165,8 +138,10 @@ def device_supports_triton(device: torch.device) -> bool:
 
 def triton_path(op: str, *tensors: torch.Tensor, backward: bool = False) -> bool:
     """Whether ``op`` (its backward when ``backward``) should run its Triton kernel on ``tensors``."""
-    st = _states.get(op) or _check_op(op)
-    if not (_global_enabled and TRITON_AVAILABLE and (st.backward if backward else st.forward)):
+    sw = OPTIONS.ops.get(op)
+    if sw is None:
+        _check_op(op)
+    if not (OPTIONS.triton and TRITON_AVAILABLE and (sw.backward if backward else sw.forward)):
         return False
     for t in tensors:  # device_supports_triton, unrolled: this runs on every call of every op
         if t.is_cuda:
@@ -228,19 +203,20 @@ def get_kernel_status() -> dict[str, Any]:
         "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(dev)))
         if dev.type == "cuda"
         else None,
-        "liger_ce": _liger_ce,
+        "liger_ce": OPTIONS.liger_ce,
         "ops": {},
     }
     from hydra_kernels.ops import _launch  # imports this module: not at the top
 
     status["fast_launch"] = {"enabled": _launch.FAST_LAUNCH, "error": _launch.fast_launch_error}
-    runs_here = _global_enabled and device_supports_triton(dev)
+    runs_here = OPTIONS.triton and device_supports_triton(dev)
     for op, st in _states.items():
+        sw = OPTIONS.ops[op]
         status["ops"][op] = {
-            "enabled": st.forward,
-            "backward_enabled": st.backward,
-            "backend": "triton" if (runs_here and st.forward) else "reference",
-            "backward_backend": "triton" if (runs_here and st.backward) else "reference",
+            "enabled": sw.forward,
+            "backward_enabled": sw.backward,
+            "backend": "triton" if (runs_here and sw.forward) else "reference",
+            "backward_backend": "triton" if (runs_here and sw.backward) else "reference",
             "fallbacks": st.fallbacks,
             "last_error": st.last_error,
         }

@@ -3,7 +3,8 @@
 Each op keeps its own table of defaults keyed by generation (``"blackwell"``, ``"hopper"``,
 ``"ampere"``, ``"default"``) and asks :func:`resolve_launch_config` which entry applies to the
 tensors' device. Overrides, from :func:`set_launch_overrides` or the environment, replace single
-fields on top of the table, so a user can try ``num_warps=8`` without knowing the rest.
+fields on top of the table, so a user can try ``num_warps=8`` without knowing the rest. Both, and
+the Blackwell switch, are fields of :data:`hydra_kernels.options.OPTIONS`.
 
 Environment overrides (all ops): ``HYDRA_TRITON_NUM_WARPS``, ``HYDRA_TRITON_NUM_STAGES``,
 ``HYDRA_TRITON_BLOCK_ROWS``, ``HYDRA_TRITON_BLOCK_Q``, ``HYDRA_TRITON_BLOCK_KV``, read at import and
@@ -28,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 import torch
+
+from hydra_kernels.options import OPTIONS
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,6 @@ _ENV_FIELDS = {
     "block_kv": "HYDRA_TRITON_BLOCK_KV",
 }
 
-_overrides: dict[str | None, dict[str, int]] = {}
-_blackwell_tuning = True
-_env_patch: dict[str, int] = {}
-_env_error: ValueError | None = None  # a malformed variable: raised when a config is resolved
 # (op, generation, id(table)) -> resolved config; the table itself is kept to pin its id.
 _resolved: dict[tuple[str, str, int], tuple[LaunchConfig, Mapping[str, LaunchConfig]]] = {}
 _generations: dict[tuple[str, int | None], str] = {}
@@ -96,13 +95,12 @@ def gpu_generation(device: torch.device | None = None) -> str:
 
 def set_blackwell_tuning(enabled: bool) -> None:
     """Use (True, default) or ignore (False) the ``"blackwell"`` entries of the op tables."""
-    global _blackwell_tuning
-    _blackwell_tuning = bool(enabled)
+    OPTIONS.blackwell_tuning = bool(enabled)
     _invalidate()
 
 
 def blackwell_tuning_enabled() -> bool:
-    return _blackwell_tuning
+    return OPTIONS.blackwell_tuning
 
 
 def set_launch_overrides(op: str | None = None, **values: int) -> None:
@@ -114,12 +112,12 @@ def set_launch_overrides(op: str | None = None, **values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"launch field {name} must be a positive int, got {value!r}")
-    _overrides.setdefault(op, {}).update(values)
+    OPTIONS.launch_overrides.setdefault(op, {}).update(values)
     _invalidate()
 
 
 def clear_launch_overrides() -> None:
-    _overrides.clear()
+    OPTIONS.launch_overrides.clear()
     _invalidate()
 
 
@@ -130,12 +128,11 @@ def clear_resolved_cache() -> None:
 
 
 def reload_env() -> None:
-    """Re-read the ``HYDRA_TRITON_*`` overrides from the environment."""
-    global _env_patch, _env_error
+    """Re-read the ``HYDRA_TRITON_*`` overrides from the environment (into ``OPTIONS.launch_env``)."""
     try:
-        _env_patch, _env_error = _env_overrides(), None
+        OPTIONS.launch_env, OPTIONS.launch_env_error = _env_overrides(), None
     except ValueError as exc:  # raised at launch (a counted fallback), not at import
-        _env_patch, _env_error = {}, exc
+        OPTIONS.launch_env, OPTIONS.launch_env_error = {}, exc
     _invalidate()
 
 
@@ -156,16 +153,17 @@ def resolve_launch_config(
 ) -> LaunchConfig:
     """The op's table entry for ``device``'s generation (falling back to ``"default"``), with the
     environment's and then :func:`set_launch_overrides`' fields applied on top."""
-    if _env_error is not None:
-        raise _env_error
+    if OPTIONS.launch_env_error is not None:
+        raise OPTIONS.launch_env_error
     gen = gpu_generation(device)
     key = (op, gen, id(defaults))
     hit = _resolved.get(key)
     if hit is not None and hit[1] is defaults:
         return hit[0]
-    table_gen = "default" if gen == "blackwell" and not _blackwell_tuning else gen
+    table_gen = "default" if gen == "blackwell" and not OPTIONS.blackwell_tuning else gen
     cfg = defaults.get(table_gen) or defaults["default"]
-    patch = {**_env_patch, **_overrides.get(None, {}), **_overrides.get(op, {})}
+    overrides = OPTIONS.launch_overrides
+    patch = {**OPTIONS.launch_env, **overrides.get(None, {}), **overrides.get(op, {})}
     cfg = replace(cfg, **patch) if patch else cfg
     _resolved[key] = (cfg, defaults)
     return cfg

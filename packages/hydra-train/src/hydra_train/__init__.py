@@ -11,7 +11,7 @@ _EXPORTS = {
     "TrainConfig": "hydra_train.config",
     "resolve_config": "hydra_train.config",
     "Trainer": "hydra_train.trainer",
-    "StepResult": "hydra_train.trainer",
+    "StepResult": "hydra_train.step",
     "TrainerCallback": "hydra_train.callbacks",
     "CallbackList": "hydra_train.callbacks",
     "StepMetrics": "hydra_train.callbacks",

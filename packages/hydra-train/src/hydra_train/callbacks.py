@@ -1,16 +1,22 @@
-"""Callbacks: how code outside the loop (SafeOptimizations, TensorBoard, W&B, tests) joins in.
+"""Callbacks: how code outside the loop (SafeOptimizations, loggers, tests) joins in.
 
 A callback subclasses :class:`TrainerCallback` and overrides what it needs:
 
 ``on_train_start(trainer)``          before the first step (after a resume has been applied)
 ``on_after_backward(step, model)``   after the backward of the eager step, before the finiteness
                                      check and the optimizer (fault injection, gradient probes);
-                                     not called when ``trainer.step_impl`` is a captured graph
+                                     not called in the steps a CUDA graph runs (the capture step
+                                     included: host code cannot be replayed)
+``on_graph_failure(step, reason)``   the trainer's CUDA graph could not be captured or replayed and
+                                     was dropped; the step ran (or runs) eagerly
 ``on_step_end(step, metrics)``       after every optimizer step, applied or skipped
 ``on_log(step, row)``                at log intervals, with the floats written to the database
 ``on_eval(step, val_loss)``          after each validation pass
 ``on_train_end(summary)``            once, with the run summary (also after a failure: status says)
 ``state_dict()/load_state_dict()``   saved in checkpoints under ``"callbacks"[name]``, restored on resume
+
+Loggers (TensorBoard, W&B) are callbacks registered with their flag in :mod:`hydra_train.loggers`.
+No torch import at module level: the configuration (and ``--help``) reads the logger registry.
 
 :class:`StepMetrics` holds device tensors. Reading one (``float(metrics.loss)``,
 :meth:`StepMetrics.as_floats`) waits for the GPU; a callback that needs a float every step
@@ -22,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from hydra_train.trainer import Trainer
 
 
@@ -45,6 +51,8 @@ class StepMetrics:
 
     def as_floats(self) -> dict[str, Any]:
         """Everything as Python numbers (syncs with the device once)."""
+        import torch
+
         names = ["loss", "ce_loss", "grad_norm"]
         aux_names = sorted(self.aux_losses)
         vals = torch.stack(
@@ -68,6 +76,9 @@ class TrainerCallback:
         pass
 
     def on_after_backward(self, step: int, model: torch.nn.Module) -> None:
+        pass
+
+    def on_graph_failure(self, step: int, reason: str) -> None:
         pass
 
     def on_step_end(self, step: int, metrics: StepMetrics) -> None:
@@ -102,6 +113,9 @@ class CallbackList:
             raise ValueError(f"a callback named {cb.name!r} is already registered")
         self.callbacks.append(cb)
 
+    def remove(self, cb: TrainerCallback) -> None:
+        self.callbacks.remove(cb)
+
     def __iter__(self):
         return iter(self.callbacks)
 
@@ -124,68 +138,10 @@ class CallbackList:
             log(f"checkpoint has state for callbacks not active in this run: {', '.join(unknown)}")
 
 
-class TensorBoardCallback(TrainerCallback):
-    """``--tensorboard``: scalars to ``<run folder>/tensorboard``."""
+def __getattr__(name: str):
+    # the loggers moved to hydra_train.loggers (their registry); importable from here as before
+    if name in ("TensorBoardCallback", "WandbCallback"):
+        from hydra_train import loggers
 
-    name = "tensorboard"
-
-    def __init__(self, log_dir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            from hydra_train.errors import HydraTrainError
-
-            raise HydraTrainError(
-                "--tensorboard needs the tensorboard package: pip install 'hydra-train[tensorboard]'"
-            ) from None
-        self.writer = SummaryWriter(log_dir=log_dir)
-
-    def on_log(self, step: int, row: dict[str, Any]) -> None:
-        for k, v in row.items():
-            if isinstance(v, (int, float)) and k != "step":
-                self.writer.add_scalar(f"train/{k}", v, step)
-        for k, v in (row.get("aux") or {}).items():
-            self.writer.add_scalar(f"aux/{k}", v, step)
-
-    def on_eval(self, step: int, val_loss: float) -> None:
-        self.writer.add_scalar("val/loss", val_loss, step)
-
-    def on_train_end(self, summary: dict[str, Any]) -> None:
-        self.writer.close()
-
-
-class WandbCallback(TrainerCallback):
-    """``--wandb``: offline unless ``WANDB_MODE`` says otherwise (files under the run folder)."""
-
-    name = "wandb"
-
-    def __init__(self, run_dir: str, run_id: str, config: dict[str, Any]):
-        import os
-
-        try:
-            import wandb
-        except ImportError:
-            from hydra_train.errors import HydraTrainError
-
-            raise HydraTrainError(
-                "--wandb needs the wandb package: pip install 'hydra-train[wandb]'"
-            ) from None
-        self.wandb = wandb
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "hydra"),
-            name=run_id,
-            dir=run_dir,
-            config=config,
-            mode=os.environ.get("WANDB_MODE", "offline"),
-        )
-
-    def on_log(self, step: int, row: dict[str, Any]) -> None:
-        flat = {k: v for k, v in row.items() if isinstance(v, (int, float))}
-        flat.update({f"aux/{k}": v for k, v in (row.get("aux") or {}).items()})
-        self.run.log(flat, step=step)
-
-    def on_eval(self, step: int, val_loss: float) -> None:
-        self.run.log({"val/loss": val_loss}, step=step)
-
-    def on_train_end(self, summary: dict[str, Any]) -> None:
-        self.run.finish()
+        return getattr(loggers, name)
+    raise AttributeError(f"module 'hydra_train.callbacks' has no attribute {name!r}")

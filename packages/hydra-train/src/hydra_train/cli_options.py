@@ -1,17 +1,25 @@
-"""Options shared by ``hydra-train run`` and ``hydra-train pretest``: the model, batch and device
-options both take, and the SafeOptimizations flags.
+"""The options of ``hydra-train run`` and ``hydra-train pretest``, made from the configuration's
+fields (:mod:`hydra_train.config_options`: each field declares its flag, metavar and help once).
 
-Each flag takes the seeds' underscore spelling and Typer's kebab-case (``opt`` from cli_support);
-booleans that default on also take ``--no-...`` in both spellings (``--no-experimental_fa3``,
-``--no-experimental-fa3``). No ``from __future__ import annotations`` here: Typer reads these
-annotations at run time.
+:func:`config_command` gives a command every field its ``CliSpec`` lists it for, parses them into
+one :class:`hydra_train.config.TrainConfig` and hands the command that object: no option is
+copied argument by argument. Each flag takes the seeds' underscore spelling and Typer's kebab-case
+(``opt`` from cli_support); booleans that default on (``switch``) also take ``--no-...`` in both
+spellings (``--no-experimental_fa3``, ``--no-experimental-fa3``). No
+``from __future__ import annotations`` here: Typer reads these annotations at run time.
 """
 
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
 
 from hydra_kernels.cli_support import AssignmentError, fail, opt, parse_assignments
+from hydra_train.config_options import SECTIONS, CliSpec
 
 
 def switch(name: str, help: str):
@@ -28,192 +36,71 @@ def parse_model_overrides(items: list[str] | None) -> dict[str, Any]:
         fail(f"--model_override {exc.item!r}: expected FIELD=VALUE, e.g. dim=128", code=2)
 
 
-# --- the model, batch and device options of both commands -----------------------------------------
-Arch = Annotated[
-    str,
-    opt(
-        "--arch",
-        metavar="hydra|gpt",
-        help="Architecture: hydra (CCGQA + MoD/MoR routing) or gpt (the dense baseline: unique "
-        "pre-norm layers, GQA, SwiGLU, RoPE; presets of the same sizes).",
-    ),
-]
-ModelSize = Annotated[
-    str,
-    opt(
-        "--model_size",
-        metavar="SIZE",
-        help="Model preset: tiny, debug, 100M, 250M, 500M, 1B, or auto (tiny on CPU; by GPU memory on CUDA).",
-    ),
-]
-BatchSize = Annotated[int | None, opt("--batch_size", help="Sequences per micro-batch per GPU/process.")]
-SeqLen = Annotated[
-    int | None, opt("--seq_len", help="Tokens per sequence (row-shaped data fixes it itself).")
-]
-GradAccum = Annotated[int, opt("--grad_accum", help="Micro-batches accumulated per optimizer step.")]
-Lr = Annotated[
-    float | None, opt("--lr", help="Peak learning rate (default by preset: tiny 3e-3 ... 1B 3e-4).")
-]
-Precision = Annotated[
-    str,
-    opt(
-        "--precision",
-        metavar="auto|bf16|fp32",
-        help="auto (bf16 autocast on CUDA, fp32 on CPU), bf16 or fp32.",
-    ),
-]
-Device = Annotated[str, opt("--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N.")]
-Seed = Annotated[int, opt("--seed", help="Seed for initialisation and data order.")]
-VocabSize = Annotated[
-    int | None,
-    opt(
-        "--vocab_size",
-        help="Vocabulary size (embedded corpus: of the BPE built for it; 4096 on CPU, 32000 on GPU).",
-    ),
-]
-Moe = Annotated[bool, opt("--moe", help="Mixture-of-Experts FFNs instead of the dense MLP.")]
-StaticRouting = Annotated[
-    bool,
-    opt(
-        "--static_routing_mode",
-        help="Soft routing: every token through every block (fixed shapes, CUDA-graph friendly).",
-    ),
-]
-ChunkedCe = Annotated[
-    bool | None,
-    switch(
-        "chunked_ce",
-        "Loss via hydra_kernels.linear_cross_entropy: no full [tokens, vocab] logits "
-        "(default: on with CUDA, off on the CPU).",
-    ),
-]
-CheckpointEvery = Annotated[
-    int,
-    opt(
-        "--checkpoint_every",
-        help="Activation checkpointing every N blocks (0: off). Saves memory, costs a recompute.",
-    ),
-]
-TritonKernels = Annotated[
-    bool | None,
-    switch(
-        "triton_kernels",
-        "hydra-kernels' fused Triton ops, otherwise the PyTorch references (default: on with "
-        "CUDA, pretested by SafeOptimizations; off on the CPU).",
-    ),
-]
-Compile = Annotated[bool, opt("--compile", help="torch.compile the model.")]
-EightBitAdam = Annotated[
-    bool,
-    opt(
-        "--8bit_adam",
-        help="bitsandbytes AdamW8bit; with a message, fused AdamW when bitsandbytes is missing or unusable.",
-    ),
-]
-PrefetchThreads = Annotated[
-    int,
-    opt("--experimental_prefetch_threads", help="Threads building batches ahead of the trainer (0: inline)."),
-]
-ModelOverride = Annotated[
-    list[str] | None,
-    opt("--model_override", help="Set any HydraConfig field, FIELD=VALUE (repeatable), e.g. dim=128."),
-]
-CheckpointDir = Annotated[
-    str, opt("--checkpoint_dir", help="Where checkpoints, training.db and run artifacts go.")
-]
-CpuThreads = Annotated[
-    int | None,
-    opt(
-        "--cpu_threads",
-        help="CPU training: intra-op threads (default: the cores the load average leaves idle).",
-    ),
-]
+#: fields whose command-line form is parsed into the stored value
+CONVERTERS: dict[str, Callable[[Any], Any]] = {"model_overrides": parse_model_overrides}
 
-# --- SafeOptimizations ----------------------------------------------------------------------------
-SafeFa3 = Annotated[
-    bool,
-    switch(
-        "experimental_fa3",
-        "Fastest attention kernel: flash-attn 3/2 when installed, else the fastest SDPA kernel measured "
-        "for the shapes (pretested; off: PyTorch's own SDPA choice).",
-    ),
-]
-SafeCudaGraphs = Annotated[
-    bool,
-    switch(
-        "experimental_cuda_graphs",
-        "Capture the whole training step as a CUDA graph after --cuda_graphs_warmup steps and replay it "
-        "(pretested in the routing mode used).",
-    ),
-]
-GraphWarmup = Annotated[int, opt("--cuda_graphs_warmup", help="Eager steps before the CUDA-graph capture.")]
-SafeBlackwell = Annotated[
-    bool,
-    switch(
-        "experimental_blackwell_tuning",
-        "hydra-kernels' Blackwell launch table on sm_100/sm_120 (N/A elsewhere).",
-    ),
-]
-BlockQ = Annotated[int | None, opt("--triton_block_q", help="Blackwell tuning: Triton BLOCK_Q override.")]
-BlockKV = Annotated[int | None, opt("--triton_block_kv", help="Blackwell tuning: Triton BLOCK_KV override.")]
-NumWarps = Annotated[
-    int | None, opt("--triton_num_warps", help="Blackwell tuning: Triton num_warps override.")
-]
-SafeFp8 = Annotated[
-    bool,
-    switch(
-        "experimental_fp8",
-        "FP8 GEMMs in the forward of the model's linear layers (sm_89+; bf16 backward and master weights).",
-    ),
-]
-Fp8Format = Annotated[
-    str, opt("--fp8_format", metavar="e4m3|e5m2", help="FP8 format of the forward GEMMs: e4m3 or e5m2.")
-]
-Fp8Scaling = Annotated[
-    str,
-    opt(
-        "--fp8_scaling", metavar="row|tensor", help="FP8 scales: row (per token / output channel) or tensor."
-    ),
-]
-CompileScope = Annotated[
-    str,
-    opt(
-        "--compile_scope",
-        metavar="blocks|model",
-        help="--compile: blocks (each MoD/MoR block, shared code) or model (whole forward).",
-    ),
-]
-SafetyWindow = Annotated[
-    int,
-    opt(
-        "--experimental_safety_window",
-        help="Steps an enabled optimization is watched; 3 anomalies in it disable it.",
-    ),
-]
-SpikeThreshold = Annotated[
-    float, opt("--experimental_loss_spike_threshold", help="Loss spike: loss > this × its rolling EMA.")
-]
-DropThreshold = Annotated[
-    float,
-    opt(
-        "--experimental_throughput_drop_threshold", help="Throughput drop: tokens/s < this × its rolling EMA."
-    ),
-]
-SkipPretest = Annotated[
-    bool,
-    opt("--experimental_skip_pretest", help="Enable the requested optimizations without pretests (risky)."),
-]
-PretestWarmup = Annotated[
-    int, opt("--pretest_warmup_steps", help="Pretests: untimed steps per arm (compilation, capture).")
-]
-PretestSteps = Annotated[int, opt("--pretest_steps", help="Pretests: timed steps per arm.")]
 
-MaxSkippedSteps = Annotated[
-    int,
-    opt(
-        "--max_skipped_steps",
-        help="Stop the run as failed once more than N optimizer steps in a row are skipped for "
-        "non-finite loss or gradients.",
-    ),
-]
+def _typer_option(spec: CliSpec, help: str) -> Any:
+    if spec.switch:
+        return switch(spec.flags[0].removeprefix("--"), help)
+    return opt(*spec.flags, help=help, **({"metavar": spec.metavar} if spec.metavar else {}))
+
+
+def config_parameters(
+    command: str, defaults: dict[str, Any] | None = None, helps: dict[str, str] | None = None
+) -> list[inspect.Parameter]:
+    """One keyword parameter per configuration field that ``command`` takes, in section order;
+    ``defaults``/``helps`` replace a field's for this command only."""
+    defaults, helps = defaults or {}, helps or {}
+    params = []
+    for cls in SECTIONS.values():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            spec = f.metadata.get("cli")
+            if spec is None or command not in spec.commands:
+                continue
+            kind = spec.cli_type if spec.cli_type is not None else hints[f.name]
+            default = None if spec.cli_type is not None else f.default
+            params.append(
+                inspect.Parameter(
+                    f.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=defaults.get(f.name, default),
+                    annotation=Annotated[kind, _typer_option(spec, helps.get(f.name, spec.help))],
+                )
+            )
+    return params
+
+
+def config_command(
+    command: str, *, defaults: dict[str, Any] | None = None, helps: dict[str, str] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command function that has a ``cfg`` parameter: the command line gets the
+    configuration options of ``command`` before the function's own, and the function receives
+    ``cfg``, the :class:`hydra_train.config.TrainConfig` they make."""
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(func)
+        own = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in sig.parameters.values() if p.name != "cfg"
+        ]
+        fields = config_parameters(command, defaults, helps)
+        names = [p.name for p in fields]
+
+        @functools.wraps(func)
+        def run_command(**kwargs: Any) -> Any:
+            from hydra_train.config import TrainConfig
+
+            values = {n: kwargs.pop(n) for n in names}
+            for name, convert in CONVERTERS.items():
+                if name in values:
+                    values[name] = convert(values[name])
+            return func(cfg=TrainConfig(**values), **kwargs)
+
+        run_command.__signature__ = sig.replace(parameters=[*fields, *own])
+        return run_command
+
+    return decorate
+
+
 Debug = Annotated[bool, opt("--debug", help="On an error, show the full traceback, not one line.")]

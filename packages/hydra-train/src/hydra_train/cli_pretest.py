@@ -9,43 +9,8 @@ from pathlib import Path
 from typing import Annotated
 
 from hydra_kernels.cli_support import console, emit_json, err_console, fail, opt
-from hydra_train.cli_options import (
-    Arch,
-    BatchSize,
-    BlockKV,
-    BlockQ,
-    CheckpointDir,
-    CheckpointEvery,
-    ChunkedCe,
-    Compile,
-    CompileScope,
-    CpuThreads,
-    Device,
-    EightBitAdam,
-    Fp8Format,
-    Fp8Scaling,
-    GradAccum,
-    GraphWarmup,
-    Lr,
-    ModelOverride,
-    ModelSize,
-    Moe,
-    NumWarps,
-    Precision,
-    PrefetchThreads,
-    PretestSteps,
-    PretestWarmup,
-    SafeBlackwell,
-    SafeCudaGraphs,
-    SafeFa3,
-    SafeFp8,
-    Seed,
-    SeqLen,
-    StaticRouting,
-    TritonKernels,
-    VocabSize,
-    parse_model_overrides,
-)
+from hydra_train.cli_options import config_command
+from hydra_train.config import TrainConfig
 
 P = {
     "dataset": "random (default: random tokens, no corpus needed) or any --dataset of hydra-train run.",
@@ -101,42 +66,9 @@ def _show(rec: dict) -> None:
     console.print(f"log: {rec.get('log_file')}  ({rec.get('wall_s', 0):.0f} s)", highlight=False)
 
 
+@config_command("pretest", defaults={"dataset": "random"}, helps={"dataset": P["dataset"]})
 def pretest(
-    arch: Arch = "hydra",
-    model_size: ModelSize = "auto",
-    batch_size: BatchSize = None,
-    seq_len: SeqLen = None,
-    grad_accum: GradAccum = 1,
-    lr: Lr = None,
-    precision: Precision = "auto",
-    device: Device = "auto",
-    seed: Seed = 1337,
-    dataset: Annotated[str, opt("--dataset", help=P["dataset"])] = "random",
-    vocab_size: VocabSize = None,
-    moe: Moe = False,
-    static_routing_mode: StaticRouting = False,
-    chunked_ce: ChunkedCe = None,
-    checkpoint_every: CheckpointEvery = 0,
-    triton_kernels: TritonKernels = None,
-    compile: Compile = False,
-    eight_bit_adam: EightBitAdam = False,
-    prefetch_threads: PrefetchThreads = 4,
-    model_override: ModelOverride = None,
-    checkpoint_dir: CheckpointDir = "checkpoints",
-    cpu_threads: CpuThreads = None,
-    experimental_fa3: SafeFa3 = True,
-    experimental_cuda_graphs: SafeCudaGraphs = True,
-    cuda_graphs_warmup: GraphWarmup = 50,
-    experimental_blackwell_tuning: SafeBlackwell = True,
-    triton_block_q: BlockQ = None,
-    triton_block_kv: BlockKV = None,
-    triton_num_warps: NumWarps = None,
-    experimental_fp8: SafeFp8 = False,
-    fp8_format: Fp8Format = "e4m3",
-    fp8_scaling: Fp8Scaling = "row",
-    compile_scope: CompileScope = "blocks",
-    pretest_warmup_steps: PretestWarmup = 2,
-    pretest_steps: PretestSteps = 4,
+    cfg: TrainConfig,
     arm_timeout: Annotated[float | None, opt("--pretest_arm_timeout", help=P["arm_timeout"])] = None,
     all_opts: Annotated[bool, opt("--all", help=P["all"])] = False,
     only: Annotated[str | None, opt("--only", help=P["only"])] = None,
@@ -155,7 +87,7 @@ def pretest(
     from hydra_train.safe_opts.pretest_log import PretestHook
     from hydra_train.safe_opts.registry import NAMES
 
-    logs = log_dir or str(Path(checkpoint_dir) / "pretest_logs")
+    logs = log_dir or str(Path(cfg.runtime.checkpoint_dir) / "pretest_logs")
     hook = PretestHook(logs)
     if history:
         if json_out:
@@ -182,47 +114,9 @@ def pretest(
     for n in names or []:
         if n not in NAMES:
             fail(f"--only: unknown optimization {n!r}; choose from {', '.join(NAMES)}", code=2)
-    from hydra_train.config import TrainConfig
     from hydra_train.safe_opts.standalone import request_all, run_standalone
 
-    cfg = TrainConfig(
-        arch=arch,
-        model_size=model_size,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        grad_accum=grad_accum,
-        lr=lr,
-        precision=precision,
-        device=device,
-        seed=seed,
-        dataset=dataset,
-        vocab_size=vocab_size,
-        moe=moe,
-        static_routing_mode=static_routing_mode,
-        chunked_ce=chunked_ce,
-        checkpoint_every=checkpoint_every,
-        triton_kernels=triton_kernels,
-        compile=compile,
-        eight_bit_adam=eight_bit_adam,
-        experimental_prefetch_threads=prefetch_threads,
-        model_overrides=parse_model_overrides(model_override),
-        checkpoint_dir=checkpoint_dir,
-        cpu_threads=cpu_threads,
-        experimental_fa3=experimental_fa3,
-        experimental_cuda_graphs=experimental_cuda_graphs,
-        cuda_graphs_warmup=cuda_graphs_warmup,
-        experimental_blackwell_tuning=experimental_blackwell_tuning,
-        triton_block_q=triton_block_q,
-        triton_block_kv=triton_block_kv,
-        triton_num_warps=triton_num_warps,
-        experimental_fp8=experimental_fp8,
-        fp8_format=fp8_format,
-        fp8_scaling=fp8_scaling,
-        compile_scope=compile_scope,
-        pretest_warmup_steps=pretest_warmup_steps,
-        pretest_steps=pretest_steps,
-        progress=False,
-    )
+    cfg = cfg.replace(progress=False)
     if all_opts:
         cfg = request_all(cfg)
     say = (

@@ -1,9 +1,10 @@
-"""TrainConfig: every flag of ``hydra-train run`` in one dataclass, and how "auto" values resolve.
+"""TrainConfig: a run's one configuration (five sections, :mod:`hydra_train.config_options`),
+parsed once by the CLI for ``run`` and ``pretest`` alike, and how "auto" values resolve.
 
 A field left at ``None`` (or ``"auto"``) is chosen by :func:`resolve_config` from the device and
 the mode, so that ``hydra-train run`` with no arguments finishes in minutes on a laptop CPU and
 uses a larger preset with bf16 on a GPU. The resolved config (no ``None`` left in the fields that
-have automatic values) is what the trainer uses and what checkpoints store under
+have automatic values) is what the trainer uses and what checkpoints store (flat) under
 ``config["train"]``.
 
 SafeOptimizations' fields (``experimental_*``, ``cuda_graphs_warmup``, ``fp8_*``, ``compile_scope``,
@@ -14,11 +15,32 @@ old checkpoint are ignored.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from hydra_train.config_options import (
+    SECTIONS,
+    DataOptions,
+    ModelOptions,
+    OptimizationOptions,
+    OptimOptions,
+    RuntimeOptions,
+)
 from hydra_train.errors import HydraTrainError, HydraUsageError
+
+__all__ = [
+    "DataOptions",
+    "DeviceInfo",
+    "ModelOptions",
+    "OptimOptions",
+    "OptimizationOptions",
+    "RuntimeOptions",
+    "TrainConfig",
+    "model_id_for",
+    "resolve_config",
+]
 
 MODES = ("testing", "production")
 SCHEDULES = ("cosine", "wsd")
@@ -32,98 +54,75 @@ COMPILE_SCOPES = ("blocks", "model")
 EMBEDDED_CORPORA = ("stdlib", "stdlib-full", "pyenv")  # see hydra_train.corpus
 
 
-@dataclass
-class TrainConfig:
-    """Every knob of a training run. ``None``/``"auto"`` means: pick for this device and mode."""
+#: flat field name -> the section that holds it (``batch_size`` -> ``data``)
+FIELD_SECTIONS: dict[str, str] = {
+    f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+}
 
-    # model
-    #: "hydra" (CCGQA + MoD/MoR routing) or "gpt" (the dense baseline); hydra_model.ARCHITECTURES
-    arch: str = "hydra"
-    model_size: str = "auto"
-    moe: bool = False
-    moe_num_experts: int = 4
-    static_routing_mode: bool = False
-    #: fused linear + cross-entropy; None = on with CUDA, off on the CPU (the fast path by default)
-    chunked_ce: bool | None = None
-    vocab_size: int | None = None
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    # run length and batch
-    mode: str = "testing"
-    max_steps: int | None = None
-    batch_size: int | None = None
-    seq_len: int | None = None
-    grad_accum: int = 1
-    # optimizer and schedule
-    lr: float | None = None
-    min_lr_ratio: float = 0.1
-    warmup_steps: int | None = None
-    lr_schedule: str = "cosine"
-    wsd_decay_frac: float = 0.2
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    #: stop as failed after this many optimizer steps in a row skipped for non-finite loss/gradients
-    max_skipped_steps: int = 3
-    eight_bit_adam: bool = False
-    # memory and speed
-    checkpoint_every: int = 0
-    #: hydra-kernels' Triton ops; None = on with CUDA (pretested by SafeOptimizations), off on the CPU
-    triton_kernels: bool | None = None
-    compile: bool = False
-    precision: str = "auto"
-    device: str = "auto"
-    cpu_threads: int | None = None
-    fsdp: bool = False
-    ddp_find_unused_parameters: bool = False
-    # data
-    dataset: str = "auto"
-    tokenizer: str | None = None
-    text_column: str = "text"
-    experimental_prefetch_threads: int = 4
-    prefetch_buffer_size: int = 8
-    # evaluation, logging, saving
-    eval_every: int | None = None
-    eval_batches: int = 8
-    log_every: int | None = None
-    save_every: int | None = None
-    keep_checkpoints: int = 3
-    checkpoint_dir: str = "checkpoints"
-    resume: bool = False
-    seed: int = 1337
-    tensorboard: bool = False
-    wandb: bool = False
-    progress: bool = True
-    # SafeOptimizations (hydra_train.safe_opts): what is requested; pretests and the monitor decide
-    experimental_fa3: bool = True
-    experimental_cuda_graphs: bool = True
-    cuda_graphs_warmup: int = 50
-    experimental_blackwell_tuning: bool = True
-    triton_block_q: int | None = None
-    triton_block_kv: int | None = None
-    triton_num_warps: int | None = None
-    experimental_fp8: bool = False
-    fp8_format: str = "e4m3"
-    fp8_scaling: str = "row"
-    compile_scope: str = "blocks"
-    experimental_safety_window: int = 100
-    experimental_loss_spike_threshold: float = 2.0
-    experimental_throughput_drop_threshold: float = 0.5
-    experimental_skip_pretest: bool = False
-    pretest_warmup_steps: int = 2
-    pretest_steps: int = 4
+
+class TrainConfig:
+    """Every knob of a training run, in five sections (:mod:`hydra_train.config_options`):
+    ``cfg.model``, ``cfg.optim``, ``cfg.data``, ``cfg.runtime``, ``cfg.optimizations``.
+
+    A field reads and writes under its own name too (``cfg.batch_size`` is ``cfg.data.batch_size``;
+    field names are unique across sections), so ``TrainConfig(batch_size=8, lr=1e-3)`` and
+    ``cfg.replace(resume=True)`` need no section. ``to_dict`` is flat, as checkpoints, the metrics
+    database and ``--dry_run`` have always stored it."""
+
+    __slots__ = tuple(SECTIONS)
+
+    def __init__(self, **values: Any) -> None:
+        for section, cls in SECTIONS.items():
+            given = values.pop(section, None)
+            object.__setattr__(self, section, given if given is not None else cls())
+        for name, value in values.items():
+            if name not in FIELD_SECTIONS:
+                raise TypeError(f"TrainConfig has no field {name!r}")
+            setattr(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        section = FIELD_SECTIONS.get(name)
+        if section is None:
+            raise AttributeError(f"TrainConfig has no field {name!r}")
+        return getattr(object.__getattribute__(self, section), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in SECTIONS:
+            object.__setattr__(self, name, value)
+        elif name in FIELD_SECTIONS:
+            setattr(getattr(self, FIELD_SECTIONS[name]), name, value)
+        else:
+            raise AttributeError(f"TrainConfig has no field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TrainConfig) and all(getattr(self, s) == getattr(other, s) for s in SECTIONS)
+
+    def __repr__(self) -> str:
+        return "TrainConfig(" + ", ".join(f"{s}={getattr(self, s)!r}" for s in SECTIONS) + ")"
+
+    @staticmethod
+    def field_names() -> tuple[str, ...]:
+        """Every field's flat name, section by section."""
+        return tuple(FIELD_SECTIONS)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Flat: ``{"arch": ..., "batch_size": ..., ...}``."""
+        out: dict[str, Any] = {}
+        for section in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, section)))
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """Build from a dict; keys this version does not know (an older or newer run) are ignored."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """Build from a flat dict; keys this version does not know (an older or newer run) are ignored."""
+        return cls(**{k: v for k, v in d.items() if k in FIELD_SECTIONS})
 
     def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy (sections copied too) with ``changes`` (flat names or whole sections) applied."""
+        new = copy.deepcopy(self)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        return new
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def dry_run(cfg: TrainConfig) -> dict[str, Any]:
     from hydra_train.run import check_model_flags
     from hydra_train.safe_opts.registry import build_registry
 
-    want = cfg.device
+    want = cfg.runtime.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want.startswith("cuda"):

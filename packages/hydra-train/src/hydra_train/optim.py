@@ -120,11 +120,11 @@ class LRSchedule:
         """The schedule a resolved TrainConfig asks for (--lr_schedule, --warmup_steps, ...), at step 0."""
         return cls(
             optimizer,
-            kind=cfg.lr_schedule,
-            max_steps=cfg.max_steps,
-            warmup_steps=cfg.warmup_steps,
-            min_lr_ratio=cfg.min_lr_ratio,
-            decay_frac=cfg.wsd_decay_frac,
+            kind=cfg.optim.lr_schedule,
+            max_steps=cfg.runtime.max_steps,
+            warmup_steps=cfg.optim.warmup_steps,
+            min_lr_ratio=cfg.optim.min_lr_ratio,
+            decay_frac=cfg.optim.wsd_decay_frac,
         )
 
     def fork(self) -> LRSchedule:

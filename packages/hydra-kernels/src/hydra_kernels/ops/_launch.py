@@ -1,8 +1,8 @@
 """Kernel launches with little host work: per-shape launch plans that call compiled kernels directly.
 
 Why: at the benchmark shapes one eager forward+backward of a norm or an activation is 20-250 µs
-of GPU work, and on the H100 host measured by ``bench/tune.py`` the autograd machinery alone
-takes ~120 µs of host time per forward+backward, a ``kernel[grid](...)`` launch ~20 µs and a
+of GPU work, and on the H100 host measured by ``packages/hydra-diag/bench/tune.py`` the autograd
+machinery alone takes ~120 µs of host time per forward+backward, a ``kernel[grid](...)`` launch ~20 µs and a
 direct call of the compiled kernel ~12 µs; whatever the launchers add on top decides whether an
 eager call keeps the GPU busy. So each op's launcher derives its launch once per input layout
 (a :class:`LaunchPlan`, kept in a :func:`plan_cache`) instead of once per call.

@@ -1,7 +1,7 @@
 """Cross-entropy of ``hidden @ weight.T`` against targets without the full [N, V] logits.
 
-Scheme (decided for speed; measured by ``bench/bench_linear_ce.py``): tokens are taken in chunks
-of C rows. Per chunk, with the gradient computed during the forward:
+Scheme (decided for speed; measured by ``packages/hydra-diag/bench/bench_linear_ce.py``): tokens are
+taken in chunks of C rows. Per chunk, with the gradient computed during the forward:
 
 1. ``logits = h_c @ Wᵀ``  (cuBLAS, ``[C, V]`` in the compute dtype, one reused buffer)
 2. ``_ce_rows_kernel`` (Triton): fp32 log-sum-exp, per-token loss, and the logits' gradient
@@ -53,6 +53,7 @@ from hydra_kernels.ops import _linear_ce_kernels as K
 from hydra_kernels.ops._custom_op import KERNEL_DTYPES, compiling, eager_autograd_function, run_with_fallback
 from hydra_kernels.ops._linear_ce_chunks import LinearCEOptions, acc_dtype_for, chunked_pass
 from hydra_kernels.ops._linear_ce_liger import liger_linear_cross_entropy
+from hydra_kernels.options import OPTIONS
 
 OP = "linear_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
@@ -66,7 +67,6 @@ _ENV_OPTIONS = {
     "dw_accum": "HYDRA_LINEAR_CE_DW_ACCUM",
     "dw_backend": "HYDRA_LINEAR_CE_DW_BACKEND",
 }
-_option_overrides: dict[str, object] = {}
 
 
 def set_linear_ce_options(**values: object) -> None:
@@ -79,11 +79,11 @@ def set_linear_ce_options(**values: object) -> None:
             f"unknown linear_cross_entropy option(s) {sorted(unknown)}; expected {sorted(known)}"
         )
     replace(linear_ce_options(), **values).validated()  # reject bad values now, not at the next call
-    _option_overrides.update(values)
+    OPTIONS.linear_ce.update(values)
 
 
 def reset_linear_ce_options() -> None:
-    _option_overrides.clear()
+    OPTIONS.linear_ce.clear()
 
 
 def linear_ce_options() -> LinearCEOptions:
@@ -100,7 +100,7 @@ def linear_ce_options() -> LinearCEOptions:
                 raise ValueError(f"{var}={raw!r} must be a whole number of tokens (0 = automatic)") from None
         else:
             values[name] = raw
-    values.update(_option_overrides)
+    values.update(OPTIONS.linear_ce)
     return LinearCEOptions(**values).validated()  # type: ignore[arg-type]
 
 

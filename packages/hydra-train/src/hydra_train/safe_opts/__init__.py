@@ -5,16 +5,17 @@ Modules, one concept each:
 ==============  ===============================================================================
 registry        the :class:`Optimization` interface, status words, the nine optimizations' order
 toggles         fa3, static_routing, blackwell_tuning, prefetch_threads, triton_kernels, compile
-cuda_graphs     the whole training step captured as a CUDA graph and replayed
+cuda_graphs     switches the trainer's CUDA-graphed step (hydra_train.graphed_step) on and off
 fp8             FP8 forward GEMMs for the linear layers (bf16 backward, bf16 master weights)
 adam8bit        bitsandbytes AdamW8bit with the optimizer state carried over both ways
 tolerances      what "matches the safe default" and "not slower" mean, and why
 pretest         the pretest arms (same weights, same batches) and their verdicts
 pretest_log     PretestHook: rerun rule (fingerprint), logs, history, summary
+activation      applying them to a built run: safe defaults, pretests, activation in order
 monitor         anomaly detectors and the sync-free per-step readback
 attribution     safety windows, blame, isolation trials, graduation
-faults          fault injection tied to one optimization; the step_impl that dispatches
-callback        SafeOptimizations, the trainer callback that puts it all together
+callback        SafeOptimizations, the callback that watches them and carries out the decisions
+faults          fault injection tied to one optimization (tests; wraps the step only when asked)
 standalone      ``hydra-train pretest``: the pretests without training
 report          OPTIMIZATIONS.md from the logs
 ==============  ===============================================================================

@@ -148,7 +148,7 @@ class EightBitAdam(Optimization):
         self._why_not: str | None = None
 
     def requested(self) -> bool:
-        return self.cfg.eight_bit_adam
+        return self.cfg.optimizations.eight_bit_adam
 
     def _load(self, device: torch.device) -> str | None:
         if self._bnb is not None or self._why_not is not None:
@@ -169,7 +169,7 @@ class EightBitAdam(Optimization):
     def not_applicable(self, trainer: Trainer) -> str | None:
         if trainer.device.type != "cuda":
             return "bitsandbytes' 8-bit optimizers need CUDA"
-        if self.cfg.fsdp:
+        if self.cfg.runtime.fsdp:
             return "not with --fsdp (sharded 8-bit state is not supported here)"
         return self._load(trainer.device)
 

@@ -1,8 +1,10 @@
-"""Fault injection tied to one optimization, and the ``step_impl`` SafeOptimizations installs.
+"""Fault injection tied to one optimization, for tests and for checking a machine by hand.
 
 A fault fires only in steps where its optimization is active, so switching that optimization off
-really stops it: that is what proves the fallback is real. Drive it from tests with
-``SafeOptimizations(fault_injector=FaultInjector.parse(...))`` or from the environment::
+really stops it: that is what proves the fallback is real. Nothing here is on the normal step
+path: :meth:`FaultInjector.install` wraps a trainer's ``step_impl`` only when faults are given,
+from tests (``SafeOptimizations(fault_injector=FaultInjector.parse(...))``) or from the
+environment::
 
     HYDRA_SAFEOPTS_INJECT="nan_grad:compile@step5,loss_spike=20:fa3@step10-12,slow=0.3:prefetch_threads@step8+"
 
@@ -39,8 +41,8 @@ from hydra_train.callbacks import TrainerCallback
 from hydra_train.errors import HydraTrainError
 
 if TYPE_CHECKING:
-    from hydra_train.safe_opts.registry import Optimization
-    from hydra_train.trainer import StepResult, Trainer
+    from hydra_train.step import StepResult
+    from hydra_train.trainer import Trainer
 
 ENV = "HYDRA_SAFEOPTS_INJECT"
 KINDS = {"nan_grad": math.nan, "inf_grad": math.inf, "loss_spike": 10.0, "slow": 0.25}
@@ -109,6 +111,15 @@ class FaultInjector:
         spec = os.environ.get(ENV, "").strip()
         return cls.parse(spec, known) if spec else None
 
+    def install(
+        self, trainer: Trainer, active: Callable[[], Iterable[str]], *, pretest: bool = False
+    ) -> FaultyStep:
+        """Wrap ``trainer.step_impl`` so that this injector's faults fire in its steps while their
+        optimization is among ``active()``; returns the wrapper."""
+        wrapper = FaultyStep(trainer, trainer.step_impl, self, active, pretest=pretest)
+        trainer.step_impl = wrapper
+        return wrapper
+
     def at(self, step: int, active: Iterable[str], pretest: bool = False) -> StepFaults:
         active = set(active)
         out = StepFaults()
@@ -132,56 +143,52 @@ def poison_gradients(model: torch.nn.Module, value: float) -> None:
 
 
 class PoisonHook(TrainerCallback):
-    """Applies a pending NaN/Inf to the gradients in the eager step (``on_after_backward``)."""
+    """Puts ``value`` into one gradient after the eager step's backward (``on_after_backward``).
+    :class:`FaultyStep` adds it to the trainer's callbacks for one step only."""
 
     name = "safe_opts_poison"
 
-    def __init__(self):
-        self.pending: float | None = None
+    def __init__(self, value: float):
+        self.value = value
 
     def on_after_backward(self, step: int, model: torch.nn.Module) -> None:
-        if self.pending is not None:
-            poison_gradients(model, self.pending)
-            self.pending = None
+        poison_gradients(model, self.value)
 
 
-class StepDispatcher:
-    """``trainer.step_impl`` under SafeOptimizations: the CUDA-graph step when that optimization
-    is active, else the trainer's eager step; faults applied on the way. A graph that cannot be
-    captured or replayed is reported to ``on_graph_failure`` and this step runs eagerly."""
+class FaultyStep:
+    """``trainer.step_impl`` while a :class:`FaultInjector` is installed: the step that was there,
+    with this step's faults applied around it. Poison reaches an eager step through a
+    :class:`PoisonHook` added for that step, and a graphed one through the graph's loss scale."""
 
     def __init__(
         self,
         trainer: Trainer,
-        graphs: Optimization,
-        active: Callable[[], tuple[str, ...]],
-        injector: FaultInjector | None,
-        poison_hook: PoisonHook,
-        on_graph_failure: Callable[[str], None],
+        inner: Callable[[list], StepResult],
+        injector: FaultInjector,
+        active: Callable[[], Iterable[str]],
         *,
         pretest: bool = False,
     ):
-        self.tr, self.graphs, self.active, self.injector = trainer, graphs, active, injector
-        self.poison_hook, self.on_graph_failure, self.pretest = poison_hook, on_graph_failure, pretest
+        self.tr, self.inner, self.injector = trainer, inner, injector
+        self.active, self.pretest = active, pretest
         self.count = 0
 
     def __call__(self, batches: list) -> StepResult:
         self.count += 1
         step = self.count if self.pretest else self.tr.step + 1
-        faults = self.injector.at(step, self.active(), self.pretest) if self.injector else StepFaults()
-        # an eager step (also a graph's warmup step) consumes the poison in on_after_backward; a
-        # replay takes it through the graph's loss multiplier instead
-        self.poison_hook.pending = faults.poison
+        faults = self.injector.at(step, self.active(), self.pretest)
+        hook = None
+        if faults.poison is not None:
+            hook = PoisonHook(faults.poison)
+            self.tr.callbacks.add(hook)
+            graphs = getattr(self.tr, "cuda_graphs", None)
+            if graphs is not None:
+                graphs.scale_next_loss(faults.poison)
         try:
-            try:
-                res = self.graphs.run_step(self.tr, batches, faults.poison)
-            except Exception as exc:  # the graph could not run this step: report, run it eagerly
-                self.on_graph_failure(f"{type(exc).__name__}: {str(exc)[:300]}")
-                res = None
-            if res is None:
-                res = self.tr.eager_step(batches)
+            res = self.inner(batches)
         finally:
-            self.poison_hook.pending = None
+            if hook is not None:
+                self.tr.callbacks.remove(hook)
         if faults.spike is not None:
             res = replace(res, loss=res.loss * faults.spike)
         if faults.sleep:

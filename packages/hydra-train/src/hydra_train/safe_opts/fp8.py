@@ -180,7 +180,7 @@ class Fp8Matmuls(Optimization):
         self.swapped: list[str] = []
 
     def requested(self) -> bool:
-        return self.cfg.experimental_fp8
+        return self.cfg.optimizations.experimental_fp8
 
     def not_applicable(self, trainer: Trainer) -> str | None:
         if trainer.device.type != "cuda":
@@ -190,14 +190,16 @@ class Fp8Matmuls(Optimization):
             return f"needs FP8 tensor cores (sm_89+); this GPU is sm_{cap[0]}{cap[1]}"
         if not hasattr(torch, "_scaled_mm"):
             return "this torch has no torch._scaled_mm"
-        if trainer.cfg.precision != "bf16":
+        if trainer.cfg.runtime.precision != "bf16":
             return "needs bf16 autocast (--precision bf16)"
         if not any(fp8_eligible(m) for m in trainer.model.modules()):
             return "no linear layer with both widths a multiple of 16"
         return None
 
     def activate(self, trainer: Trainer) -> None:
-        self.swapped = swap_to_fp8(trainer.model, self.cfg.fp8_format, self.cfg.fp8_scaling == "row")
+        self.swapped = swap_to_fp8(
+            trainer.model, self.cfg.optimizations.fp8_format, self.cfg.optimizations.fp8_scaling == "row"
+        )
         self.active = True
 
     def deactivate(self, trainer: Trainer) -> None:
@@ -206,8 +208,8 @@ class Fp8Matmuls(Optimization):
 
     def describe(self) -> dict[str, Any]:
         return {
-            "format": self.cfg.fp8_format,
-            "scaling": self.cfg.fp8_scaling,
+            "format": self.cfg.optimizations.fp8_format,
+            "scaling": self.cfg.optimizations.fp8_scaling,
             "backward": "bf16",
             "layers": len(self.swapped),
             "quantiser": "compiled" if _fused["failed"] is None else f"eager ({_fused['failed']})",

@@ -2,7 +2,7 @@
 same weights and the same batches, a few steps each.
 
 An *arm* is a run of ``warmup + steps`` optimizer steps with some optimizations active, on a
-throwaway :class:`hydra_train.trainer.Trainer` around the training model (its eager step, its
+throwaway :class:`hydra_train.trainer.Trainer` around the training model (its step, its
 non-finite rule, its gradient clipping: the code training runs). Between arms the weights, the
 optimizer state and the RNG are restored, so every arm starts where training will start; after
 the last arm they are restored once more and training proceeds as if nothing had run.
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from hydra_train.callbacks import CallbackList
+from hydra_train.callbacks import CallbackList, TrainerCallback
 from hydra_train.checkpoint import capture_rng, restore_rng
 from hydra_train.prefetch import Prefetcher
-from hydra_train.safe_opts.faults import FaultInjector, PoisonHook, StepDispatcher
+from hydra_train.safe_opts.faults import FaultInjector
 from hydra_train.safe_opts.registry import Optimization
 from hydra_train.safe_opts.tolerances import ArmNumbers, bounds_for, judge_numerics, judge_speed
 from hydra_train.trainer import Trainer
@@ -74,6 +74,15 @@ def time_limit(seconds: float | None):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+class _GraphFailureFailsTheArm(TrainerCallback):
+    """In a pretest a CUDA graph that cannot be captured or replayed is the arm's failure."""
+
+    name = "pretest_graph_failure"
+
+    def on_graph_failure(self, step: int, reason: str) -> None:
+        raise RuntimeError(f"CUDA graph: {reason}")
 
 
 @dataclass
@@ -147,14 +156,16 @@ class PretestRunner:
         s = self.settings
         x0, y0 = self.make_batch(self.start)
         probe_tokens = min(s.ref_chunk_rows, x0.shape[0]) * x0.shape[1]
-        bounds = bounds_for(self.tr.cfg.precision, probe_tokens, self.depth, self.tr.cfg.fp8_format)
+        bounds = bounds_for(
+            self.tr.cfg.runtime.precision, probe_tokens, self.depth, self.tr.cfg.optimizations.fp8_format
+        )
         body: dict[str, Any] = {
             "settings": dataclasses.asdict(s),
             "bounds": dataclasses.asdict(bounds),
             "depth": self.depth,
             "batch": [int(x0.shape[0]), int(x0.shape[1])],
-            "grad_accum": self.tr.cfg.grad_accum,
-            "precision": self.tr.cfg.precision,
+            "grad_accum": self.tr.cfg.optim.grad_accum,
+            "precision": self.tr.cfg.runtime.precision,
         }
         if not arms:
             body["results"] = results
@@ -225,9 +236,8 @@ class PretestRunner:
                 )
         return arms
 
-    def _pretest_trainer(self) -> tuple[Trainer, PoisonHook]:
+    def _pretest_trainer(self) -> Trainer:
         real = self.tr
-        hook = PoisonHook()
         pt = Trainer(
             real.model,
             real.cfg,
@@ -238,15 +248,17 @@ class PretestRunner:
             device=self.device,
             dist_info=real.dist,
             wrapped=real.wrapped,
-            callbacks=CallbackList([hook]),
+            callbacks=CallbackList([_GraphFailureFailsTheArm()]),
             log=lambda m: None,
         )
-        return pt, hook
+        if self.injector is not None:
+            self.injector.install(pt, lambda: self.arm_active, pretest=True)
+        return pt
 
     def _run_arm(self, arm: Arm, snap: _Snapshot, ref) -> tuple[ArmNumbers, dict]:
         s = self.settings
         self._restore(snap)
-        pt, hook = self._pretest_trainer()
+        pt = self._pretest_trainer()
         tested = self.reg[arm.tested] if arm.tested else None
         late = tested is not None and tested.pretest_activation == "after_warmup"
         graphs = self.reg["cuda_graphs"]
@@ -255,13 +267,6 @@ class PretestRunner:
         out = ArmNumbers()
         detail: dict = {}
 
-        def graph_failed(msg: str) -> None:
-            raise RuntimeError(f"CUDA graph: {msg}")
-
-        disp = StepDispatcher(
-            pt, graphs, lambda: self.arm_active, self.injector, hook, graph_failed, pretest=True
-        )
-        pt.step_impl = disp
         try:
             for name in arm.opts:
                 if late and name == arm.tested:
@@ -303,7 +308,7 @@ class PretestRunner:
                 self.arm_active = tuple(o.name for o in activated)
             _sync(self.device)
             t0 = time.perf_counter()
-            batches = [pt.loader.next() for _ in range(pt.cfg.grad_accum)]
+            batches = [pt.loader.next() for _ in range(pt.cfg.optim.grad_accum)]
             res = pt.step_impl(batches)
             pt.schedule.step()
             loss, gn, fin = torch.stack(

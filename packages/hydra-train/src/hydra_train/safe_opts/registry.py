@@ -1,11 +1,13 @@
 """The optimization interface, the status words, and the registry of the nine optimizations.
 
-An :class:`Optimization` acts on a :class:`hydra_train.trainer.Trainer` (the training one, or the
-throwaway one a pretest builds around the same model) through the runtime's seams:
-``trainer.forward_model``, ``trainer.step_impl``, ``trainer.set_optimizer``, ``trainer.loader``,
-the model's modules, and the process-wide switches of hydra-kernels and hydra-model.
-``activate`` turns the fast path on and ``deactivate`` puts the safe default back, for real; both
-are idempotent, so "establish the safe defaults" is simply ``deactivate`` on everything.
+An :class:`Optimization` is applied to a built run, as a model or optimizer converter is: it acts
+on a :class:`hydra_train.trainer.Trainer` (the training one, or the throwaway one a pretest builds
+around the same model) through the trainer's seams: ``trainer.forward_model``,
+``trainer.enable_cuda_graphs``, ``trainer.set_optimizer``, ``trainer.loader``, the model's
+modules, and the process-wide switches of hydra-kernels and hydra-model. It never replaces the
+trainer's step. ``activate`` turns the fast path on and ``deactivate`` puts the safe default back,
+for real; both are idempotent, so "establish the safe defaults" is simply ``deactivate`` on
+everything.
 
 Status words (what ``SafeOptimizations status: {...}`` prints):
 
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from hydra_train.config import TrainConfig
 
 if TYPE_CHECKING:
-    from hydra_train.trainer import StepResult, Trainer
+    from hydra_train.trainer import Trainer
 
 OFF, NA, PENDING, FAILED = "OFF", "N/A", "PENDING", "FAILED"
 ENABLED, STABLE, SUSPENDED, DISABLED = "ENABLED", "STABLE", "SUSPENDED", "DISABLED"
@@ -100,10 +102,6 @@ class Optimization(ABC):
     @abstractmethod
     def deactivate(self, trainer: Trainer) -> None:
         """Go back to the safe default for real."""
-
-    def run_step(self, trainer: Trainer, batches: list, poison: float | None) -> StepResult | None:
-        """Take over the optimizer step (CUDA graphs do); None leaves it to the eager step."""
-        return None
 
     def invalidate(self, trainer: Trainer) -> None:  # noqa: B027 - a no-op hook by default
         """Another optimization changed what the step computes (CUDA graphs recapture)."""

@@ -17,9 +17,8 @@ import torch
 
 from hydra_train.callbacks import CallbackList
 from hydra_train.config import TrainConfig, resolve_config
-from hydra_train.optim import LRSchedule, build_optimizer
 from hydra_train.prefetch import Prefetcher
-from hydra_train.safe_opts.callback import graph_modes_for
+from hydra_train.safe_opts.activation import graph_modes_for
 from hydra_train.safe_opts.faults import FaultInjector
 from hydra_train.safe_opts.pretest import PretestRunner, PretestSettings
 from hydra_train.safe_opts.pretest_log import PretestHook, environment, fingerprint
@@ -50,47 +49,46 @@ def request_all(cfg: TrainConfig) -> TrainConfig:
         experimental_fa3=True,
         experimental_cuda_graphs=True,
         experimental_blackwell_tuning=True,
-        experimental_prefetch_threads=cfg.experimental_prefetch_threads or 4,
+        experimental_prefetch_threads=cfg.optimizations.experimental_prefetch_threads or 4,
         experimental_fp8=True,
         triton_kernels=True,
         compile=True,
         eight_bit_adam=True,
-        static_routing_mode=cfg.arch == "hydra",  # the other architectures have no routing
+        static_routing_mode=cfg.model.arch == "hydra",  # the other architectures have no routing
     )
 
 
 def build_trainer(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[Trainer, Callable, TrainConfig]:
-    from hydra_train.run import (
+    from hydra_train.build import (
         build_model,
+        build_optimizer_and_schedule,
         check_model_flags,
-        choose_cpu_threads,
-        device_info,
         load_run_data,
-        pick_device,
         preset_vocab_size,
-        seed_everything,
     )
+    from hydra_train.device_setup import choose_cpu_threads, device_info, pick_device, seed_everything
 
-    device = pick_device(cfg.device)
-    random_data = cfg.dataset in (RANDOM, "auto")
-    cfg = resolve_config(cfg.replace(dataset="stdlib" if random_data else cfg.dataset), device_info(device))
+    device = pick_device(cfg.runtime.device)
+    random_data = cfg.data.dataset in (RANDOM, "auto")
+    cfg = resolve_config(
+        cfg.replace(dataset="stdlib" if random_data else cfg.data.dataset), device_info(device)
+    )
     check_model_flags(cfg)  # a bad --model_size is reported before any data is read
     if device.type == "cpu":
-        torch.set_num_threads(choose_cpu_threads(cfg.cpu_threads)[0])
-    seed_everything(cfg.seed)
+        torch.set_num_threads(choose_cpu_threads(cfg.runtime.cpu_threads)[0])
+    seed_everything(cfg.runtime.seed)
     if random_data:
-        vocab = cfg.vocab_size or preset_vocab_size(cfg.model_size)
+        vocab = cfg.model.vocab_size or preset_vocab_size(cfg.model.model_size)
         cfg = cfg.replace(dataset=RANDOM, vocab_size=vocab)
-        make_batch: Callable = RandomBatches(cfg.batch_size, cfg.seq_len, vocab, cfg.seed)
+        make_batch: Callable = RandomBatches(cfg.data.batch_size, cfg.data.seq_len, vocab, cfg.runtime.seed)
     else:
         from hydra_train.dataset import BatchPlan
 
         data = load_run_data(cfg, log)
         cfg = cfg.replace(seq_len=data.seq_len, vocab_size=data.vocab_size)
-        make_batch = BatchPlan(data.train, cfg.batch_size, seed=cfg.seed).batch
-    model = build_model(cfg, cfg.vocab_size, device)
-    choice = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
-    schedule = LRSchedule.from_config(choice.optimizer, cfg)
+        make_batch = BatchPlan(data.train, cfg.data.batch_size, seed=cfg.runtime.seed).batch
+    model = build_model(cfg, cfg.model.vocab_size, device)
+    choice, schedule = build_optimizer_and_schedule(model, cfg)
     trainer = Trainer(
         model,
         cfg,
@@ -124,7 +122,11 @@ def run_standalone(
         registry,
         make_batch=make_batch,
         start_index=0,
-        settings=PretestSettings(cfg.pretest_warmup_steps, cfg.pretest_steps, arm_timeout_s=arm_timeout_s),
+        settings=PretestSettings(
+            cfg.optimizations.pretest_warmup_steps,
+            cfg.optimizations.pretest_steps,
+            arm_timeout_s=arm_timeout_s,
+        ),
         injector=injector if injector is not None else FaultInjector.from_env(NAMES),
         log=log,
     )
@@ -132,16 +134,16 @@ def run_standalone(
     env = environment(trainer.device)
     model_cfg = trainer.model.config.to_dict()
     rec = {
-        "model_size": cfg.model_size,
+        "model_size": cfg.model.model_size,
         "fingerprint": fingerprint(model_cfg, cfg, env, None),
         "trigger": "hydra-train pretest",
         "checkpoint": None,
         "env": env,
         "config": {
             "model": model_cfg,
-            "batch_size": cfg.batch_size,
-            "seq_len": cfg.seq_len,
-            "dataset": cfg.dataset,
+            "batch_size": cfg.data.batch_size,
+            "seq_len": cfg.data.seq_len,
+            "dataset": cfg.data.dataset,
             "params": trainer.model.num_parameters() if hasattr(trainer.model, "num_parameters") else None,
         },
         "requested": names,
@@ -149,6 +151,6 @@ def run_standalone(
         "wall_s": time.perf_counter() - t0,
         **body,
     }
-    hook = PretestHook(log_dir or f"{cfg.checkpoint_dir}/pretest_logs")
+    hook = PretestHook(log_dir or f"{cfg.runtime.checkpoint_dir}/pretest_logs")
     rec["log_file"] = str(hook.record(rec))
     return rec

@@ -33,7 +33,7 @@ class FlashAttention(Optimization):
     title = "flash-attn 3/2 when installed, else the fastest SDPA kernel measured for the shapes"
 
     def requested(self) -> bool:
-        return self.cfg.experimental_fa3
+        return self.cfg.optimizations.experimental_fa3
 
     def not_applicable(self, trainer: Trainer) -> str | None:
         env = os.environ.get("HYDRA_ATTENTION_BACKEND", "").strip()
@@ -87,7 +87,9 @@ class StaticRouting(Optimization):
 
     def requested(self) -> bool:
         # the flag, or the same HydraConfig field set through --model_override
-        return bool(self.cfg.static_routing_mode or self.cfg.model_overrides.get("static_routing_mode"))
+        return bool(
+            self.cfg.model.static_routing_mode or self.cfg.model.model_overrides.get("static_routing_mode")
+        )
 
     def not_applicable(self, trainer: Trainer) -> str | None:
         cfg = getattr(trainer.model, "config", None)
@@ -113,7 +115,7 @@ class BlackwellTuning(Optimization):
     title = "hydra-kernels' Blackwell launch table (+ --triton_block_q/--triton_block_kv/--triton_num_warps)"
 
     def requested(self) -> bool:
-        return self.cfg.experimental_blackwell_tuning
+        return self.cfg.optimizations.experimental_blackwell_tuning
 
     def overrides(self) -> dict[str, int]:
         c = self.cfg
@@ -158,7 +160,7 @@ class PrefetchThreads(Optimization):
     probe_differs = False
 
     def requested(self) -> bool:
-        return self.cfg.experimental_prefetch_threads > 0
+        return self.cfg.optimizations.experimental_prefetch_threads > 0
 
     def _swap_loader(self, trainer: Trainer, threads: int) -> None:
         old = trainer.loader
@@ -168,13 +170,13 @@ class PrefetchThreads(Optimization):
             old.make_batch,
             old.position,
             threads=threads,
-            buffer_size=self.cfg.prefetch_buffer_size,
+            buffer_size=self.cfg.optimizations.prefetch_buffer_size,
             device=old.device,
         )
         old.close()
 
     def activate(self, trainer: Trainer) -> None:
-        self._swap_loader(trainer, self.cfg.experimental_prefetch_threads)
+        self._swap_loader(trainer, self.cfg.optimizations.experimental_prefetch_threads)
         self.active = True
 
     def deactivate(self, trainer: Trainer) -> None:
@@ -182,7 +184,10 @@ class PrefetchThreads(Optimization):
         self.active = False
 
     def describe(self) -> dict[str, Any]:
-        return {"threads": self.cfg.experimental_prefetch_threads, "buffer": self.cfg.prefetch_buffer_size}
+        return {
+            "threads": self.cfg.optimizations.experimental_prefetch_threads,
+            "buffer": self.cfg.optimizations.prefetch_buffer_size,
+        }
 
 
 class TritonKernels(Optimization):
@@ -191,7 +196,7 @@ class TritonKernels(Optimization):
     title = "hydra-kernels' fused Triton ops instead of the PyTorch references"
 
     def requested(self) -> bool:
-        return self.cfg.triton_kernels
+        return self.cfg.optimizations.triton_kernels
 
     def not_applicable(self, trainer: Trainer) -> str | None:
         from hydra_kernels.controls import TRITON_AVAILABLE, device_supports_triton
@@ -244,15 +249,15 @@ class CompileModel(Optimization):
         return os.environ.get("HYDRA_COMPILE_BACKEND", "").strip() or "inductor"
 
     def requested(self) -> bool:
-        return self.cfg.compile
+        return self.cfg.optimizations.compile
 
     def not_applicable(self, trainer: Trainer) -> str | None:
-        if self.cfg.compile_scope == "blocks" and not compile_units(trainer.model):
+        if self.cfg.optimizations.compile_scope == "blocks" and not compile_units(trainer.model):
             return "--compile_scope blocks needs HYDRA blocks; use --compile_scope model"
         return None
 
     def activate(self, trainer: Trainer) -> None:
-        if self.cfg.compile_scope == "model":
+        if self.cfg.optimizations.compile_scope == "model":
             key = id(trainer.wrapped)
             if key not in self._compiled:
                 self._compiled[key] = torch.compile(trainer.wrapped, backend=self.backend)
@@ -283,4 +288,4 @@ class CompileModel(Optimization):
             self.activate(trainer)
 
     def describe(self) -> dict[str, Any]:
-        return {"scope": self.cfg.compile_scope, "backend": self.backend}
+        return {"scope": self.cfg.optimizations.compile_scope, "backend": self.backend}

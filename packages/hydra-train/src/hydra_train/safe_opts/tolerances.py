@@ -11,7 +11,7 @@ Numerics. Both arms start from the same weights and see the same batches.
 
        e_opt ≤ 2·e_default + u·√(2D)      and      l_opt ≤ 2·l_default + u
 
-   the whole-model form of the kernel rule in DESIGN.md §2 (at most twice the safe path's own
+   the whole-model form of the kernel rule of :mod:`hydra_kernels.numerics` (at most twice the safe path's own
    distance from the high-precision result, plus a small absolute term). ``u`` is the unit
    roundoff of the training precision (bf16 2⁻⁸; fp32 2⁻²⁴·√n with n the probe's tokens, the
    growth of a reordered fp32 sum of n terms); D is the number of block applications (blocks ×

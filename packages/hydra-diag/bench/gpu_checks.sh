@@ -5,7 +5,7 @@
 # validation loss first -> final) and writes train_summary_*.json to $OUT; the run folders' small
 # artifacts (env.json, mem_boot/mem_step*, heartbeat, fallback counters) are copied to $OUT too.
 #
-#   bash packages/hydra-train/bench/gpu_checks.sh
+#   bash packages/hydra-diag/bench/gpu_checks.sh
 set -euo pipefail
 export OUT="${OUT:-$(mktemp -d)}"
 work="${HYDRA_GPU_CHECK_DIR:-/tmp/hydra_train_gpu_checks}"
@@ -19,7 +19,7 @@ run() {
   local name=$1
   shift
   echo "=== hydra-train run $* ==="
-  python -m hydra_train run --checkpoint_dir "$work/$name" "$@"
+  python -m hydra_train run --checkpoint_dir "$work/$name" --summary_dir "$OUT" "$@"
   mkdir -p "$OUT/artifacts_$name"
   cp "$work/$name"/runs/*/*.{json,jsonl,txt,csv} "$OUT/artifacts_$name/" 2>/dev/null || true
   python -m hydra_train db stats --checkpoint_dir "$work/$name"

@@ -3,16 +3,16 @@
 # conversion), then `hydra-train pretest --all` per model size, then OPTIMIZATIONS.md from the logs.
 #
 #   source tools/gpu_env.sh                                        # packages + peer wheels (.whl)
-#   bash packages/hydra-train/bench/safe_opts_gpu.sh [SIZE ...]    # default: 100M 250M 500M 1B
+#   bash packages/hydra-diag/bench/safe_opts_gpu.sh [SIZE ...]    # default: 100M 250M 500M 1B
 #
-# Pretest logs accumulate in packages/hydra-train/bench/pretest_logs (override: SAFE_OPTS_LOGS);
+# Pretest logs accumulate in packages/hydra-diag/bench/pretest_logs (override: SAFE_OPTS_LOGS);
 # the report is rebuilt from all of them, so sizes can be run in separate calls. Settings per size
 # (batch x sequence; 2 untimed + 4 timed steps per arm) are printed in the report's first table.
 # Everything lands in $OUT too: the checks' JSON, one console log per size, the report, the logs.
 set -uo pipefail
 OUT=${OUT:-/tmp/safe_opts_out}
 mkdir -p "$OUT"
-LOGS=${SAFE_OPTS_LOGS:-packages/hydra-train/bench/pretest_logs}
+LOGS=${SAFE_OPTS_LOGS:-packages/hydra-diag/bench/pretest_logs}
 PER_SIZE_TIMEOUT=${PER_SIZE_TIMEOUT:-280}
 ARM_TIMEOUT=${ARM_TIMEOUT:-90}  # one optimization's arm, compilation included
 export PYTHONUNBUFFERED=1
@@ -20,7 +20,7 @@ sizes=("$@")
 [ ${#sizes[@]} -eq 0 ] && sizes=(100M 250M 500M 1B)
 
 if [ -z "${SKIP_CHECKS:-}" ]; then
-  python3 packages/hydra-train/bench/safe_opts_gpu_checks.py 2>&1 | tee "$OUT/gpu_checks.txt"
+  python3 packages/hydra-diag/bench/safe_opts_gpu_checks.py 2>&1 | tee "$OUT/gpu_checks.txt"
 fi
 for size in "${sizes[@]}"; do
   case $size in

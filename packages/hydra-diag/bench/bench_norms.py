@@ -1,7 +1,7 @@
 """Tuning harness for the norm kernels (RMSNorm, fused residual-add RMSNorm, QK-norm) on one GPU.
 
-    python packages/hydra-kernels/bench/bench_norms.py            # check + time, ~1-2 min on an H100
-    python packages/hydra-kernels/bench/bench_norms.py --sweep    # also sweep launch configs, ~+3 min
+    python packages/hydra-diag/bench/bench_norms.py            # check + time, ~1-2 min on an H100
+    python packages/hydra-diag/bench/bench_norms.py --sweep    # also sweep launch configs, ~+3 min
 
 1. Correctness on CUDA: every output and gradient against an fp64 reference with the project
    criterion (hydra_kernels.numerics), at the bench shapes and at odd ones.
@@ -33,7 +33,7 @@ import typer
 try:
     import hydra_kernels
 except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hydra-kernels" / "src"))
     import hydra_kernels
 
 from rich.console import Console
@@ -57,7 +57,8 @@ class Setup:
 
     device = "cuda"
     smoke = False
-    rms_shapes: tuple[tuple[int, int], ...] = ((16384, 768), (16384, 2048), (16384, 4096))  # PERF.md rows
+    # the rows of docs/TARGETS.md
+    rms_shapes: tuple[tuple[int, int], ...] = ((16384, 768), (16384, 2048), (16384, 4096))
     qk_shapes: tuple[tuple[int, ...], ...] = ((8, 2048, 6, 64), (8, 2048, 16, 128))  # presets' [B, S, H, d]
     check_rms: tuple[tuple[int, int], ...] = (
         (16384, 768),
@@ -96,7 +97,8 @@ def copy_tbps(rep: int) -> float:
 
 
 def fwd_bwd(fn: Callable[..., Any], inputs: list[Any], grads_out: list[torch.Tensor]) -> Callable[[], None]:
-    """Forward then backward of every output, gradients cleared first (as PERF.md's anchors do)."""
+    """Forward then backward of every output, gradients cleared first (as the targets are measured:
+    docs/TARGETS.md)."""
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def step() -> None:

@@ -1,7 +1,7 @@
 """CCGQA's conv stage, head-wise GEMMs against the folded block-diagonal GEMM, on a GPU.
 
     source tools/gpu_env.sh
-    python packages/hydra-model/bench/bench_ccgqa_conv.py --out "$OUT/ccgqa_conv.json"
+    python packages/hydra-diag/bench/bench_ccgqa_conv.py --out "$OUT/ccgqa_conv.json"
 
 For two head layouts at B=8 × T=2048, E=768 — the 2026-11-23 preset's compressed one (4 query,
 2 kv latent heads of 64: C = 384) and the dense GPT's (12 query, 4 kv heads of 64: C = 1024, the

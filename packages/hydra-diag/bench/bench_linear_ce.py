@@ -1,8 +1,8 @@
 """linear_cross_entropy on one GPU against its peers: correctness, time and memory (issue 13).
 
     source tools/gpu_env.sh
-    python packages/hydra-kernels/bench/bench_linear_ce.py --out $OUT/bench_linear_ce.json
-    python packages/hydra-kernels/bench/bench_linear_ce.py --smoke  # tiny shapes, CPU interpreter
+    python packages/hydra-diag/bench/bench_linear_ce.py --out $OUT/bench_linear_ce.json
+    python packages/hydra-diag/bench/bench_linear_ce.py --smoke  # tiny shapes, CPU interpreter
 
 1. Correctness on the device against float64 (the project criterion plus the op's allowance
    grad_rounding_atol): the old scheme (``dw_accum="fp32"``) and the new one (``"compensated"``)
@@ -37,7 +37,7 @@ import typer
 try:
     import hydra_kernels
 except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hydra-kernels" / "src"))
     import hydra_kernels
 
 from rich.console import Console

@@ -1,8 +1,8 @@
 """Where an eager forward+backward spends its time, and which launch configurations and linear+CE
 schemes are fastest: one GPU, one call, a few minutes on an H100.
 
-    python packages/hydra-kernels/bench/tune.py                    # every section
-    python packages/hydra-kernels/bench/tune.py --section host --section lce
+    python packages/hydra-diag/bench/tune.py                    # every section
+    python packages/hydra-diag/bench/tune.py --section host --section lce
 
 Sections (each row is also written to $OUT/tune.json as soon as it is measured, so a run cut
 short still returns what it got):
@@ -18,7 +18,7 @@ short still returns what it got):
 - ``sweep``: GPU time (CUDA-graph replay, no host work) of each op's forward and backward
   launchers under candidate launch configurations, beside the table default.
 - ``lce``: linear+CE schemes (fp32 accumulator at several chunk sizes, the slab scheme, the lean
-  mode) against torch.compile and Liger at PERF.md's two shapes: ms and peak extra MiB; plus a
+  mode) against torch.compile and Liger at docs/TARGETS.md's two shapes: ms and peak extra MiB; plus a
   correctness check of each scheme on CUDA at an odd shape.
 """
 
@@ -37,7 +37,7 @@ import typer
 try:
     import hydra_kernels
 except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hydra-kernels" / "src"))
     import hydra_kernels
 
 import triton

@@ -1,7 +1,7 @@
 """A training step of stock transformers models: stock vs ``hydra_kernels.patch`` vs Liger.
 
     source tools/gpu_env.sh
-    python packages/hydra-kernels/bench/bench_patch.py --out bench/results/bench_patch.json
+    python packages/hydra-diag/bench/bench_patch.py --out bench/results/bench_patch.json
 
 Models (random weights, bf16, SDPA attention): a small Llama (12 × 768, GQA 12/4, SwiGLU 2048,
 vocab 32000, untied head) and Qwen2-0.5B's shape (24 × 896, GQA 14/2, SwiGLU 4864, q/k/v biases,
@@ -43,7 +43,7 @@ if "--smoke" in sys.argv:  # before torch and triton are imported: interpret the
 import torch
 import typer
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "hydra-kernels" / "src"
 if importlib.util.find_spec("hydra_kernels") is None:  # a checkout without the package installed
     sys.path.insert(0, str(SRC))
 

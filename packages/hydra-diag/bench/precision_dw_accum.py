@@ -1,6 +1,6 @@
 """How precisely must linear+CE accumulate dW over token chunks? An fp64 emulation (CPU).
 
-    python packages/hydra-kernels/bench/precision_dw_accum.py --n 16384 --d 64 --v 4096 \
+    python packages/hydra-diag/bench/precision_dw_accum.py --n 16384 --d 64 --v 4096 \
         --chunk 1024 --chunk 256
 
 dW = Σ_chunks G_cᵀ h_c. torch computes G from bf16 logits in fp32, rounds it to bf16 and forms

@@ -1,8 +1,8 @@
 """Where a HYDRA training step spends its time: torch.profiler over eager steps, kernels grouped
 by kind, GPU busy time against wall time, and micro-benchmarks of the pieces that were suspects.
 
-    python packages/hydra-model/bench/profile_model.py                       # 100M dynamic, static, dense
-    python packages/hydra-model/bench/profile_model.py --configs dynamic --model-size 250M
+    python packages/hydra-diag/bench/profile_model.py                       # 100M dynamic, static, dense
+    python packages/hydra-diag/bench/profile_model.py --configs dynamic --model-size 250M
 
 Per config: two profiled eager steps after warm-up. Printed: wall ms/step, CPU ms/step spent in
 the host's own ops, GPU busy ms/step (sum of kernel durations: with one stream, the gap to wall

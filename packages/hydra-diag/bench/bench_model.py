@@ -1,9 +1,9 @@
 """Training-step throughput of the HYDRA model on one CUDA GPU.
 
-    python packages/hydra-model/bench/bench_model.py          # 100M: dynamic, static, dense × eager, graph
-    python packages/hydra-model/bench/bench_model.py --modes eager,graph,compile,compile+graph
-    python packages/hydra-model/bench/bench_model.py --model-size 500M --configs dynamic --modes graph
-    python packages/hydra-model/bench/bench_model.py --configs gpt,gpt-ccgqa,dynamic --modes eager,graph
+    python packages/hydra-diag/bench/bench_model.py          # 100M: dynamic, static, dense × eager, graph
+    python packages/hydra-diag/bench/bench_model.py --modes eager,graph,compile,compile+graph
+    python packages/hydra-diag/bench/bench_model.py --model-size 500M --configs dynamic --modes graph
+    python packages/hydra-diag/bench/bench_model.py --configs gpt,gpt-ccgqa,dynamic --modes eager,graph
 
 Per (config, mode): bf16 autocast, fp32 weights, fused AdamW, B=8 × T=2048 random tokens over a
 32000 vocabulary. Modes: ``eager``; ``graph`` (the whole step — forward, backward, AdamW — captured
@@ -24,6 +24,7 @@ when $OUT is set.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -37,8 +38,10 @@ import warnings
 
 import torch
 
+from hydra_diag.harness import compile_model, train_step
+
 H100_BF16_PEAK = 989e12
-#: the original HYDRA code at the 100M preset, same batch (PERF.md): tokens/s and peak GiB
+#: the original HYDRA code at the 100M preset, same batch (docs/TARGETS.md): tokens/s and peak GiB
 ORIGINAL_ANCHOR = (90_000, 23.4)
 
 CONFIGS = {
@@ -85,21 +88,6 @@ def _overrides(items: list[str]) -> dict:
         key, raw = item.split("=", 1)
         out[key] = json.loads(raw)
     return out
-
-
-def compile_model(model, scope: str):
-    """Compile per ``scope`` (see --compile-scope); returns what to call for a forward."""
-    import torch._dynamo
-
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    if scope == "model":
-        return torch.compile(model, dynamic=False)
-    for layer in getattr(model, "layers", []):  # the dense GPT: every layer, fixed shapes
-        layer.compile(dynamic=False)
-    for wrapper in getattr(model, "blocks", []):
-        # blocks: routed lengths vary, one symbolic-shape graph; blocks-static: one per length
-        wrapper.mor.block.compile(dynamic=scope == "blocks")
-    return model
 
 
 def sync_sites(fwd, params, data: torch.Tensor) -> list[str]:
@@ -166,15 +154,8 @@ def build(args, name: str, extra: dict, capturable: bool):
 
 
 def make_step(fwd, opt, device_type: str):
-    def step(data: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            out = fwd(data[:, :-1], targets=data[:, 1:])
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return out.loss.detach()
-
-    return step
+    """The step CUDAGraphStep captures: hydra_diag.harness.train_step on a given batch."""
+    return functools.partial(train_step, fwd, opt, device_type=device_type)
 
 
 def graph_matches_eager(model, runner, data: torch.Tensor) -> float:
@@ -216,7 +197,7 @@ def run_one(args, name: str, mode: str, extra: dict) -> dict:
     t_compile = 0.0
     if mode.startswith("compile"):
         t0 = time.perf_counter()
-        fwd = compile_model(model, args.compile_scope)
+        fwd = compile_model(model, args.compile_scope, static_model=True)
         make_step(fwd, opt, args.device)(batches[1])
         sync()
         t_compile = time.perf_counter() - t0
@@ -315,7 +296,7 @@ def print_table(env: dict, args, results: list[dict]) -> None:
         )
     print(
         f"anchor: original HYDRA code, 100M preset: {ORIGINAL_ANCHOR[0] / 1e3:.0f}K tok/s, "
-        f"{ORIGINAL_ANCHOR[1]} GiB (PERF.md). Targets: ≥4× tok/s, ≤½ memory, ≥40% MFU."
+        f"{ORIGINAL_ANCHOR[1]} GiB (docs/TARGETS.md). Targets: ≥4× tok/s, ≤½ memory, ≥40% MFU."
     )
     for r in results:
         if r["host_sync_sites"]:

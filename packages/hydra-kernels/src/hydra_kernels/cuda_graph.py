@@ -1,0 +1,133 @@
+"""Capture a fixed-shape step once as a CUDA graph and replay it: HYDRA's one capture mechanism.
+
+hydra-train's graphed training step (``hydra_train.graphed_step``), hydra-model's benchmarks
+(``hydra_model.CUDAGraphStep`` is this class) and the kernel benchmarks' GPU-time measurement
+(:func:`hydra_kernels.bench.graph_ms`) all capture through :class:`CUDAGraphStep`.
+
+A training step with fixed shapes and no host synchronisation spends much of its eager time on
+the host launching small kernels. Recording the step once and replaying it removes that cost::
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True, capturable=True)
+
+    def train_step(tokens):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(tokens[:, :-1], targets=tokens[:, 1:])
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    step = CUDAGraphStep(train_step, first_batch)   # runs `warmup` real steps, then captures
+    for batch in loader:
+        loss = step(batch)                          # copy batch in, replay; loss is a graph output
+
+Requirements (the capture fails loudly otherwise, nothing falls back silently): CUDA tensors of
+the shapes given at capture; no host syncs inside ``fn`` (``.item()``, ``nonzero``, printing a
+tensor); an optimizer built with ``capturable=True``; the learning rate changed only through
+tensors the graph reads (or not at all). Outputs are the graph's own buffers, overwritten by the
+next replay: clone what you keep.
+
+Warm-up calls and the capture run on one side stream, so that per-stream lazy state (cuBLAS
+workspaces, autotuning, compilation) exists before the capture. :meth:`CUDAGraphStep.deferred`
+sets the step up without running anything, for callers that interleave the warm-up with their
+own work (hydra-train's trainer runs one real training step as the warm-up call and captures
+right after it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class CUDAGraphStep:
+    """Capture ``fn(*inputs)`` once as a CUDA graph; each call copies new inputs into the
+    captured input buffers and replays it. ``warmup`` untimed real calls run first on the side
+    stream (lazy initialisation, autotuning and kernel compilation must not happen during
+    capture); they are real steps: an optimizer inside ``fn`` updates the weights each time."""
+
+    def __init__(self, fn: Callable[..., Any], *example_inputs: torch.Tensor, warmup: int = 3) -> None:
+        if warmup < 1:
+            raise ValueError(f"warmup={warmup}: at least one eager call must run before the capture")
+        self._setup(fn, example_inputs, None)
+        self.warm_up(warmup)
+        self.capture()
+
+    @classmethod
+    def deferred(
+        cls, fn: Callable[..., Any], *example_inputs: torch.Tensor, stream: torch.cuda.Stream | None = None
+    ) -> CUDAGraphStep:
+        """Set up without running ``fn``: the caller calls :meth:`warm_up` (at least once) and then
+        :meth:`capture`."""
+        step = cls.__new__(cls)
+        step._setup(fn, example_inputs, stream)
+        return step
+
+    def _setup(self, fn: Callable[..., Any], example_inputs: tuple, stream: torch.cuda.Stream | None) -> None:
+        if any(not isinstance(t, torch.Tensor) or not t.is_cuda for t in example_inputs):
+            raise ValueError("CUDAGraphStep: every input must be a CUDA tensor")
+        self.fn = fn
+        self.static_inputs = [t.detach().clone() for t in example_inputs]
+        self.stream = stream if stream is not None else torch.cuda.Stream()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_outputs: Any = None
+        self.warmed = 0
+        self.replays = 0
+
+    def load(self, *inputs: torch.Tensor) -> None:
+        """Copy ``inputs`` into the captured input buffers (same count, shapes and dtypes)."""
+        if len(inputs) != len(self.static_inputs):
+            raise ValueError(f"expected {len(self.static_inputs)} inputs, got {len(inputs)}")
+        for dst, src in zip(self.static_inputs, inputs, strict=True):
+            if src.shape != dst.shape or src.dtype != dst.dtype:
+                raise ValueError(
+                    f"input {tuple(src.shape)} {src.dtype} differs from the captured "
+                    f"{tuple(dst.shape)} {dst.dtype}: a CUDA graph replays fixed shapes; capture another"
+                )
+            if src.data_ptr() != dst.data_ptr():
+                dst.copy_(src, non_blocking=True)
+
+    def warm_up(self, calls: int = 1) -> Any:
+        """Run ``fn`` on the input buffers ``calls`` times on the side stream; returns the last
+        call's output."""
+        side = self.stream
+        side.wait_stream(torch.cuda.current_stream())
+        out = None
+        with torch.cuda.stream(side):
+            for _ in range(calls):
+                out = self.fn(*self.static_inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.warmed += calls
+        return out
+
+    def capture(self) -> None:
+        """Record ``fn`` on the input buffers (nothing runs); later calls replay the recording."""
+        if self.warmed < 1:
+            raise ValueError("at least one warm-up call must run before the capture")
+        torch.cuda.synchronize()
+        # the warm-up's activations sit in the ordinary allocator's cache; the graph takes its
+        # own pool, so hand them back first rather than hold both
+        torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            outputs = self.fn(*self.static_inputs)
+        self.graph, self.static_outputs = graph, outputs
+
+    def replay(self) -> Any:
+        """Replay the captured graph on what the input buffers hold; returns its output buffers."""
+        if self.graph is None:
+            raise ValueError("nothing captured yet: call capture() first")
+        self.graph.replay()
+        self.replays += 1
+        return self.static_outputs
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        self.load(*inputs)
+        return self.replay()
+
+    def release(self) -> None:
+        """Drop the graph and its memory pool; the step cannot be replayed any more."""
+        self.graph = None
+        self.static_outputs = None

@@ -1,0 +1,148 @@
+"""``hydra-train db``: query the metrics database (<checkpoint_dir>/training.db). Registered on the
+app in :mod:`hydra_train.cli`; hydra-diag mounts the same group as ``hydra-diag db``.
+
+No ``from __future__ import annotations`` here: Typer reads these annotations at run time.
+"""
+
+from pathlib import Path
+from typing import Annotated
+
+from hydra_kernels.cli_support import console, emit_json, fail, new_app
+from hydra_kernels.cli_support import opt as _opt
+
+H = {
+    "start": "First step to show.",
+    "limit": "At most this many rows, evenly spaced (0: all).",
+}
+
+db_app = new_app("Query the metrics database (<checkpoint_dir>/training.db).")
+
+CkptDir = Annotated[
+    str, _opt("--checkpoint_dir", help="Folder holding training.db and the diagnostics_*.json exports.")
+]
+Model = Annotated[str | None, _opt("--model", help="Only this model id (e.g. tiny, 100m).")]
+Json = Annotated[bool, _opt("--json", help="Machine-readable output.")]
+
+
+def _open_db(checkpoint_dir: str):
+    from hydra_train.metrics_db import DB_NAME, TrainingDB
+
+    path = Path(checkpoint_dir) / DB_NAME
+    if not path.is_file():
+        fail(
+            f"no metrics database at {path}; train first (hydra-train run) or rebuild it "
+            "(hydra-train db rebuild)"
+        )
+    from hydra_train.errors import HydraTrainError
+
+    try:
+        return TrainingDB(path, read_only=True)
+    except HydraTrainError as exc:
+        fail(str(exc))
+
+
+def _table(title: str, rows: list[dict], columns: list[str]) -> None:
+    from hydra_kernels.cli_format import print_records
+
+    print_records(console, title, rows, columns)
+
+
+@db_app.command("stats")
+def db_stats(checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_out: Json = False) -> None:
+    """Per model: runs, logged steps, last step, best and last loss, EMAs, best validation loss."""
+    with _open_db(checkpoint_dir) as db:
+        rows = db.stats(model)
+    if json_out:
+        return emit_json(rows)
+    _table(
+        "models",
+        rows,
+        [
+            "model_id",
+            "params",
+            "runs",
+            "logged_steps",
+            "last_step",
+            "tokens_seen",
+            "best_loss",
+            "last_loss",
+            "ema_short",
+            "ema_long",
+            "best_val_loss",
+        ],
+    )
+
+
+@db_app.command("milestones")
+def db_milestones(
+    checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_out: Json = False
+) -> None:
+    """The first step at which the short-EMA loss went below each threshold."""
+    with _open_db(checkpoint_dir) as db:
+        rows = db.milestones(model)
+    if json_out:
+        return emit_json(rows)
+    _table(
+        "loss milestones (ema_short)",
+        rows,
+        ["model_id", "threshold", "step", "tokens_seen", "ema_short", "run_id"],
+    )
+
+
+@db_app.command("ema")
+def db_ema(
+    checkpoint_dir: CkptDir = "checkpoints",
+    model: Model = None,
+    start: Annotated[int, _opt("--start", help=H["start"])] = 0,
+    limit: Annotated[int, _opt("--limit", help=H["limit"])] = 40,
+    json_out: Json = False,
+) -> None:
+    """Loss with its short (0.99), medium (0.999) and long (0.9999) EMAs from --start on."""
+    with _open_db(checkpoint_dir) as db:
+        rows = db.ema(model, start=start, limit=limit)
+    if json_out:
+        return emit_json(rows)
+    _table(
+        f"multi-scale EMA from step {start}",
+        rows,
+        ["model_id", "step", "loss", "ema_short", "ema_medium", "ema_long", "run_id"],
+    )
+
+
+@db_app.command("runs")
+def db_runs(checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_out: Json = False) -> None:
+    """Every run: status, steps, best and final validation loss, tokens/s, what it resumed from."""
+    with _open_db(checkpoint_dir) as db:
+        rows = db.runs(model)
+    if json_out:
+        return emit_json(rows)
+    _table(
+        "runs",
+        rows,
+        [
+            "run_id",
+            "model_id",
+            "status",
+            "start_step",
+            "end_step",
+            "best_loss",
+            "final_val_loss",
+            "tokens_per_s",
+            "resumed_from",
+            "device",
+        ],
+    )
+
+
+@db_app.command("rebuild")
+def db_rebuild(checkpoint_dir: CkptDir = "checkpoints", json_out: Json = False) -> None:
+    """Recreate training.db from the diagnostics_*.json exports in --checkpoint_dir."""
+    from hydra_train.metrics_db import rebuild_database
+
+    try:
+        path, run_ids = rebuild_database(checkpoint_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        fail(str(exc))
+    if json_out:
+        return emit_json({"database": str(path), "runs": run_ids})
+    console.print(f"rebuilt {path} from {len(run_ids)} export(s): {', '.join(run_ids)}", highlight=False)

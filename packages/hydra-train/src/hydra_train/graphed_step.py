@@ -1,0 +1,164 @@
+"""The trainer's step as a CUDA graph: every micro-batch's forward and backward, clipping, the
+finiteness check and the fused AdamW update, captured once and replayed.
+
+The captured function is the trainer's own step body (:meth:`hydra_train.step.StepMixin.micro_step`),
+the one the eager step runs; the capture mechanism is :class:`hydra_kernels.cuda_graph.CUDAGraphStep`.
+
+Sequence after ``Trainer.enable_cuda_graphs(W)``: W-1 eager steps; at step W the step body runs
+once for real on the capture stream (the warm-up call, so per-stream lazy state such as cuBLAS
+workspaces exists before capture) and is captured right after (the capture runs nothing); every
+later step copies its batches into the captured input buffers and replays.
+
+What capture needs, and how it is met here:
+
+* fixed shapes: the batch shape is fixed by the data plan; a different shape raises and the
+  trainer drops the graph with that reason.
+* no host syncs inside the step: the step has none with fused AdamW (the non-finite rule passes
+  ``found_inf`` on the device); dynamic MoD/MoR routing is fixed-k top-k with no syncs, so it is
+  captured as well (the pretests record whether that works for each model size).
+* a capturable optimizer: torch's fused AdamW with ``capturable=True`` and the learning rate as a
+  device tensor, which :class:`hydra_train.optim.LRSchedule` fills in place before each replay.
+* static gradients: gradients are set to None before capture, so the captured backward writes
+  fresh gradients into graph-owned buffers on every replay (no zeroing needed in the graph).
+* outputs are graph buffers overwritten by the next replay: the step returns clones.
+* autocast is the trainer's own, entered and left inside the captured region, so its weight-cast
+  cache lives and dies within one step (each replay re-runs the casts on the current weights). It
+  must be the same autocast state as the eager steps: functions compiled inside the model guard on
+  it, and a recompilation during capture invalidates the capture.
+* callbacks' ``on_after_backward`` is host code: the graphed body skips it (it would run once, at
+  capture, and never again).
+
+The loss-scale input (1.0: exact) is how a test reaches the gradients of a graphed step:
+:meth:`GraphedStep.scale_next_loss` with NaN or Inf poisons the next graphed step
+(:mod:`hydra_train.safe_opts.faults` uses it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hydra_kernels.cuda_graph import CUDAGraphStep
+from hydra_train.step import StepResult, supports_found_inf
+
+if TYPE_CHECKING:
+    from hydra_train.trainer import Trainer
+
+
+class CaptureError(RuntimeError):
+    """The step could not be captured or replayed (the message says why)."""
+
+
+def make_capturable(opt: torch.optim.Optimizer, device: torch.device) -> None:
+    """Switch a fused torch AdamW to capturable mode with its lr as a device tensor."""
+    for g in opt.param_groups:
+        g["capturable"] = True
+        if not isinstance(g["lr"], torch.Tensor):
+            g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
+    for st in opt.state.values():
+        step = st.get("step")
+        if isinstance(step, torch.Tensor) and step.device != device:
+            st["step"] = step.to(device)
+
+
+def make_uncapturable(opt: torch.optim.Optimizer) -> None:
+    for g in opt.param_groups:
+        g["capturable"] = False
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"] = float(g["lr"])  # one sync, at deactivation only
+
+
+class GraphedStep:
+    """The capture/replay state machine of one trainer (see the module docstring)."""
+
+    def __init__(self, trainer: Trainer, warmup: int):
+        self.tr = trainer
+        self.warmup = max(1, int(warmup))
+        self.eager_done = 0
+        self.stream = torch.cuda.Stream(trainer.device)
+        self.graph: CUDAGraphStep | None = None
+        self.pending_scale: float | None = None
+        #: set when a capture failed after its warm-up call had applied the step
+        self.failure: str | None = None
+        self.captures = 0
+        self.replays = 0
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def take_eager_step(self) -> bool:
+        """Whether this step is one of the plain eager warm-up steps (counted as taken)."""
+        if self.graph is None and self.eager_done < self.warmup - 1:
+            self.eager_done += 1
+            return True
+        return False
+
+    def scale_next_loss(self, value: float | None) -> None:
+        """Multiply the loss of the next graphed step by ``value`` (None: leave it at 1)."""
+        self.pending_scale = value
+
+    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """The warm-up-and-capture step, or a replay."""
+        try:
+            if not supports_found_inf(self.tr.optimizer):
+                raise CaptureError("needs torch's fused AdamW; the optimizer was swapped (8bit_adam?)")
+            if self.graph is None:
+                return self._warm_up_and_capture(batches)
+            return self._replay(batches)
+        finally:
+            self.pending_scale = None
+
+    def _body(self, *flat: torch.Tensor) -> StepResult:
+        *tensors, loss_scale = flat
+        batches = list(zip(tensors[0::2], tensors[1::2], strict=True))
+        return self.tr.micro_step(batches, loss_scale=loss_scale, hooks=False)
+
+    def _inputs(self, batches: list) -> list[torch.Tensor]:
+        flat = [t for xy in batches for t in xy]
+        return [*flat, torch.ones((), device=self.tr.device)]
+
+    def _warm_up_and_capture(self, batches: list) -> StepResult:
+        tr = self.tr
+        make_capturable(tr.optimizer, tr.device)
+        graph = CUDAGraphStep.deferred(self._body, *self._inputs(batches), stream=self.stream)
+        self._fill_scale(graph)
+        try:
+            res = graph.warm_up(1).clone()  # this step, for real, on the capture stream
+        finally:
+            self._fill_scale(graph, reset=True)
+        tr.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates its own gradients
+        try:
+            graph.capture()
+        except Exception as exc:
+            tr.optimizer.zero_grad(set_to_none=True)  # gradients captured but never computed
+            self.failure = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
+            return res
+        self.graph = graph
+        self.captures += 1
+        return res
+
+    def _fill_scale(self, graph: CUDAGraphStep, reset: bool = False) -> None:
+        if self.pending_scale is not None:
+            graph.static_inputs[-1].fill_(1.0 if reset else self.pending_scale)
+
+    def _replay(self, batches: list) -> StepResult:
+        graph = self.graph
+        n_captured = (len(graph.static_inputs) - 1) // 2
+        if len(batches) != n_captured:
+            raise CaptureError(f"{len(batches)} micro-batches, the graph was captured with {n_captured}")
+        graph.load(*(t for xy in batches for t in xy), graph.static_inputs[-1])
+        self._fill_scale(graph)
+        try:
+            out = graph.replay()
+        finally:
+            self._fill_scale(graph, reset=True)
+        self.replays += 1
+        return out.clone()
+
+    def release(self) -> None:
+        if self.graph is not None:
+            self.tr.optimizer.zero_grad(set_to_none=True)  # the graph-owned gradient buffers
+            self.graph.release()
+        self.graph = None

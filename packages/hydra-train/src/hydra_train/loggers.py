@@ -1,0 +1,115 @@
+"""Loggers: where a run's numbers go besides the metrics database. One place to add one.
+
+A logger is a :class:`hydra_train.callbacks.TrainerCallback` subclass decorated with
+:func:`register_logger` here. Its ``name`` is its flag (``--tensorboard``), its ``help`` the flag's
+help; ``for_run(run_dir, run_id, config)`` builds it for a run. The flag becomes a boolean field of
+the configuration's runtime section (:mod:`hydra_train.config_options`) and an option of
+``hydra-train run``; :mod:`hydra_train.run` adds every logger whose flag is set (rank 0 only).
+
+The classes import their library (tensorboard, wandb) only when built, so this module stays light:
+the configuration reads the registry while ``--help`` runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra_train.callbacks import TrainerCallback
+
+#: flag name -> logger class, in registration order
+LOGGERS: dict[str, type[TrainerCallback]] = {}
+
+
+def register_logger(cls: type[TrainerCallback]) -> type[TrainerCallback]:
+    """Register ``cls`` (a TrainerCallback with ``name``, ``help`` and ``for_run``) as a logger."""
+    if cls.name in LOGGERS:
+        raise ValueError(f"a logger with the flag --{cls.name} is already registered")
+    LOGGERS[cls.name] = cls
+    return cls
+
+
+def build_loggers(cfg: Any, run_dir: Path, run_id: str) -> list[TrainerCallback]:
+    """The loggers ``cfg`` switches on, built for this run."""
+    return [
+        cls.for_run(run_dir, run_id, cfg.to_dict()) for name, cls in LOGGERS.items() if getattr(cfg, name)
+    ]
+
+
+@register_logger
+class TensorBoardCallback(TrainerCallback):
+    """``--tensorboard``: scalars to ``<run folder>/tensorboard``."""
+
+    name = "tensorboard"
+    help = "Also log scalars to TensorBoard (run folder)."
+
+    @classmethod
+    def for_run(cls, run_dir: Path, run_id: str, config: dict[str, Any]) -> TensorBoardCallback:
+        return cls(str(run_dir / "tensorboard"))
+
+    def __init__(self, log_dir: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            from hydra_train.errors import HydraTrainError
+
+            raise HydraTrainError(
+                "--tensorboard needs the tensorboard package: pip install 'hydra-train[tensorboard]'"
+            ) from None
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def on_log(self, step: int, row: dict[str, Any]) -> None:
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and k != "step":
+                self.writer.add_scalar(f"train/{k}", v, step)
+        for k, v in (row.get("aux") or {}).items():
+            self.writer.add_scalar(f"aux/{k}", v, step)
+
+    def on_eval(self, step: int, val_loss: float) -> None:
+        self.writer.add_scalar("val/loss", val_loss, step)
+
+    def on_train_end(self, summary: dict[str, Any]) -> None:
+        self.writer.close()
+
+
+@register_logger
+class WandbCallback(TrainerCallback):
+    """``--wandb``: offline unless ``WANDB_MODE`` says otherwise (files under the run folder)."""
+
+    name = "wandb"
+    help = "Also log to Weights & Biases (offline unless WANDB_MODE says otherwise)."
+
+    @classmethod
+    def for_run(cls, run_dir: Path, run_id: str, config: dict[str, Any]) -> WandbCallback:
+        return cls(str(run_dir), run_id, config)
+
+    def __init__(self, run_dir: str, run_id: str, config: dict[str, Any]):
+        import os
+
+        try:
+            import wandb
+        except ImportError:
+            from hydra_train.errors import HydraTrainError
+
+            raise HydraTrainError(
+                "--wandb needs the wandb package: pip install 'hydra-train[wandb]'"
+            ) from None
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "hydra"),
+            name=run_id,
+            dir=run_dir,
+            config=config,
+            mode=os.environ.get("WANDB_MODE", "offline"),
+        )
+
+    def on_log(self, step: int, row: dict[str, Any]) -> None:
+        flat = {k: v for k, v in row.items() if isinstance(v, (int, float))}
+        flat.update({f"aux/{k}": v for k, v in (row.get("aux") or {}).items()})
+        self.run.log(flat, step=step)
+
+    def on_eval(self, step: int, val_loss: float) -> None:
+        self.run.log({"val/loss": val_loss}, step=step)
+
+    def on_train_end(self, summary: dict[str, Any]) -> None:
+        self.run.finish()

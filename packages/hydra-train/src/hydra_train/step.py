@@ -1,0 +1,208 @@
+"""One optimizer step: the body that eager and CUDA-graphed execution share.
+
+:meth:`StepMixin.micro_step` is the step: forward and backward of every micro-batch, the gradient
+norm (clipping with ``--grad_clip``), the finiteness check and :meth:`StepMixin.apply_if_finite`
+(the optimizer and the commit of the causal routing thresholds). :meth:`StepMixin.eager_step`
+runs it and clears the gradients; a CUDA graph (:mod:`hydra_train.graphed_step`) captures the same
+body and replays it. :meth:`StepMixin.run_step`, the trainer's default ``step_impl``, picks the
+graph when one is enabled (``enable_cuda_graphs``) and the eager step otherwise.
+
+The non-finite rule: ``finite = isfinite(total grad norm) & isfinite(loss)``, one fused reduction
+(the grad-norm computation already visits every gradient); under DDP/FSDP only the norm of the
+synchronised gradients decides, so that every rank takes the same decision. A fused torch
+Adam/AdamW receives ``found_inf = ~finite`` and skips the update *on the device* (weights, moments
+and step count untouched), so the step needs no host sync; other optimizers are stepped only after
+reading the flag (one sync).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hydra_train.distributed import all_reduce_sum, grad_sync
+
+if TYPE_CHECKING:
+    from hydra_train.graphed_step import GraphedStep
+
+
+@dataclass
+class StepResult:
+    """What a step returns; tensors on the training device."""
+
+    loss: torch.Tensor
+    ce_loss: torch.Tensor
+    aux_losses: dict[str, torch.Tensor]
+    grad_norm: torch.Tensor
+    finite: torch.Tensor
+
+    def clone(self) -> StepResult:
+        """A copy that outlives the buffers it came from (a graph replay overwrites its outputs)."""
+        return StepResult(
+            self.loss.clone(),
+            self.ce_loss.clone(),
+            {k: v.clone() for k, v in self.aux_losses.items()},
+            self.grad_norm.clone(),
+            self.finite.clone(),
+        )
+
+
+class LossSums:
+    """Running sums of the detached fp32 losses (total, CE, each auxiliary term) of one step's
+    micro-batches."""
+
+    def __init__(self) -> None:
+        self.loss: torch.Tensor | None = None
+        self.ce: torch.Tensor | None = None
+        self.aux: dict[str, torch.Tensor] = {}
+
+    def add(self, out: Any, loss_scale: torch.Tensor | None = None) -> None:
+        """Add one forward's losses; ``loss_scale`` multiplies the total as it multiplied the
+        backpropagated loss."""
+        loss = out.loss.detach().float()
+        if loss_scale is not None:
+            loss = loss * loss_scale
+        ce = out.ce_loss.detach().float()
+        self.loss = loss if self.loss is None else self.loss + loss
+        self.ce = ce if self.ce is None else self.ce + ce
+        for k, v in out.aux_losses.items():
+            v = v.detach().float()
+            self.aux[k] = v if k not in self.aux else self.aux[k] + v
+
+    def means(self, n: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, CE, auxiliary terms) averaged over ``n`` micro-batches."""
+        return self.loss / n, self.ce / n, {k: v / n for k, v in self.aux.items()}
+
+
+def supports_found_inf(opt: torch.optim.Optimizer) -> bool:
+    """Fused torch Adam/AdamW skip their update on device when ``found_inf`` is set."""
+    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and bool(opt.defaults.get("fused"))
+
+
+class StepMixin:
+    """The step half of :class:`hydra_train.trainer.Trainer` (which sets every attribute used here)."""
+
+    cuda_graphs: GraphedStep | None
+
+    def autocast(self):
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+
+    def micro_step(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        loss_scale: torch.Tensor | None = None,
+        hooks: bool = True,
+    ) -> StepResult:
+        """The step body (see the module docstring). ``loss_scale`` multiplies every loss before
+        backward (a graph's input; 1.0 except under fault injection); ``hooks=False`` skips the
+        ``on_after_backward`` callbacks, which a captured graph could not replay."""
+        n = len(batches)
+        sums = LossSums()
+        for i, (x, y) in enumerate(batches):
+            with grad_sync(self.wrapped, enabled=i == n - 1):
+                with self.autocast():
+                    out = self.forward_model(x, y)
+                loss = out.loss if loss_scale is None else out.loss * loss_scale
+                (loss / n).backward()
+            sums.add(out, loss_scale)
+        if hooks:
+            self.callbacks.call("on_after_backward", self.step + 1, self.model)
+        grad_norm = self._grad_norm()
+        loss_mean, ce_mean, aux_mean = sums.means(n)
+        finite = torch.isfinite(grad_norm)
+        if not self.dist.enabled:  # ranks decide from the synchronised gradients only, so they agree
+            finite = finite & torch.isfinite(loss_mean)
+        self.apply_if_finite(finite)
+        return StepResult(loss_mean, ce_mean, aux_mean, grad_norm, finite)
+
+    def eager_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """The step body run eagerly, gradients cleared after it."""
+        res = self.micro_step(batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        return res
+
+    def run_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """One optimizer step: the CUDA graph when enabled, else the eager step. A graph that
+        cannot be captured or replayed is dropped, reported to the callbacks
+        (``on_graph_failure``) and the step runs eagerly."""
+        graphs = self.cuda_graphs
+        if graphs is None or graphs.take_eager_step():
+            return self.eager_step(batches)
+        try:
+            res = graphs(batches)
+        except Exception as exc:  # nothing of this step was applied: run it eagerly
+            self._graph_failed(f"{type(exc).__name__}: {str(exc)[:300]}")
+            self.optimizer.zero_grad(set_to_none=True)  # whatever a half-run step accumulated
+            return self.eager_step(batches)
+        if graphs.failure is not None:  # the capture failed after its warm-up step was applied
+            self._graph_failed(graphs.failure)
+        return res
+
+    def enable_cuda_graphs(self, warmup: int) -> None:
+        """Run the step as a CUDA graph from now on: ``warmup`` eager steps, then capture and replay
+        (:mod:`hydra_train.graphed_step`). Enabling again starts afresh (a new capture)."""
+        from hydra_train.graphed_step import GraphedStep
+
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()
+        self.cuda_graphs = GraphedStep(self, warmup)
+
+    def disable_cuda_graphs(self) -> None:
+        """Back to the eager step: the graph released, the optimizer's lr a Python float again."""
+        if self.cuda_graphs is None:
+            return
+        from hydra_train.graphed_step import make_uncapturable
+
+        self.cuda_graphs.release()
+        self.cuda_graphs = None
+        if self.device.type == "cuda":
+            make_uncapturable(self.optimizer)
+
+    def _graph_failed(self, reason: str) -> None:
+        self.disable_cuda_graphs()
+        self.graph_failures.append(reason)
+        self.callbacks.call("on_graph_failure", self.step + 1, reason)
+
+    def _grad_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        if self.cfg.optim.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
+        return norm.float()
+
+    def apply_if_finite(self, finite: torch.Tensor) -> None:
+        """Step the optimizer unless ``finite`` is False (see the module docstring)."""
+        opt = self.optimizer
+        if supports_found_inf(opt):
+            opt.found_inf = (~finite).to(torch.float32)
+            try:
+                opt.step()
+            finally:
+                opt.found_inf = None
+        elif bool(finite):  # host sync: this optimizer cannot skip on its own
+            opt.step()
+        self._commit_router_thresholds(finite)
+
+    def _commit_router_thresholds(self, applied: torch.Tensor) -> None:
+        """Causal routing: fold this step's router statistics into the thresholds, summed over
+        ranks first so that every rank keeps the same τ (one all-reduce for all of them)."""
+        commit = getattr(self.model, "commit_router_thresholds", None)
+        if commit is None:
+            return
+        records = self.model.router_threshold_records()
+        if self.dist.enabled and records:
+            flat = torch.cat([r.reshape(-1) for r in records])
+            all_reduce_sum(self.dist, flat)
+            torch._foreach_copy_(records, list(flat.split([r.numel() for r in records])))
+        commit(applied)

@@ -1,0 +1,176 @@
+"""What the loop remembers: step and token counts, validation history, the loss EMAs and skipped
+steps (on the device, read at log points), and how all of it goes into and out of a checkpoint.
+
+The state half of :class:`hydra_train.trainer.Trainer`, which sets every attribute used here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hydra_train.checkpoint import FORMAT, VERSION, ResumePoint, capture_rng, check_model_config, restore_rng
+from hydra_train.distributed import full_model_state, full_optimizer_state, load_full_state
+from hydra_train.errors import HydraDivergedError
+
+EMA_ALPHAS = (0.99, 0.999, 0.9999)
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps done (applied or skipped)
+    tokens_seen: int = 0
+    val_history: list[tuple[int, float]] = field(default_factory=list)
+    best_loss: float = math.inf
+
+
+class TrainerStateMixin:
+    """Loss EMAs, skip counting, checkpoint payload, resume and the run summary."""
+
+    def _init_state(self, device: torch.device) -> None:
+        self.state = LoopState()
+        self._alphas = torch.tensor(EMA_ALPHAS, dtype=torch.float64, device=device)
+        self._ema = torch.zeros(3, dtype=torch.float64, device=device)
+        self._ema_count = torch.zeros((), dtype=torch.float64, device=device)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        # skipped steps in a row ending at the current step (on the device: read at log/save points)
+        self._streak = torch.zeros((), dtype=torch.int64, device=device)
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    def _update_ema(self, loss: torch.Tensor, finite: torch.Tensor) -> None:
+        f = finite.to(torch.float64)
+        new = self._ema * self._alphas + (1 - self._alphas) * torch.nan_to_num(loss.double())
+        self._ema = torch.where(finite, new, self._ema)
+        self._ema_count = self._ema_count + f
+        self._skipped = self._skipped + (~finite).to(torch.int64)
+        self._streak = torch.where(finite, torch.zeros_like(self._streak), self._streak + 1)
+
+    def check_skip_streak(self) -> None:
+        """Stop (:class:`HydraDivergedError`) once more than ``--max_skipped_steps`` optimizer steps in
+        a row were skipped for non-finite loss or gradients (one host sync)."""
+        streak = int(self._streak)
+        if streak > self.cfg.optim.max_skipped_steps:
+            first = self.step - streak + 1
+            raise HydraDivergedError(
+                f"training diverged: {streak} steps in a row ({first}-{self.step}) had non-finite "
+                f"loss or gradients (limit --max_skipped_steps {self.cfg.optim.max_skipped_steps}); stopped "
+                f"at step {self.step}. Lower --lr or --grad_clip and resume from the last checkpoint"
+            )
+
+    def ema_values(self) -> list[float]:
+        """Bias-corrected short/medium/long EMAs of the loss (syncs)."""
+        denom = 1 - torch.pow(self._alphas, self._ema_count)
+        vals = torch.where(
+            denom > 0, self._ema / denom.clamp_min(1e-300), torch.full_like(self._ema, math.nan)
+        )
+        return vals.tolist()
+
+    def skipped_steps(self) -> int:
+        return int(self._skipped)
+
+    def memory_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.state.step,
+            "tokens_seen": self.state.tokens_seen,
+            "val_history": [list(v) for v in self.state.val_history],
+            "best_loss": self.state.best_loss,
+            "ema": self._ema.cpu(),
+            "ema_count": self._ema_count.cpu(),
+            "skipped": self._skipped.cpu(),
+        }
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.state = LoopState(
+            int(s["step"]),
+            int(s["tokens_seen"]),
+            [(int(a), float(b)) for a, b in s["val_history"]],
+            float(s["best_loss"]),
+        )
+        self._ema = s["ema"].to(self.device, torch.float64)
+        self._ema_count = s["ema_count"].to(self.device, torch.float64)
+        self._skipped = s["skipped"].to(self.device, torch.int64)
+
+    def checkpoint_payload(self, model_config: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint dict (collective under FSDP: every rank must call it)."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "time": time.time(),
+            "run_id": self.run_id,
+            "model_id": self.model_id,
+            "model_size": self.cfg.model.model_size,
+            "model": full_model_state(self.model),
+            "optimizer": full_optimizer_state(self.model, self.optimizer),
+            "scheduler": self.schedule.state_dict(),
+            "rng": capture_rng(),
+            "data": {"position": self.loader.position, "seed": self.cfg.runtime.seed},
+            "trainer": self.state_dict(),
+            "config": {"model": model_config, "train": self.cfg.to_dict()},
+            "callbacks": self.callbacks.state_dict(),
+        }
+
+    def save_checkpoint(self, final: bool = False) -> Path | None:
+        """Write a step (or the final) checkpoint through ``self.saver`` (set by the runner)."""
+        return self.saver(self, final) if self.saver is not None else None
+
+    def resume_from(self, point: ResumePoint) -> None:
+        """Load everything a checkpoint holds; the model config must match (else HydraCheckpointError).
+        A weights-only checkpoint (no loop state) loads the weights and leaves the rest fresh."""
+        ck = point.checkpoint
+        check_model_config(ck, self.model.config, point.path)
+        if "trainer" not in ck:
+            # weights only (hydra-model import-hf writes such files): a model to start from, not a
+            # run to continue; optimizer, schedule, data order and loop state start fresh
+            load_full_state(self.model, self.optimizer, ck["model"], None)
+            self.log(f"{point.path.name} holds weights only: training starts from them at step 0")
+            return
+        load_full_state(self.model, self.optimizer, ck["model"], ck.get("optimizer"))
+        for g in self.optimizer.param_groups:  # the current --lr wins over the saved one
+            g["initial_lr"] = self.cfg.optim.lr
+        if "scheduler" in ck:
+            self.schedule.load_state_dict(ck["scheduler"])
+        self.load_state_dict(ck["trainer"])
+        self.loader.seek(int(ck["data"]["position"]))
+        self.callbacks.load_state_dict(ck.get("callbacks", {}), log=self.log)
+        restore_rng(ck["rng"])
+
+    def summary(self) -> dict[str, Any]:
+        vh = self.state.val_history
+        return {
+            "run_id": self.run_id,
+            "model_id": self.model_id,
+            "status": self.status,
+            "steps": self.step,
+            "tokens_seen": self.state.tokens_seen,
+            "skipped_steps": self.skipped_steps(),
+            "first_val_loss": vh[0][1] if vh else None,
+            "final_val_loss": vh[-1][1] if vh else None,
+            "best_val_loss": min(v for _, v in vh) if vh else None,
+            "final_loss": self.last_log.get("loss"),
+            "best_loss": self.state.best_loss,
+            "tokens_per_s": (self.step - self._session_start_step) * self.tokens_per_step / self.train_time_s
+            if self.train_time_s > 0
+            else None,
+            "tokens_per_s_last": self.last_log.get("tokens_per_s"),
+            "train_time_s": self.train_time_s,
+            "memory_mb": self.memory_mb(),
+            "stop_reason": self.stop_reason,
+        }
