@@ -8,8 +8,8 @@ elements at k = 16..128 chunks. An fp32 accumulator passes, but costs V·D·4 by
 V = 32000, D = 768), more than the whole workspace Liger uses. What the criterion needs is a sum
 that stays well inside one bf16 ulp of torch's single rounding: 4 more bits do that (the fp64
 emulation ``packages/hydra-diag/bench/precision_dw_accum.py`` at N = 16384, V = 2048..4096,
-k = 4..128 chunks, logit scales 0.5 and 2.4: worst ratio 0.62-0.87 with 4 bits, like fp32's 0.36-0.60; 1.5-2.2 with 3
-bits; 3-14 in plain bf16).
+k = 4..128 chunks, logit scales 0.5 and 2.4: worst ratio 0.62-0.87 with 4 bits, like fp32's
+0.36-0.60; 1.5-2.2 with 3 bits; 3-14 in plain bf16).
 
 How. The gradient tensor itself (the weight's 16-bit dtype) holds the high part ``hi``; a plane
 of V·ceil(D/2) bytes holds, per element, a signed 4-bit residual ``n`` in units of
