@@ -1,7 +1,7 @@
 """CCGQA: attention computed entirely in a compressed latent space (arXiv:2510.04476).
 
-Steps (DESIGN.md §3): down-projections; causal convs on the packed [q;k] channels (depthwise
-along the sequence, then head-wise grouped, both with bias, left padding only); q-k mean from the
+The eight steps: down-projections; causal convs on the packed [q;k] channels (depthwise along
+the sequence, then head-wise grouped, both with bias, left padding only); q-k mean from the
 pre-conv projections; value shift (half the value channels from x_t, half from x_{t−1}); QK norm
 (√d/‖·‖, keys times exp(temperature) per kv head); partial RoPE; causal GQA attention with
 scale 1/√d; output projection.
