@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 
-import hydra_model.blocks as blocks_mod
+import hydra_model.routing_expert_choice as expert_choice_mod
 from hydra_model import CCGQAMoDBlockWrapper
-from hydra_model.blocks import RunContext, router_input
+from hydra_model.blocks import RunContext
+from hydra_model.routing_rules import router_input
 
 from .conftest import random_tokens, small_config, small_model
 
@@ -64,14 +65,14 @@ def test_mor_expert_choice_follows_the_capacity_schedule_and_nests(monkeypatch):
     torch.manual_seed(2)
     wrapper = CCGQAMoDBlockWrapper(cfg, 0).train()
     picked = []
-    real = blocks_mod.expert_choice_select
+    real = expert_choice_mod.expert_choice_select
 
     def spy(*args):
         out = real(*args)
         picked.append(set(out[1][0].tolist()))  # idx [B, k] of the chosen tokens
         return out
 
-    monkeypatch.setattr(blocks_mod, "expert_choice_select", spy)
+    monkeypatch.setattr(expert_choice_mod, "expert_choice_select", spy)
     n = 17
     wrapper(torch.randn(1, n, cfg.dim), None, _ctx(cfg))
     sizes = [math.ceil(c * n) for c in cfg.mor_capacity_schedule]

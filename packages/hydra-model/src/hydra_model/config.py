@@ -128,12 +128,15 @@ SEED_PARAM_COUNTS: dict[str, float] = {
     "1B": 973e6,
 }
 
+#: how MoR assigns depth: "expert_choice" selects each recursion's tokens by ``routing``'s rule;
+#: "token_choice" picks every token's depth up front (routing_rules.py, TokenChoiceRouting)
 MOR_ROUTINGS = ("expert_choice", "token_choice")
-#: How MoD and MoR (expert choice) pick tokens. ``causal``: a token goes through when its router
-#: score clears a tracked threshold and the routing point's causal budget is not spent (the same
-#: rule in training, evaluation and decoding; causal_routing.py). ``expert_choice``: the original
-#: top-k over the whole sequence in training and a threshold at evaluation (not causal in
-#: training; kept as a named ablation).
+#: How MoD and MoR (expert choice) pick tokens: a token-selection rule registered in
+#: routing_rules.py. ``causal``: a token goes through when its router score clears a tracked
+#: threshold and the routing point's causal budget is not spent (the same rule in training,
+#: evaluation and decoding; routing_causal.py). ``expert_choice``: the original top-k over the whole
+#: sequence in training and a threshold at evaluation (not causal in training; kept as a named
+#: ablation). Rules registered later are accepted too (see HydraConfig.validate).
 ROUTINGS = ("causal", "expert_choice")
 MOE_BALANCINGS = ("aux_loss", "loss_free")
 
@@ -329,8 +332,10 @@ class HydraConfig:
             bad(f"mor_capacities={caps} must lie in (0, 1] and not increase (recursion r picks among r−1's)")
         if self.mor_routing not in MOR_ROUTINGS:
             bad(f"mor_routing={self.mor_routing!r}; expected one of {MOR_ROUTINGS}")
-        if self.routing not in ROUTINGS:
-            bad(f"routing={self.routing!r}; expected one of {ROUTINGS}")
+        from hydra_model.routing_rules import token_selection_rules
+
+        if self.routing not in token_selection_rules():
+            bad(f"routing={self.routing!r}; expected one of {token_selection_rules()}")
         if not 0 <= self.router_threshold_momentum < 1:
             bad(f"router_threshold_momentum={self.router_threshold_momentum} must be in [0, 1)")
         if self.moe_balancing not in MOE_BALANCINGS:

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hydra_model.blocks import AuxLists, CCGQAMoDBlockWrapper, RunContext, merge_aux
+from hydra_model.blocks import CCGQAMoDBlockWrapper, RunContext
+from hydra_model.routing_rules import AuxLists, merge_aux
 from hydra_model.cache import ModelCache
 from hydra_model.causal_routing import RouterThreshold
 from hydra_model.ccgqa import CCGQAAttention

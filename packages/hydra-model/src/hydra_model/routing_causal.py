@@ -1,0 +1,108 @@
+"""The ``causal`` routing rule (the default): a token passes a MoD point or a MoR recursion when its
+router logit clears the point's tracked threshold and the point's causal budget is not spent
+(causal_routing.py); the same rule in training, evaluation and decoding."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hydra_model.causal_routing import CausalRouter, take_first_k
+from hydra_model.fused_routing import router_logits
+from hydra_model.routing import SubSequence, flat_index, masked_mean, positions_or_arange
+from hydra_model.routing_rules import RoutingRule, add_aux, merge_aux, register_routing, soft_mod
+
+
+@register_routing
+class CausalRouting(RoutingRule):
+    name = "causal"
+    selects_tokens = True
+
+    def build_mod(self, wrapper, cfg) -> None:
+        if wrapper.capacity < 1.0:
+            key = (wrapper.block_index, -1)
+            wrapper.causal = CausalRouter(
+                wrapper.capacity, wrapper.capacity, cfg.router_threshold_momentum, key
+            )
+
+    def build_mor(self, block, cfg, parent_capacity: float) -> None:
+        # a decision per recursion of capacity < 1, on the candidates of the one before
+        block.causal = nn.ModuleDict()
+        caps = block.capacities
+        for r in range(1, block.recursions):
+            if caps[r] < 1.0:
+                block.causal[str(r)] = CausalRouter(
+                    parent_capacity * caps[r],
+                    caps[r] / caps[r - 1],
+                    cfg.router_threshold_momentum,
+                    (block.block_index, r),
+                )
+
+    def mod_forward(self, wrapper, h, pos, ctx):
+        """The taken tokens, gathered into a fixed ⌈capacity · S⌉ rows (unused rows masked), go
+        through the MoR block; the update is σ(logit)·(out − in). Decoding one token skips the
+        block when it is not taken."""
+        if wrapper.causal is None:  # capacity 1: nothing to decide
+            return soft_mod(wrapper, h, pos, ctx)
+        b, s, _ = h.shape
+        logit = router_logits(h, wrapper.router.weight[0], wrapper.router.bias[0], with_detached=False)[0]
+        weight = torch.sigmoid(logit)
+        aux = {"router_z": [logit.pow(2).mean()]}
+        all_pos = positions_or_arange(pos, b, s, h.device)
+        taken = wrapper.causal.decide(logit, all_pos, None, ctx.counts, ctx.decoding)
+        if ctx.decoding:
+            if b == 1 and not bool(taken):  # one host sync a step: the block is skipped
+                new_h = h
+            else:
+                h_out, inner = wrapper.mor(h, pos, taken, ctx)
+                merge_aux(aux, inner)
+                update = (weight.unsqueeze(-1) * (h_out - h)).to(h.dtype)
+                new_h = h + torch.where(taken.unsqueeze(-1), update, torch.zeros_like(update))
+        else:
+            idx, rows = take_first_k(taken, wrapper.causal.rows(s, ctx.seq_len or s))
+            view = SubSequence(idx, all_pos.gather(1, idx), rows, flat_index(idx, s))
+            hs = view.gather(h)  # [B, ⌈c·S⌉, E]
+            hs_out, inner = wrapper.mor(hs, view.pos, view.member, ctx)
+            merge_aux(aux, inner)
+            new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
+        with torch.no_grad():
+            passed = wrapper.causal.threshold.passes(logit.detach()).float().mean()
+        wrapper.record_stats(taken.float().mean(), weight, passed)
+        return new_h, aux
+
+    def mor_forward(self, block, h, pos, member, ctx, aux):
+        """The candidates of recursion r are the tokens recursion r−1 took; its rows are gathered
+        into a fixed ⌈parent · c_r · S⌉. Decoding one token runs only the recursions it is taken
+        into."""
+        b, n, _ = h.shape
+        active = member  # None: every row is a candidate
+        all_pos = positions_or_arange(pos, b, n, h.device)
+        depth = torch.zeros(b, n, device=h.device)
+        expected = torch.zeros(b, n, device=h.device)
+        reach = torch.ones(b, n, device=h.device)
+        for r in range(block.recursions):
+            logit = block.logits(h, r, bce=False)[0]
+            prob = torch.sigmoid(logit)
+            gate = block.alpha * prob
+            add_aux(aux, "router_z", masked_mean(logit.pow(2), active))
+            router = block.causal[str(r)] if str(r) in block.causal else None  # noqa: SIM401
+            if router is None:  # capacity 1: every candidate goes
+                h, moe_loss = block.run_block(h, r, ctx, pos, gate, member=active)
+                taken = active
+            else:
+                reach = reach * prob
+                taken = router.decide(logit, all_pos, active, ctx.counts, ctx.decoding)
+                if ctx.decoding:
+                    if b == 1 and not bool(taken):  # one host sync a step: skip the rest
+                        break
+                    stepped, moe_loss = block.run_block(h, r, ctx, pos, gate, member=taken)
+                    h = torch.where(taken.unsqueeze(-1), stepped, h)
+                else:
+                    idx, rows = take_first_k(taken, router.rows(n, ctx.seq_len or n))
+                    view = SubSequence(idx, all_pos.gather(1, idx), rows, flat_index(idx, n))
+                    h, moe_loss = block.run_block(h, r, ctx, pos, gate, view=view)
+            add_aux(aux, "moe_balance", moe_loss)
+            depth = depth + (1.0 if taken is None else taken.float())
+            expected = expected + reach
+            active = taken
+        return h, depth, expected
