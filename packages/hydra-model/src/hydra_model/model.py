@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydra_model.blocks import CCGQAMoDBlockWrapper, RunContext
-from hydra_model.routing_rules import AuxLists, merge_aux
 from hydra_model.cache import ModelCache
 from hydra_model.causal_routing import RouterThreshold
 from hydra_model.ccgqa import CCGQAAttention
@@ -21,6 +20,7 @@ from hydra_model.decoder import DecoderMixin
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from hydra_model.moe import MoEFFN
+from hydra_model.routing_rules import AuxLists, merge_aux
 
 
 @dataclass
