@@ -204,32 +204,45 @@ def test_decoding_with_cache_equals_full_forward_of_the_member_tokens(conv_impl)
     assert slot.entry.length.tolist() == [len(h) for h in held]
 
 
+def conv_case(heads, d, k_seq, k_ch, seed):
+    """Random fp64 conv parameters (with gradients), a window [2, 9 + K−1, C] and the reference:
+    F.conv1d depthwise then head-wise grouped, as [2, 9, C]."""
+    g = torch.Generator().manual_seed(seed)
+    c, k_total = heads * d, k_seq + k_ch - 1
+    params = (
+        torch.randn(c, 1, k_seq, generator=g, dtype=torch.float64, requires_grad=True),
+        torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True),
+        torch.randn(c, d, k_ch, generator=g, dtype=torch.float64, requires_grad=True),
+        torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True),
+    )
+    w1, b1, w2, b2 = params
+    win = torch.randn(2, 9 + k_total - 1, c, generator=g, dtype=torch.float64)
+    ref = torch.nn.functional.conv1d(
+        torch.nn.functional.conv1d(win.transpose(1, 2), w1, b1, groups=c), w2, b2, groups=heads
+    ).transpose(1, 2)
+    return params, win, ref, torch.randn(ref.shape, generator=g, dtype=torch.float64)
+
+
+def assert_same_function_and_gradients(got, ref, grad, params):
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+    want = torch.autograd.grad(ref, params, grad)
+    have = torch.autograd.grad(got, params, grad)
+    for a, b in zip(have, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize(
     ("heads", "d", "k_seq", "k_ch"), [(3, 5, 2, 2), (5, 4, 3, 2), (2, 6, 1, 3), (4, 3, 2, 1)]
 )
 def test_folded_conv_weight_equals_the_two_convolutions(heads, d, k_seq, k_ch):
     """folded_qk_weight against F.conv1d (depthwise, then head-wise grouped) in fp64, mean-mix
     zero, on unpadded windows; gradients of the conv parameters flow through the folding."""
-    g = torch.Generator().manual_seed(heads * 10 + d)
+    params, win, ref, grad = conv_case(heads, d, k_seq, k_ch, seed=heads * 10 + d)
     c, k_total = heads * d, k_seq + k_ch - 1
-    w1 = torch.randn(c, 1, k_seq, generator=g, dtype=torch.float64, requires_grad=True)
-    b1 = torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True)
-    w2 = torch.randn(c, d, k_ch, generator=g, dtype=torch.float64, requires_grad=True)
-    b2 = torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True)
-    win = torch.randn(2, 9 + k_total - 1, c, generator=g, dtype=torch.float64)  # [B, n + K−1, C]
-    ref = torch.nn.functional.conv1d(
-        torch.nn.functional.conv1d(win.transpose(1, 2), w1, b1, groups=c), w2, b2, groups=heads
-    ).transpose(1, 2)
-    weight, bias = ccgqa_mod.folded_qk_weight(w1, b1, w2, b2, torch.zeros(c, c, dtype=torch.float64))
+    weight, bias = ccgqa_mod.folded_qk_weight(*params, torch.zeros(c, c, dtype=torch.float64))
     taps = win.unfold(1, k_total, 1).reshape(2, 9, c * k_total)
     got = torch.nn.functional.linear(taps, weight, bias)
-    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
-    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
-    params = (w1, b1, w2, b2)
-    want = torch.autograd.grad(ref, params, grad)
-    have = torch.autograd.grad(got, params, grad)
-    for a, b in zip(have, want, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    assert_same_function_and_gradients(got, ref, grad, params)
 
 
 @pytest.mark.parametrize(
@@ -238,27 +251,13 @@ def test_folded_conv_weight_equals_the_two_convolutions(heads, d, k_seq, k_ch):
 def test_headwise_conv_weight_equals_the_two_convolutions(heads, d, k_seq, k_ch):
     """headwise_qk_weight (one GEMM per head) against F.conv1d (depthwise, then head-wise grouped)
     in fp64 on unpadded windows; gradients of the conv parameters flow through the folding."""
-    g = torch.Generator().manual_seed(heads * 7 + d)
+    params, win, ref, grad = conv_case(heads, d, k_seq, k_ch, seed=heads * 7 + d)
     c, k_total = heads * d, k_seq + k_ch - 1
-    w1 = torch.randn(c, 1, k_seq, generator=g, dtype=torch.float64, requires_grad=True)
-    b1 = torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True)
-    w2 = torch.randn(c, d, k_ch, generator=g, dtype=torch.float64, requires_grad=True)
-    b2 = torch.randn(c, generator=g, dtype=torch.float64, requires_grad=True)
-    win = torch.randn(2, 9 + k_total - 1, c, generator=g, dtype=torch.float64)  # [B, n + K−1, C]
-    ref = torch.nn.functional.conv1d(
-        torch.nn.functional.conv1d(win.transpose(1, 2), w1, b1, groups=c), w2, b2, groups=heads
-    ).transpose(1, 2)
-    weight, bias = ccgqa_mod.headwise_qk_weight(w1, b1, w2, b2)
+    weight, bias = ccgqa_mod.headwise_qk_weight(*params)
     assert weight.shape == (heads, d, d * k_total)
     taps = win.unfold(1, k_total, 1).reshape(2, 9, heads, d * k_total)
     got = (torch.einsum("bngk,gok->bngo", taps, weight) + bias.view(heads, d)).reshape(2, 9, c)
-    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
-    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
-    params = (w1, b1, w2, b2)
-    want = torch.autograd.grad(ref, params, grad)
-    have = torch.autograd.grad(got, params, grad)
-    for a, b in zip(have, want, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    assert_same_function_and_gradients(got, ref, grad, params)
 
 
 def test_conv_impls_agree_on_outputs_and_gradients():

@@ -19,7 +19,7 @@ def test_the_built_in_rules_are_registered():
     assert {"dense", "static", "token_choice", "causal", "expert_choice"} <= set(ROUTING_RULES)
     assert set(routing_rules.token_selection_rules()) >= {"causal", "expert_choice"}
     assert "dense" not in routing_rules.token_selection_rules()
-    with pytest.raises(ValueError, match="registered: .*causal"):
+    with pytest.raises(ValueError, match=r"registered: .*causal"):
         routing_rule("no_such_rule")
     with pytest.raises(ValueError, match="routing='no_such_rule'"):
         small_config(routing="no_such_rule")
