@@ -93,7 +93,7 @@ def test_environment_overrides(monkeypatch):
     monkeypatch.delenv("HYDRA_SDPA_FLASH_ONLY")
     ab.reload_attention_env()
     try:
-        assert ab._state["no_flash"] and not ab._state["flash_only"]
+        assert ab.OPTIONS.sdpa_no_flash and not ab.OPTIONS.sdpa_flash_only
         torch.manual_seed(2)
         q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
         out = flexible_attention(q, k, v)  # SDPA restricted away from its flash kernel
@@ -144,3 +144,26 @@ def test_measurement_picks_a_working_candidate_even_inside_a_checkpoint():
     finally:
         ab._auto_choice.pop(sig, None)
         ab._auto_report.pop(sig, None)
+
+
+def test_switches_live_in_one_options_object(monkeypatch):
+    """The environment variables and the set_* functions are entry points onto
+    hydra_model.model_options; the backends and the routing glue read it there."""
+    import hydra_model
+    from hydra_model import fused_routing, options
+
+    opts = hydra_model.model_options
+    assert opts is options.OPTIONS
+    monkeypatch.setenv("HYDRA_COMPILED_ROUTING", "0")
+    monkeypatch.setenv("HYDRA_ATTENTION_BACKEND", "sdpa")
+    try:
+        options.reload_env()
+        assert not opts.compiled_routing and not fused_routing.compiled_routing_enabled()
+        assert opts.attention_backend == "sdpa" == get_attention_backend()
+        fused_routing.set_compiled_routing(True)
+        set_attention_backend("auto")
+        assert opts.compiled_routing and opts.attention_backend == "auto"
+    finally:
+        monkeypatch.delenv("HYDRA_COMPILED_ROUTING")
+        monkeypatch.delenv("HYDRA_ATTENTION_BACKEND")
+        options.reload_env()

@@ -140,7 +140,7 @@ def test_compiled_path_keeps_a_cache_per_name_and_leaves_no_grad_calls_op_by_op(
     monkeypatch.setattr(fr, "_counts", __import__("collections").Counter())
     monkeypatch.setattr(fr, "_compile_here", lambda t: True)  # the CPU stands in for CUDA
     monkeypatch.setattr(fr, "_COMPILE_BACKEND", "aot_eager")
-    monkeypatch.setitem(fr._state, "enabled", True)
+    monkeypatch.setattr(fr.OPTIONS, "compiled_routing", True)
     with torch._dynamo.config.patch(recompile_limit=1):
         g = _gen(11)
         w, b = torch.randn(16, generator=g, requires_grad=True), torch.zeros((), requires_grad=True)

@@ -28,6 +28,8 @@ from hydra_model.gqa import GQAAttention
 from hydra_model.layers import FUSED_KERNELS_AVAILABLE, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from hydra_model.model import CCGQAMoDMoRModel, HydraOutput, aux_loss_weights, create_ccgqa_mod_mor_model
 from hydra_model.moe import MoEFFN, moe_dispatch_counts
+from hydra_model.options import OPTIONS as model_options
+from hydra_model.options import ModelOptions
 from hydra_model.persistence import load_model
 from hydra_model.stats import routing_stats_to_python
 
@@ -54,6 +56,7 @@ __all__ = [
     "HydraOutput",
     "MoEFFN",
     "ModelCache",
+    "ModelOptions",
     "RMSNorm",
     "RotaryEmbedding",
     "SwiGLUMLP",
@@ -75,6 +78,7 @@ __all__ = [
     "get_attention_backend",
     "gpt_config",
     "load_model",
+    "model_options",
     "moe_dispatch_counts",
     "preset_config",
     "reset_attention_fallback_counts",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import statistics
 import threading
 import time
@@ -33,9 +32,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from hydra_model import options
+from hydra_model.options import BACKENDS, OPTIONS
 
-BACKENDS = ("auto", "flash", "xformers", "sdpa")
+logger = logging.getLogger(__name__)
 
 try:  # pragma: no cover - flash-attn is not installed on the project's machines
     from flash_attn import flash_attn_func as _flash_attn_func
@@ -63,39 +63,26 @@ _lock = threading.Lock()
 _fallbacks: Counter[str] = Counter()
 _auto_choice: dict[tuple, str] = {}
 _auto_report: dict[tuple, dict[str, float | str]] = {}
-_state = {"backend": "auto", "flash_only": False, "no_flash": False}
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def reload_attention_env() -> None:
-    """Re-read HYDRA_ATTENTION_BACKEND, HYDRA_SDPA_FLASH_ONLY and HYDRA_SDPA_NO_FLASH."""
-    name = os.environ.get("HYDRA_ATTENTION_BACKEND", "").strip().lower() or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"HYDRA_ATTENTION_BACKEND={name!r}; expected one of {', '.join(BACKENDS)}")
-    flash_only, no_flash = _env_true("HYDRA_SDPA_FLASH_ONLY"), _env_true("HYDRA_SDPA_NO_FLASH")
-    if flash_only and no_flash:
-        raise ValueError("HYDRA_SDPA_FLASH_ONLY=1 and HYDRA_SDPA_NO_FLASH=1 contradict each other; set one")
-    _state.update(backend=name, flash_only=flash_only, no_flash=no_flash)
+    """Re-read HYDRA_ATTENTION_BACKEND, HYDRA_SDPA_FLASH_ONLY and HYDRA_SDPA_NO_FLASH (into
+    hydra_model.options.OPTIONS) and forget auto's measured choices."""
+    options.reload_env()
     _auto_choice.clear()
-
-
-reload_attention_env()
 
 
 def set_attention_backend(name: str) -> None:
     """Use ``name`` (auto|flash|xformers|sdpa) from now on; clears auto's measured choices."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
-    _state["backend"] = name
+    OPTIONS.attention_backend = name
     _auto_choice.clear()
 
 
 def get_attention_backend() -> str:
     """The requested backend (what :func:`set_attention_backend` or the environment asked for)."""
-    return str(_state["backend"])
+    return str(OPTIONS.attention_backend)
 
 
 def attention_fallback_counts() -> dict[str, int]:
@@ -131,11 +118,11 @@ def _sdpa_kernels(restrict: str | None) -> list | None:
         return None
     if restrict == "cudnn":
         return [SDPBackend.CUDNN_ATTENTION]
-    if restrict == "flash" or _state["flash_only"]:
+    if restrict == "flash" or OPTIONS.sdpa_flash_only:
         return [SDPBackend.FLASH_ATTENTION]
     if restrict == "efficient":
         return [SDPBackend.EFFICIENT_ATTENTION]
-    if _state["no_flash"]:
+    if OPTIONS.sdpa_no_flash:
         return [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return None
 
@@ -202,8 +189,8 @@ def _candidates(q: torch.Tensor, k: torch.Tensor) -> dict[str, _Impl]:
     """auto's candidates for these inputs (CUDA only)."""
     gqa = q.shape[1] != k.shape[1]
     out: dict[str, _Impl] = {"sdpa": lambda *a: _run_sdpa(*a)}
-    if SDPBackend is not None and not _state["flash_only"]:
-        kernels = ["cudnn", "efficient"] + ([] if _state["no_flash"] else ["flash"])
+    if SDPBackend is not None and not OPTIONS.sdpa_flash_only:
+        kernels = ["cudnn", "efficient"] + ([] if OPTIONS.sdpa_no_flash else ["flash"])
         for kern in kernels:
             out[f"sdpa_{kern}"] = lambda *a, _k=kern: _run_sdpa(*a, restrict=_k)
             if gqa:
@@ -342,7 +329,7 @@ def flexible_attention(
         )
     if causal and attn_mask is not None:
         raise ValueError("pass either causal=True or attn_mask, not both")
-    requested = _state["backend"]
+    requested = OPTIONS.attention_backend
     if requested == "auto":
         name, impl = _auto_impl(q, k, v, causal, attn_mask, scale)
     elif requested == "sdpa":
@@ -356,7 +343,7 @@ def flexible_attention(
             name, impl = requested, (_run_flash if requested == "flash" else _run_xformers)
     if not torch.compiler.is_compiling():
         _log_once(requested, name, q)
-    restricted = name != "sdpa" or _state["flash_only"] or _state["no_flash"]
+    restricted = name != "sdpa" or OPTIONS.sdpa_flash_only or OPTIONS.sdpa_no_flash
     if torch.compiler.is_compiling() or not restricted:
         return impl(q, k, v, causal, attn_mask, scale)
     try:
@@ -374,7 +361,7 @@ def _log_once(requested: str, used: str, q: torch.Tensor) -> None:
     if key not in _logged:
         _logged.add(key)
         sdpa_mode = (
-            "flash only" if _state["flash_only"] else "no flash" if _state["no_flash"] else "any kernel"
+            "flash only" if OPTIONS.sdpa_flash_only else "no flash" if OPTIONS.sdpa_no_flash else "any kernel"
         )
         logger.info(
             "attention backend: requested %s, using %s on %s (SDPA: %s)",

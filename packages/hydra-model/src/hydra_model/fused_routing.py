@@ -9,7 +9,8 @@ same maths written once; on CUDA it runs through ``torch.compile`` (dynamic shap
 per function for every routed length), which fuses each into one or two kernels forward and
 backward; elsewhere (CPU, or when switched off) it runs as written, op by op.
 
-ON by default on CUDA; ``HYDRA_COMPILED_ROUTING=0`` (read at import) or
+ON by default on CUDA; ``HYDRA_COMPILED_ROUTING=0`` (read at import into
+hydra_model.options.OPTIONS) or
 :func:`set_compiled_routing` switches it off. Measured on the H100 (100M, B=8, T=2048, the whole
 step CUDA-graphed, same run): 74.2 ms per step against 89.7 ms op by op (220.8K vs 182.7K
 tokens/s) and 11.6 vs 12.7 GiB peak, replayed loss equal to eager; the price is the first
@@ -27,7 +28,6 @@ shared ``_router_logits`` reached that limit (counted as a failure, and op by op
 from __future__ import annotations
 
 import math
-import os
 import threading
 import types
 import warnings
@@ -37,22 +37,22 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from hydra_model.options import OPTIONS
+
 _lock = threading.Lock()
 _counts: Counter[str] = Counter()
 _compiled: dict[str, Callable | None] = {}  # None: its compile failed, run op by op
 _NOT_YET = object()
-_OFF = {"0", "false", "no", "off"}
-_state = {"enabled": os.environ.get("HYDRA_COMPILED_ROUTING", "1").strip().lower() not in _OFF}
 
 
 def set_compiled_routing(enabled: bool) -> None:
     """Run the routing glue through torch.compile on CUDA (True, the default) or op by op (False).
     CPU tensors always run op by op."""
-    _state["enabled"] = bool(enabled)
+    OPTIONS.compiled_routing = bool(enabled)
 
 
 def compiled_routing_enabled() -> bool:
-    return bool(_state["enabled"])
+    return bool(OPTIONS.compiled_routing)
 
 
 def compiled_routing_counts() -> dict[str, int]:
@@ -71,7 +71,7 @@ def _compile_here(t: torch.Tensor) -> bool:
 def _wants_compiled(t: torch.Tensor) -> bool:
     """Whether a call on ``t`` takes the compiled path: switched on, a training call (gradients
     enabled) and a device it compiles for. The one place this rule lives."""
-    return _state["enabled"] and torch.is_grad_enabled() and _compile_here(t)
+    return OPTIONS.compiled_routing and torch.is_grad_enabled() and _compile_here(t)
 
 
 def _own_code_copy(fn: Callable, name: str) -> Callable:
