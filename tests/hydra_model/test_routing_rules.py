@@ -87,3 +87,11 @@ def test_a_rule_without_a_mod_part_says_so(even_rule):
     wrapper = CCGQAMoDBlockWrapper(cfg, 1)
     with pytest.raises(ValueError, match="does not route Mixture-of-Depths"):
         ROUTING_RULES["dense"].mod_forward(wrapper, torch.zeros(1, 3, cfg.dim), None, None)
+
+
+def test_a_routed_wrapper_registers_its_router_after_its_block():
+    """Parameters are drawn and initialised in registration order: keeping the MoD router after
+    the MoR block keeps every seed's weights what they were when the race was run."""
+    wrapper = CCGQAMoDBlockWrapper(small_config(mod_dense_first_last=False), 1)
+    names = [n for n, _ in wrapper.named_parameters()]
+    assert names[-2:] == ["router.weight", "router.bias"] and names[0].startswith("mor.")

@@ -181,13 +181,15 @@ class CCGQAMoDBlockWrapper(nn.Module):
         #: the token-selection rule (HydraConfig.routing); ``static`` overrides it while set
         self.rule = cfg.routing
         self.static = cfg.static_routing_mode
-        self.router = nn.Linear(cfg.dim, 1) if self.routed else None
         #: the causal rule's threshold and budget (None for other rules and capacity 1)
         self.causal = None
         if self.routed and not self.static:
             routing_rule(self.rule).build_mod(self, cfg)
         parent = self.capacity if self.causal is not None else 1.0
         self.mor = CCGQAMoRBlock(cfg, block_index, parent)
+        # registered after the MoR block: parameters are created and initialised in registration
+        # order, so a seed gives the weights it gave before the rules moved out (the race's runs)
+        self.router = nn.Linear(cfg.dim, 1) if self.routed else None
         # [selected_frac, mean prob, passed_frac (router cleared its threshold, before any budget)]
         self.register_buffer("stat_mod", torch.zeros(3), persistent=False)
 

@@ -74,7 +74,7 @@ class RoutingRule:
     selects_tokens: ClassVar[bool] = False
 
     def build_mod(self, wrapper: CCGQAMoDBlockWrapper, cfg: HydraConfig) -> None:
-        """Create this rule's submodules on a routed MoD wrapper (its ``router`` exists)."""
+        """Create this rule's submodules on a routed MoD wrapper (before its MoR block and router)."""
 
     def build_mor(self, block: CCGQAMoRBlock, cfg: HydraConfig, parent_capacity: float) -> None:
         """Create this rule's submodules on a MoR block (its ``router`` exists unless dense)."""
