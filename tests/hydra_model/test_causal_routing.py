@@ -113,9 +113,30 @@ def test_threshold_commit_reads_the_quantile_off_the_grid_and_blends_an_ema():
     assert thr.tau.item() == pytest.approx(0.9 * first + 0.1 * second, abs=1e-5)
 
 
+def test_threshold_commit_reads_nothing_back_to_the_host():
+    """The commit runs inside the race's compiled, CUDA-graphed forward: a host read in it (as
+    indexing by a 0-d tensor was: ``aten._local_scalar_dense``) kept that part out of the graphs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    thr = RouterThreshold(0.25, 0.9)
+    for step in range(3):
+        thr.record(torch.randn(3, 40) * (1 + step), None)
+        with Ops() as ops:
+            thr.commit()
+        assert ops.seen and not any("_local_scalar_dense" in op or "item" in op for op in ops.seen)
+
+
 def test_threshold_commit_compiles_without_graph_breaks():
-    """The commit runs inside the race's compiled (CUDA-graphed) forward: it must trace as one
-    graph (a host read such as indexing by a 0-d tensor would split it) and equal eager."""
+    """The commit traces as one graph and equals eager."""
     import torch._dynamo
 
     torch.manual_seed(3)
@@ -278,3 +299,19 @@ def test_decode_counts_follow_the_budget():
     assert set(cache.counts) == set(full_counts)
     for key, value in cache.counts.items():
         assert torch.equal(value, full_counts[key]), key
+
+
+def test_a_state_dict_without_thresholds_loads_them_fresh():
+    """Models built with static routing did not keep causal thresholds before; their state dicts
+    still load (strictly), the thresholds start fresh (taken from the first commit)."""
+    model = small_model(static_routing_mode=True, mod_capacity=0.5)
+    saved = {k: v for k, v in model.state_dict().items() if ".threshold." not in k}
+    assert len(saved) < len(model.state_dict())  # the model has thresholds to fill
+    for thr in model.router_thresholds():
+        thr.tau.fill_(3.0)
+        thr.seen.fill_(1.0)
+    model.load_state_dict(saved)
+    assert all(thr.tau.item() == 3.0 and thr.seen.item() == 1.0 for thr in model.router_thresholds())
+    fresh = small_model(static_routing_mode=True, mod_capacity=0.5)
+    fresh.load_state_dict(saved)
+    assert all(thr.seen.item() == 0 for thr in fresh.router_thresholds())

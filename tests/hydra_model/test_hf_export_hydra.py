@@ -220,6 +220,8 @@ def test_right_padding_is_harmless_and_left_padding_refused(tmp_path):
         padded = loaded(tokens, attention_mask=mask).logits
         alone = loaded(tokens[1:, :10]).logits
     torch.testing.assert_close(padded[1, :10], alone[0])
+    with pytest.raises(ValueError, match="unpadded rows"):  # new tokens would follow the padding
+        loaded.generate(tokens, attention_mask=mask, max_new_tokens=2, do_sample=False)
     mask[0, :3], mask[0, 3:] = 0, 1  # left padding
     with pytest.raises(ValueError, match="left padding"):
         loaded(tokens, attention_mask=mask)

@@ -95,3 +95,13 @@ def test_a_routed_wrapper_registers_its_router_after_its_block():
     wrapper = CCGQAMoDBlockWrapper(small_config(mod_dense_first_last=False), 1)
     names = [n for n, _ in wrapper.named_parameters()]
     assert names[-2:] == ["router.weight", "router.bias"] and names[0].startswith("mor.")
+
+
+def test_export_refuses_a_rule_it_has_no_implementation_for(even_rule):
+    """The shipped Hugging Face code implements the registered rules it knows; any other is
+    refused, never exported as something that computes differently."""
+    from hydra_model.hf_hydra import UnsupportedModelError, hydra_layout
+
+    model = small_model(routing="even_positions", mod_dense_first_last=False, recursions_per_block=1)
+    with pytest.raises(UnsupportedModelError, match="even_positions"):
+        hydra_layout(model)

@@ -90,3 +90,30 @@ def test_replayed_steps_match_eager_steps(static, tmp_path):
             g.deactivate(tr)
         losses[graphed] = out
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+
+
+def test_a_capture_reads_an_lr_tensor_on_its_own_device():
+    """An lr tensor elsewhere (a checkpoint saved while graphed loads it on the CPU) is replaced
+    by one on the capture device, keeping its value; one already there is kept (the schedule
+    writes it in place)."""
+    tr = fake_trainer("cpu")
+    g = tr.optimizer.param_groups[0]
+    g["lr"] = torch.tensor(3e-4)
+    make_capturable(tr.optimizer, torch.device("meta"))
+    assert g["lr"].device.type == "meta"
+    g["lr"] = here = torch.tensor(2e-4)
+    make_capturable(tr.optimizer, torch.device("cpu"))
+    assert g["lr"] is here
+
+
+def test_resume_leaves_no_graph_state_in_the_optimizer():
+    """A checkpoint saved during a graphed run holds a tensor lr and capturable mode; resuming
+    from it gives back a float lr and capturable off (a new capture sets both again)."""
+    from hydra_train.trainer_state import TrainerStateMixin
+
+    tr = fake_trainer("cpu")
+    g = tr.optimizer.param_groups[0]
+    saved = {"lr": torch.tensor(5e-4), "capturable": True}
+    g.update(saved)
+    TrainerStateMixin.reset_graph_state(tr.optimizer)
+    assert isinstance(g["lr"], float) and g["lr"] == pytest.approx(5e-4) and g["capturable"] is False

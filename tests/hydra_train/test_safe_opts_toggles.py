@@ -20,6 +20,7 @@ from hydra_train.safe_opts.toggles import (
     TritonKernels,
     compile_units,
     routing_wrappers,
+    set_static_routing,
 )
 
 from .conftest import VOCAB
@@ -59,8 +60,8 @@ def test_static_routing_is_the_static_model_and_back(model):
     static_model = create_ccgqa_mod_mor_model(
         "tiny", dim=64, max_seq_len=64, vocab_size=VOCAB, n_mor_blocks=3, static_routing_mode=True
     )
-    missing, unexpected = static_model.load_state_dict(model.state_dict(), strict=False)
-    assert not missing and all(".threshold." in k for k in unexpected)  # static routing has none
+    # a model built static keeps its causal thresholds (for a switch to dynamic): the same keys
+    static_model.load_state_dict(model.state_dict())
     opt = StaticRouting(TrainConfig(static_routing_mode=True))
     tr = FakeTrainer(model)
     opt.activate(tr)
@@ -68,6 +69,27 @@ def test_static_routing_is_the_static_model_and_back(model):
     assert not torch.equal(loss(model, x), dynamic)
     opt.deactivate(tr)
     assert torch.equal(loss(model, x), dynamic) and not any(b.static for b in routing_wrappers(model))
+
+
+def test_a_model_built_static_switches_to_dynamic_routing_and_back(model):
+    """--static_routing_mode builds the model static; when SafeOptimizations turns static routing
+    off, that model must route like the dynamic model built with the same weights, not stay soft."""
+    x = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    for _ in range(2):  # committed thresholds, so that routing really selects
+        model(x, x).loss.backward()
+    dynamic = loss(model, x)
+    torch.manual_seed(0)
+    built_static = create_ccgqa_mod_mor_model(
+        "tiny", dim=64, max_seq_len=64, vocab_size=VOCAB, n_mor_blocks=3, static_routing_mode=True
+    )
+    built_static.load_state_dict(model.state_dict())
+    static = loss(built_static, x)
+    set_static_routing(built_static, False)
+    assert torch.equal(loss(built_static, x), dynamic)
+    frac = [float(b.stat_mod[0]) for b in routing_wrappers(built_static) if b.routed]
+    assert frac and all(f < 1 for f in frac)  # MoD selects again
+    set_static_routing(built_static, True)
+    assert torch.equal(loss(built_static, x), static)
 
 
 def test_prefetch_swaps_the_loader_and_keeps_the_data(model):

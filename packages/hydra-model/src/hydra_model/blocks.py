@@ -114,21 +114,20 @@ class CCGQAMoRBlock(nn.Module):
         self.ponder = cfg.ponder_weight > 0
         # the rule this block routes by (routing_rules.py); a switch to static routing and back
         # (hydra-train's static_routing toggle) returns to ``dynamic_mode``
-        self.mode = (
-            "dense"
-            if not cfg.mor_routed
-            else "static"
-            if cfg.static_routing_mode
-            else cfg.routing
-            if cfg.mor_routing == "expert_choice"
-            else cfg.mor_routing
-        )
-        self.dynamic_mode = self.mode
+        # the rule this block routes by (routing_rules.py). Its modules are built for the dynamic
+        # rule even in static mode, so that hydra-train's static_routing toggle can switch a model
+        # built static to dynamic routing and back (``mode`` is what runs, ``dynamic_mode`` the rule)
+        if not cfg.mor_routed:
+            self.dynamic_mode = "dense"
+        else:
+            self.dynamic_mode = cfg.routing if cfg.mor_routing == "expert_choice" else cfg.mor_routing
+        static = cfg.static_routing_mode and self.dynamic_mode != "dense"
+        self.mode = "static" if static else self.dynamic_mode
         self.block = CCGQABlock(cfg)
         # static and token selection: one logit per recursion; token choice: logits over depths 1..R
-        self.router = None if self.mode == "dense" else nn.Linear(cfg.dim, self.recursions)
+        self.router = None if self.dynamic_mode == "dense" else nn.Linear(cfg.dim, self.recursions)
         self.causal = nn.ModuleDict()  # the causal rule's thresholds, per recursion (empty otherwise)
-        routing_rule(self.mode).build_mor(self, cfg, parent_capacity)
+        routing_rule(self.dynamic_mode).build_mor(self, cfg, parent_capacity)
         self.register_buffer("stat_depth", torch.zeros(2), persistent=False)  # [avg, expected]
         self.register_buffer("stat_depth_hist", torch.zeros(self.recursions + 1), persistent=False)
 
@@ -181,9 +180,10 @@ class CCGQAMoDBlockWrapper(nn.Module):
         #: the token-selection rule (HydraConfig.routing); ``static`` overrides it while set
         self.rule = cfg.routing
         self.static = cfg.static_routing_mode
-        #: the causal rule's threshold and budget (None for other rules and capacity 1)
+        #: the causal rule's threshold and budget (None for other rules and capacity 1); built in
+        #: static mode too, for a switch to dynamic routing (see CCGQAMoRBlock)
         self.causal = None
-        if self.routed and not self.static:
+        if self.routed:
             routing_rule(self.rule).build_mod(self, cfg)
         parent = self.capacity if self.causal is not None else 1.0
         self.mor = CCGQAMoRBlock(cfg, block_index, parent)

@@ -86,6 +86,13 @@ GRID_POINTS = 65
 GRID_HALF_WIDTH = 4.0
 
 
+def _fresh_when_absent(module, state_dict, prefix, *args) -> None:
+    """A state dict saved without this threshold (a model built with static routing before static
+    models kept their thresholds) loads it fresh: τ is taken from the first commit (seen = 0)."""
+    for name in ("tau", "spread", "seen"):
+        state_dict.setdefault(prefix + name, getattr(module, name).detach().clone())
+
+
 class RouterThreshold(nn.Module):
     """The threshold τ of one routing point: a running estimate of the (1 − target) quantile of
     its logits over the candidate tokens.
@@ -117,6 +124,7 @@ class RouterThreshold(nn.Module):
         # the record lives from a forward to the next commit: not part of a checkpoint
         self.register_buffer("above", torch.zeros(GRID_POINTS), persistent=False)
         self.register_buffer("moments", torch.zeros(3), persistent=False)  # count, sum, sum of squares
+        self._register_load_state_dict_pre_hook(_fresh_when_absent, with_module=True)
 
     def extra_repr(self) -> str:
         return f"target={self.target:g}, momentum={self.momentum:g}"
@@ -155,7 +163,7 @@ class RouterThreshold(nn.Module):
         i = (frac > self.target).sum()
         lo = (i - 1).clamp(0, GRID_POINTS - 1)
         hi = i.clamp(0, GRID_POINTS - 1)
-        # index_select with a [1] index, not frac[lo]: indexing by a 0-d tensor calls __index__,
+        # index_select with an index tensor, not frac[lo]: indexing by a 0-d tensor calls __index__,
         # a host read that breaks a compiled graph (and kept the race's forward out of CUDA graphs)
         pick = torch.stack([lo, hi])
         f_lo, f_hi = frac.index_select(0, pick).unbind()

@@ -132,7 +132,7 @@ def export_hf(
     left alone). ``tokenizer``:
     a tokenizer.json to ship (None: none is written). Raises ExportError (or the loaders'
     ValueError / FileNotFoundError) naming what is wrong."""
-    from hydra_model.hf_hydra import MODEL_TYPE, copy_remote_code, hydra_hf_config
+    from hydra_model.hf_hydra import MODEL_TYPE, copy_remote_code, hydra_export_state, hydra_hf_config
     from hydra_model.hf_llama import check_exportable_gpt, gpt_to_llama_state, llama_config
 
     if dtype not in DTYPES:
@@ -159,7 +159,7 @@ def export_hf(
         _save_weights(gpt_to_llama_state(state, cfg), out / WEIGHTS_FILE, DTYPES[dtype])
     else:
         config, model_type = hydra_hf_config(model, special, dtype), MODEL_TYPE
-        _save_weights(state, out / WEIGHTS_FILE, DTYPES[dtype])
+        _save_weights(hydra_export_state(model), out / WEIGHTS_FILE, DTYPES[dtype])
         files += [p.name for p in copy_remote_code(out)]
     _write_json(out / "config.json", config)
     generation = {**special, "do_sample": False}

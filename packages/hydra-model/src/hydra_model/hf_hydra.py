@@ -94,7 +94,9 @@ def _mor_spec(mor: CCGQAMoRBlock) -> dict[str, Any]:
     if (mode in _ROUTED_MOR) != has_router:
         raise UnsupportedModelError(f"MoR mode {mode!r} with{'' if has_router else 'out'} a router")
     causal = getattr(mor, "causal", None) or {}
-    if causal and mode != "causal":
+    if mode == "static":
+        causal = {}  # kept for a switch back to dynamic routing; static routing never reads them
+    elif causal and mode != "causal":
         raise UnsupportedModelError(f"causal routing points in a MoR block of mode {mode!r}")
     spec: dict[str, Any] = {
         "kind": mode,
@@ -122,11 +124,25 @@ def _mod_spec(wrapper: CCGQAMoDBlockWrapper) -> dict[str, Any]:
         return {"kind": "none"}
     if wrapper.router is None:
         raise UnsupportedModelError("a routed MoD block without a router")
-    if wrapper.causal is not None and not wrapper.static:
-        return {"kind": "causal", "cap_q": _cap_q(wrapper.causal)}
     if wrapper.static or wrapper.capacity >= 1.0:
         return {"kind": "soft"}
-    return {"kind": "threshold"}
+    if wrapper.rule == "causal" and wrapper.causal is not None:
+        return {"kind": "causal", "cap_q": _cap_q(wrapper.causal)}
+    if wrapper.rule == "expert_choice":
+        return {"kind": "threshold"}
+    raise UnsupportedModelError(f"MoD routing rule {wrapper.rule!r} has no exported implementation")
+
+
+def hydra_export_state(model: CCGQAMoDMoRModel) -> dict[str, Any]:
+    """The weights the shipped code reads: the state dict without the causal thresholds that a
+    block in static mode keeps only for a switch back to dynamic routing."""
+    unused = []
+    for i, wrapper in enumerate(model.blocks):
+        if wrapper.static:
+            unused.append(f"blocks.{i}.causal.")
+        if wrapper.mor.mode == "static":
+            unused.append(f"blocks.{i}.mor.causal.")
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(tuple(unused) or ("\0",))}
 
 
 def hydra_layout(model: CCGQAMoDMoRModel) -> dict[str, Any]:

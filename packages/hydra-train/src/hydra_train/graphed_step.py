@@ -54,8 +54,11 @@ def make_capturable(opt: torch.optim.Optimizer, device: torch.device) -> None:
     """Switch a fused torch AdamW to capturable mode with its lr as a device tensor."""
     for g in opt.param_groups:
         g["capturable"] = True
-        if not isinstance(g["lr"], torch.Tensor):
-            g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
+        lr = g["lr"]
+        # a tensor lr elsewhere (a checkpoint saved while graphed loads it on the CPU) would be
+        # read once at capture and never again: the graph must read a device tensor
+        if not isinstance(lr, torch.Tensor) or lr.device != device:
+            g["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
     for st in opt.state.values():
         step = st.get("step")
         if isinstance(step, torch.Tensor) and step.device != device:
@@ -83,6 +86,8 @@ class GraphedStep:
         self.failure: str | None = None
         self.captures = 0
         self.replays = 0
+        #: whether the current call's optimizer step has run (set before its outputs are copied)
+        self.step_applied = False
 
     @property
     def captured(self) -> bool:
@@ -101,6 +106,7 @@ class GraphedStep:
 
     def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """The warm-up-and-capture step, or a replay."""
+        self.step_applied = False
         try:
             if not supports_found_inf(self.tr.optimizer):
                 raise CaptureError("needs torch's fused AdamW; the optimizer was swapped (8bit_adam?)")
@@ -125,7 +131,9 @@ class GraphedStep:
         graph = CUDAGraphStep.deferred(self._body, *self._inputs(batches), stream=self.stream)
         self._fill_scale(graph)
         try:
-            res = graph.warm_up(1).clone()  # this step, for real, on the capture stream
+            out = graph.warm_up(1)  # this step, for real, on the capture stream
+            self.step_applied = True
+            res = out.clone()
         finally:
             self._fill_scale(graph, reset=True)
         tr.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates its own gradients
@@ -152,6 +160,7 @@ class GraphedStep:
         self._fill_scale(graph)
         try:
             out = graph.replay()
+            self.step_applied = True
         finally:
             self._fill_scale(graph, reset=True)
         self.replays += 1

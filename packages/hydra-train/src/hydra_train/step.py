@@ -133,10 +133,15 @@ class StepMixin:
         (``on_graph_failure``) and the step runs eagerly."""
         graphs = self.cuda_graphs
         if graphs is None or graphs.take_eager_step():
+            if graphs is not None:  # a loss scale meant for a graphed step must not wait for one
+                graphs.scale_next_loss(None)
             return self.eager_step(batches)
         try:
             res = graphs(batches)
-        except Exception as exc:  # nothing of this step was applied: run it eagerly
+        except Exception as exc:
+            if graphs.step_applied:  # the optimizer step ran (copying its outputs failed): no rerun
+                raise
+            # nothing of this step was applied: run it eagerly
             self._graph_failed(f"{type(exc).__name__}: {str(exc)[:300]}")
             self.optimizer.zero_grad(set_to_none=True)  # whatever a half-run step accumulated
             return self.eager_step(batches)

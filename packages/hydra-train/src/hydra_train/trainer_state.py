@@ -131,6 +131,17 @@ class TrainerStateMixin:
         """Write a step (or the final) checkpoint through ``self.saver`` (set by the runner)."""
         return self.saver(self, final) if self.saver is not None else None
 
+    @staticmethod
+    def reset_graph_state(optimizer: torch.optim.Optimizer) -> None:
+        """Undo what a CUDA graph left in saved optimizer state: its lr tensor (loaded on the CPU,
+        where a new capture would read it once and never again) and capturable mode. A new
+        capture, if any, sets both again on this run's device."""
+        for g in optimizer.param_groups:
+            if isinstance(g["lr"], torch.Tensor):
+                g["lr"] = float(g["lr"])
+            if "capturable" in g:
+                g["capturable"] = False
+
     def resume_from(self, point: ResumePoint) -> None:
         """Load everything a checkpoint holds; the model config must match (else HydraCheckpointError).
         A weights-only checkpoint (no loop state) loads the weights and leaves the rest fresh."""
@@ -145,6 +156,7 @@ class TrainerStateMixin:
         load_full_state(self.model, self.optimizer, ck["model"], ck.get("optimizer"))
         for g in self.optimizer.param_groups:  # the current --lr wins over the saved one
             g["initial_lr"] = self.cfg.optim.lr
+        self.reset_graph_state(self.optimizer)
         if "scheduler" in ck:
             self.schedule.load_state_dict(ck["scheduler"])
         self.load_state_dict(ck["trainer"])

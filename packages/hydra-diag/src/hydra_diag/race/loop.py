@@ -258,39 +258,47 @@ def race_one(
     # batches in the same order: BatchPlan.batch(k) is a pure function of k); inline, a fast
     # model's step waited on the host's slicing and pinning
     batches = Prefetcher(data.batch, 0, threads=1, buffer_size=4, device=device)
-    next_mark, last_log = 0, time.perf_counter()
-    seg = time.perf_counter()
-    while True:
-        now = clock + time.perf_counter() - seg
-        if now >= marks[next_mark] or status != "ok":
-            _sync(device)
-            clock += time.perf_counter() - seg
-            if recent:
-                last_train_loss = float(torch.stack(recent).float().mean())
-                recent.clear()
-            record(clock)
-            next_mark += 1
-            tick({"clock": clock, "tokens": k * tokens_per_step, "loss": last_train_loss, "eval": evals[-1]})
-            if next_mark == len(marks) or status != "ok":
-                break
-            seg = time.perf_counter()
-            continue
-        lr = cfg.lr * lr_factor(now, s.budget_s, s.warmup_frac, s.min_lr_ratio)
-        loss = step(batches.next(), opt, lr)
-        last_lr[0] = lr
-        k += 1
-        recent.append(loss)
-        if len(recent) > 64:
-            recent.pop(0)
-        if time.perf_counter() - last_log >= s.log_every_s:
-            last_log = time.perf_counter()
-            last_train_loss = float(loss)  # one host read per log interval
-            if not math.isfinite(last_train_loss):
-                status = "diverged"
-            at = clock + time.perf_counter() - seg  # host time: the GPU may still be a step or two behind
-            tick({"clock": at, "tokens": k * tokens_per_step, "loss": last_train_loss, "lr": lr})
-
-    batches.close()
+    try:  # the worker and its pinned buffers go with the entrant, also on an error
+        next_mark, last_log = 0, time.perf_counter()
+        seg = time.perf_counter()
+        while True:
+            now = clock + time.perf_counter() - seg
+            if now >= marks[next_mark] or status != "ok":
+                _sync(device)
+                clock += time.perf_counter() - seg
+                if recent:
+                    last_train_loss = float(torch.stack(recent).float().mean())
+                    recent.clear()
+                record(clock)
+                next_mark += 1
+                tick(
+                    {
+                        "clock": clock,
+                        "tokens": k * tokens_per_step,
+                        "loss": last_train_loss,
+                        "eval": evals[-1],
+                    }
+                )
+                if next_mark == len(marks) or status != "ok":
+                    break
+                seg = time.perf_counter()
+                continue
+            lr = cfg.lr * lr_factor(now, s.budget_s, s.warmup_frac, s.min_lr_ratio)
+            loss = step(batches.next(), opt, lr)
+            last_lr[0] = lr
+            k += 1
+            recent.append(loss)
+            if len(recent) > 64:
+                recent.pop(0)
+            if time.perf_counter() - last_log >= s.log_every_s:
+                last_log = time.perf_counter()
+                last_train_loss = float(loss)  # one host read per log interval
+                if not math.isfinite(last_train_loss):
+                    status = "diverged"
+                at = clock + time.perf_counter() - seg  # host time: the GPU may still be a step or two behind
+                tick({"clock": at, "tokens": k * tokens_per_step, "loss": last_train_loss, "lr": lr})
+    finally:
+        batches.close()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     result = {
         **cfg.to_dict(),

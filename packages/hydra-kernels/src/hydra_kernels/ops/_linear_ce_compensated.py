@@ -74,7 +74,8 @@ def plane_shape(v: int, d: int) -> tuple[int, int]:
 def _quantum(hf, MANT: tl.constexpr, EMIN: tl.constexpr):
     """(q, usable) for fp32 values ``hf`` that are exactly 16-bit: q = ulp(hf)/16 as a power of
     two (subnormals: the format's smallest ulp/16); unusable for inf/NaN and for bf16 values
-    below 2^-126, where the residual is dropped (it is < 2^-133)."""
+    below 2^-115 (their quantum would fall below fp32's normal range), where the residual is
+    dropped (it is then < 2^-122, far under any gradient that matters)."""
     e = (hf.to(tl.int32, bitcast=True) >> 23) & 0xFF
     e = tl.maximum(e, EMIN + 127)
     qe = e - (MANT + 4)

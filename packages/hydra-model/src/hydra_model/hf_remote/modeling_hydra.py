@@ -437,5 +437,12 @@ class HydraForCausalLM(HydraPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(
         self, input_ids: torch.LongTensor, attention_mask=None, **_unused
     ) -> dict:
-        """The whole sequence at every step (no incremental cache)."""
+        """The whole sequence at every step (no incremental cache). Generation appends each new
+        token after the whole row, so a padded row would continue after its padding: batched
+        generation takes rows of equal length only (a padded batch is refused, with this reason)."""
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError(
+                "HYDRA's exported model generates from unpadded rows only (new tokens would follow "
+                "the padding): generate each prompt on its own, or batch prompts of equal length"
+            )
         return {"input_ids": input_ids, "attention_mask": attention_mask}

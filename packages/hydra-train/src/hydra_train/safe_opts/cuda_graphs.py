@@ -1,8 +1,9 @@
 """``--experimental_cuda_graphs``: the trainer's whole step captured as a CUDA graph and replayed.
 
 The graph is the trainer's own (:mod:`hydra_train.graphed_step`: what capture needs and how it is
-met); this optimization switches it on (``Trainer.enable_cuda_graphs`` with
-``--cuda_graphs_warmup`` eager steps first) and off (``disable_cuda_graphs``: the graph and its
+met); this optimization switches it on (``Trainer.enable_cuda_graphs``: with
+``--cuda_graphs_warmup`` W, W−1 eager steps, then the W-th runs for real on the capture stream and
+is captured right after) and off (``disable_cuda_graphs``: the graph and its
 memory pool released, the gradients back to None, the learning rate a Python float again: the
 next step is eager). A graph that fails to capture or replay is dropped by the trainer, which tells
 the callbacks (``on_graph_failure``); SafeOptimizations then records it DISABLED with the reason.
