@@ -102,6 +102,7 @@ def test_a_graph_failure_is_reported_and_the_step_runs_eagerly(tmp_path):
 
     class Broken:
         failure = None
+        step_applied = False  # it fails before its optimizer step
 
         def take_eager_step(self):
             return False
