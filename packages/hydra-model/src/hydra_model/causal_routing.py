@@ -124,7 +124,7 @@ class RouterThreshold(nn.Module):
         # the record lives from a forward to the next commit: not part of a checkpoint
         self.register_buffer("above", torch.zeros(GRID_POINTS), persistent=False)
         self.register_buffer("moments", torch.zeros(3), persistent=False)  # count, sum, sum of squares
-        self._register_load_state_dict_pre_hook(_fresh_when_absent, with_module=True)
+        self.register_load_state_dict_pre_hook(_fresh_when_absent)
 
     def extra_repr(self) -> str:
         return f"target={self.target:g}, momentum={self.momentum:g}"
