@@ -19,15 +19,14 @@ import json
 
 import torch
 
+from hydra_diag.health import logit_change
+
 
 def check(model, fwd, x, x2, t: int, mode: str) -> dict:
     model.train(mode != "eval")
     grad = mode == "train+grad"
     with torch.set_grad_enabled(grad), torch.autocast(x.device.type, dtype=torch.bfloat16):
-        a = fwd(x).logits.detach().float()
-        b = fwd(x2).logits.detach().float()
-    before = float((a[:, : t + 1] - b[:, : t + 1]).abs().max())
-    after = float((a[:, t + 1 :] - b[:, t + 1 :]).abs().max())
+        before, after = logit_change(fwd(x).logits, fwd(x2).logits, t)
     return {"mode": mode, "max_dlogit_before_t": before, "max_dlogit_after_t": after}
 
 

@@ -184,6 +184,13 @@ def forward_backward_check(
     return checks, ce
 
 
+def logit_change(a: torch.Tensor, b: torch.Tensor, t: int) -> tuple[float, float]:
+    """Largest |Δlogit| between two forwards [B, S, V] whose inputs differ only after position t:
+    (at positions ≤ t, which a causal model leaves unchanged; after t)."""
+    delta = (a.detach().float() - b.detach().float()).abs()
+    return float(delta[:, : t + 1].max()), float(delta[:, t + 1 :].max())
+
+
 @torch.no_grad()
 def causality_check(
     model: nn.Module, vocab: int, seq_len: int, device: torch.device, seed: int
@@ -196,9 +203,7 @@ def causality_check(
     x2 = x.clone()
     x2[:, t + 1 :] = torch.randint(0, vocab, (2, seq_len - t - 1), generator=g)
     a = model(x.to(device)).logits.float()
-    b = model(x2.to(device)).logits.float()
-    diff = float((a[:, : t + 1] - b[:, : t + 1]).abs().max())
-    after = float((a[:, t + 1 :] - b[:, t + 1 :]).abs().max())
+    diff, after = logit_change(a, model(x2.to(device)).logits.float(), t)
     scale = float(a.abs().max()) or 1.0
     tol = 1e-4 * scale
     model.train()

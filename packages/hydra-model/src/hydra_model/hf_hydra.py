@@ -136,13 +136,14 @@ def _mod_spec(wrapper: CCGQAMoDBlockWrapper) -> dict[str, Any]:
 def hydra_export_state(model: CCGQAMoDMoRModel) -> dict[str, Any]:
     """The weights the shipped code reads: the state dict without the causal thresholds that a
     block in static mode keeps only for a switch back to dynamic routing."""
-    unused = []
+    unused: list[str] = []
     for i, wrapper in enumerate(model.blocks):
         if wrapper.static:
             unused.append(f"blocks.{i}.causal.")
         if wrapper.mor.mode == "static":
             unused.append(f"blocks.{i}.mor.causal.")
-    return {k: v for k, v in model.state_dict().items() if not k.startswith(tuple(unused) or ("\0",))}
+    state = model.state_dict()
+    return {k: v for k, v in state.items() if not k.startswith(tuple(unused))} if unused else state
 
 
 def hydra_layout(model: CCGQAMoDMoRModel) -> dict[str, Any]:
