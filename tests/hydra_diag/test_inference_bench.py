@@ -47,9 +47,12 @@ def test_bench_inference_on_the_cpu(runner):
         [
             "bench", "inference", "--model_size", "tiny", "--configs", "gpt,hydra", "--device", "cpu",
             "--new_tokens", 4, "--prompt_len", 5, "--repeats", 1, "--flops_seq_len", 64,
+            "--decode", "eager,staged",
         ],
     )  # fmt: skip
-    rows = {r["config"]: r for r in out["rows"]}
-    assert set(rows) == {"gpt", "hydra"}
+    rows = {(r["config"], r["decode"]): r for r in out["rows"]}
+    assert set(rows) == {(c, d) for c in ("gpt", "hydra") for d in ("eager", "staged")}
     for r in rows.values():
         assert r["new_tokens"] == 4 and r["tokens_per_s"] > 0 and r["eval_flops_per_token"] > 0
+        assert r["decode_report"]["steps"] == 3  # the last timed generation: 3 steps after the prompt
+        assert r["tokens_agree_with_first_mode"] == 1.0  # fp32 on the CPU: the same tokens

@@ -9,7 +9,10 @@ CPU attention kernel, so one is added here: QKᵀ and PV, 4·B·Hq·Sq·Sk·d, h
 (every query sees about half the keys), the same rule for every model.
 
 Generation is timed as a person would see it: prompt → ``model.generate(max_new_tokens=N)``,
-greedy, after one warm-up generation of the same length; tokens/s counts new tokens only.
+greedy, after one warm-up generation of the same length; tokens/s counts new tokens only. Each
+``decode`` mode (hydra_model/decode_graphs.py: eager, staged, graphs, or auto, the default) is a
+row of its own, with the model's decode report (what ran, routed blocks run and skipped, the
+capture time, which is part of every timed generation).
 """
 
 from __future__ import annotations
@@ -61,16 +64,17 @@ def time_generation(
     prompt: torch.Tensor,
     new_tokens: int,
     repeats: int = 3,
+    decode: str = "auto",
 ) -> dict[str, Any]:
-    """Greedy generation speed of ``model`` from ``prompt`` [B, P]: the median over ``repeats``
-    timed generations after one warm-up."""
+    """Greedy generation speed of ``model`` from ``prompt`` [B, P] with ``decode``: the median
+    over ``repeats`` timed generations after one warm-up."""
     device = prompt.device
 
     def once() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        out = model.generate(prompt, max_new_tokens=new_tokens)
+        out = model.generate(prompt, max_new_tokens=new_tokens, decode=decode)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -84,7 +88,10 @@ def time_generation(
     times = sorted(once() for _ in range(max(1, repeats)))
     median = times[len(times) // 2]
     batch = prompt.shape[0]
+    report = model.last_decode_report.to_dict()
     return {
+        "decode": report["mode"],
+        "decode_report": report,
         "batch_size": batch,
         "prompt_tokens": prompt.shape[1],
         "new_tokens": new_tokens,
@@ -105,10 +112,12 @@ def bench_inference(
     flops_seq_len: int,
     device: str,
     repeats: int,
+    decodes: tuple[str, ...] = ("auto",),
     progress=lambda msg: None,
 ) -> dict[str, Any]:
     """For each race configuration (hydra_diag.race.configs): parameters, counted eval-forward
-    FLOPs per token, and greedy generation speed on ``device`` (bf16 weights on CUDA)."""
+    FLOPs per token, and greedy generation speed on ``device`` (bf16 weights on CUDA), a row per
+    decode mode in ``decodes``."""
     from hydra_diag.race.configs import parse_config_names, parse_sets, resolve_configs
     from hydra_model import build_model
 
@@ -119,18 +128,26 @@ def bench_inference(
     rows = []
     for cfg in cfgs:
         progress(f"{cfg.name}: counting FLOPs")
-        row: dict[str, Any] = {"config": cfg.name, "arch": cfg.arch, "overrides": cfg.overrides}
-        row.update(count_eval_flops(cfg.arch, model_size, flops_seq_len, cfg.overrides))
-        progress(f"{cfg.name}: generating {new_tokens} tokens × {repeats + 1}")
+        base: dict[str, Any] = {"config": cfg.name, "arch": cfg.arch, "overrides": cfg.overrides}
+        base.update(count_eval_flops(cfg.arch, model_size, flops_seq_len, cfg.overrides))
         torch.manual_seed(0)
         model = build_model(cfg.arch, model_size, **cfg.overrides).to(dev).eval()
         if dev.type == "cuda":
             model = model.to(torch.bfloat16)
         vocab = model.config.vocab_size
         prompt = torch.randint(0, vocab, (batch_size, prompt_len), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            row.update(time_generation(model, prompt.to(dev), new_tokens, repeats))
-        rows.append(row)
+        outputs = []
+        for decode in decodes:
+            progress(f"{cfg.name}: generating {new_tokens} tokens × {repeats + 1} (decode {decode})")
+            with torch.no_grad():
+                row = {**base, **time_generation(model, prompt.to(dev), new_tokens, repeats, decode)}
+                outputs.append(model.generate(prompt.to(dev), max_new_tokens=new_tokens, decode=decode))
+            row["decode_requested"] = decode
+            rows.append(row)
+        # every decode mode computes the same steps: greedy tokens must agree (bf16 rounding
+        # aside, which can flip a near-tie; the share that agrees is reported, not assumed)
+        for row, out in zip(rows[-len(decodes) :], outputs, strict=True):
+            row["tokens_agree_with_first_mode"] = float((out == outputs[0]).float().mean())
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -145,11 +162,12 @@ def render_inference(result: dict[str, Any], console) -> None:
     from rich.table import Table
 
     table = Table(title=f"inference, {result['model_size']} on {result['device']['device']}")
-    for col in ("config", "params", "eval GFLOP/tok", "gen tok/s", "ms/step"):
-        table.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
+    for col in ("config", "decode", "params", "eval GFLOP/tok", "gen tok/s", "ms/step"):
+        table.add_column(col, justify="left" if col in ("config", "decode") else "right", no_wrap=True)
     for r in result["rows"]:
         table.add_row(
             r["config"],
+            r["decode"],
             f"{r['parameters'] / 1e6:.1f}M",
             f"{r['eval_flops_per_token'] / 1e9:.3f}",
             f"{r['tokens_per_s']:,.0f}",

@@ -35,6 +35,9 @@ class RunContext:
     cache: ModelCache | None = None
     #: length of the whole sequence this forward runs (gather sizes of causal routing)
     seq_len: int = 0
+    #: decoding may read a routing decision on the host to skip a block (one sync each); False
+    #: while a decode step is captured as a CUDA graph: the block then runs, its update masked
+    host_reads: bool = True
 
     @property
     def decoding(self) -> bool:
@@ -200,6 +203,31 @@ class CCGQAMoDBlockWrapper(nn.Module):
         if not self.routed:
             return self.mor(h, pos, None, ctx)
         return routing_rule("static" if self.static else self.rule).mod_forward(self, h, pos, ctx)
+
+    def decode_stages(self, h: torch.Tensor, pos: torch.Tensor, ctx: RunContext) -> list:
+        """This block's part of a staged decode step on the stream buffer h [B, 1, E] (updated in
+        place; decode_graphs.py): with a rule that splits its decode step, the decision (a flag:
+        any token taken) and the block gated on it; otherwise the whole forward, one stage."""
+        from hydra_model.decode_graphs import DecodeStage
+
+        rule = routing_rule("static" if self.static else self.rule)
+        if not (self.routed and rule.staged_decode and self.causal is not None):
+            return [DecodeStage(lambda: h.copy_(self(h, pos, ctx)[0]))]
+        flag = torch.zeros((), dtype=torch.bool, device=h.device)
+        held: dict[str, torch.Tensor] = {}  # the decision, in buffers made by the first (eager) call
+
+        def decide() -> None:
+            taken, weight = rule.decode_decide(self, h, pos, ctx)
+            if not held:
+                held["taken"], held["weight"] = torch.empty_like(taken), torch.empty_like(weight)
+            held["taken"].copy_(taken)
+            held["weight"].copy_(weight)
+            flag.copy_(taken.any())
+
+        def apply() -> None:
+            h.copy_(rule.decode_apply(self, h, pos, ctx, held["taken"], held["weight"])[0])
+
+        return [DecodeStage(decide, flag=flag), DecodeStage(apply, gated=True)]
 
     @torch.no_grad()
     def record_stats(self, taken_frac: torch.Tensor, weight: torch.Tensor, passed_frac: torch.Tensor) -> None:

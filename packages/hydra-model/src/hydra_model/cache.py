@@ -40,7 +40,11 @@ class CacheSlot:
 
 @dataclass
 class ModelCache:
-    """All slots of one generation, keyed by (block index, recursion index)."""
+    """All slots of one generation, keyed by (block index, recursion index).
+
+    Every tensor a decode step changes is changed in place (keys, values, lengths, conv and
+    value-shift state, routing counters, the position): a decode step captured once as a CUDA
+    graph then advances the same state on every replay (decode_graphs.py)."""
 
     capacity: int
     seq_len: int = 0
@@ -48,11 +52,30 @@ class ModelCache:
     #: causal routing: tokens taken so far per routing point ([B] long), keyed like the slots
     #: ((block, −1) for MoD, (block, r) for MoR recursion r); see causal_routing.py
     counts: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    #: the next token's position [B, 1] long on the model's device, made by the first decode step
+    #: (a device tensor, not ``seq_len``, so that a captured step reads the current value)
+    position: torch.Tensor | None = None
 
     @property
     def decoding(self) -> bool:
         """True once the prefill pass has run: each later forward decodes one token."""
         return self.seq_len > 0
+
+    def positions(self, batch: int, device: torch.device) -> torch.Tensor:
+        """The decode step's positions [B, 1] (all ``seq_len``: prompts have equal lengths)."""
+        if self.position is None:
+            self.position = torch.full((batch, 1), self.seq_len, dtype=torch.long, device=device)
+        return self.position
+
+    def advance_host(self, n: int) -> None:
+        """The host's count alone (a replayed decode graph advanced the device position)."""
+        self.seq_len += n
+
+    def advance(self, n: int) -> None:
+        """After a forward of n tokens: the host's count and, once decoding, the device position."""
+        self.seq_len += n
+        if self.position is not None:
+            self.position.add_(n)
 
     def slot(self, block: int, recursion: int) -> CacheSlot:
         key = (block, recursion)
@@ -79,7 +102,8 @@ def prefill_kv(
     vc = v.new_zeros(b, h, slot.capacity, d)
     kc[:, :, :n] = k
     vc[:, :, :n] = v
-    entry = AttentionCache(kc, vc, valid_length(count, b, n, k.device))
+    # a copy: decoding advances it in place, and ``count`` may be the caller's tensor
+    entry = AttentionCache(kc, vc, valid_length(count, b, n, k.device).clone())
     slot.entry = entry
     return entry
 
@@ -94,18 +118,18 @@ def decode_attend(
 ) -> torch.Tensor:
     """One decode step: q [B, Hq, 1, d], new k, v [B, n_kv, 1, d]; returns [B, Hq, 1, d].
 
-    The new key/value goes to position ``length[b]``; ``length`` advances where ``write[b]``.
+    The new key/value goes to position ``length[b]``; ``length`` advances where ``write[b]``
+    (all in place: see :class:`ModelCache`).
     """
     b, h, _, d = k.shape
     pos = entry.length  # [B]
     index = pos.view(b, 1, 1, 1).expand(b, h, 1, d)
-    entry.k = entry.k.scatter(2, index, k.to(entry.k.dtype))
-    entry.v = entry.v.scatter(2, index, v.to(entry.v.dtype))
+    entry.k.scatter_(2, index, k.to(entry.k.dtype))
+    entry.v.scatter_(2, index, v.to(entry.v.dtype))
     keys = torch.arange(entry.k.shape[2], device=k.device)
     mask = (keys.view(1, -1) <= pos.view(-1, 1)).view(b, 1, 1, -1)  # [B, 1, 1, L]
     out = flexible_attention(
         q, entry.k.to(q.dtype), entry.v.to(q.dtype), causal=False, attn_mask=mask, scale=scale
     )
-    step = torch.ones_like(pos) if write is None else write.to(pos.dtype)
-    entry.length = pos + step
+    entry.length.add_(1 if write is None else write.to(pos.dtype))
     return out

@@ -230,7 +230,10 @@ class CausalRouter(nn.Module):
             if prev is None:
                 prev = torch.zeros(logit.shape[0], dtype=torch.long, device=logit.device)
             taken = passed[:, 0] & (prev < budget[:, 0])
-            counts[self.key] = prev + taken.long()
+            if self.key in counts:
+                prev.add_(taken.long())  # in place: a captured decode step replays on it
+            else:
+                counts[self.key] = prev + taken.long()
             return taken.unsqueeze(1)
         taken = causal_take(passed, budget)
         if counts is not None:

@@ -287,7 +287,8 @@ class CCGQAAttention(nn.Module):
 
     def _advance_state(self, entry: AttentionCache, u, shifted_src, write_mask) -> None:
         keep = write_mask.view(-1, 1, 1)
+        # in place, like the cache's keys and values (cache.py: a captured step replays on them)
         if self.conv_context:
             rolled = torch.cat([entry.conv_state[:, 1:], u.to(entry.conv_state.dtype)], dim=1)
-            entry.conv_state = torch.where(keep, rolled, entry.conv_state)
-        entry.prev_v = torch.where(keep[:, 0], shifted_src[:, 0].to(entry.prev_v.dtype), entry.prev_v)
+            entry.conv_state.copy_(torch.where(keep, rolled, entry.conv_state))
+        entry.prev_v.copy_(torch.where(keep[:, 0], shifted_src[:, 0].to(entry.prev_v.dtype), entry.prev_v))

@@ -55,6 +55,17 @@ class DecoderMixin:
 
         return flops_per_token(self.config, seq_len, executed=executed)
 
+    def decode_stages(self, cache, tokens: torch.Tensor, logits: torch.Tensor) -> list:
+        """One decode step as stages for decode_graphs.py: by default the whole forward, one stage
+        (a model with routed blocks splits it so that a graphed step can skip them). ``tokens``
+        [B, 1] and ``logits`` [B, V] are the step's persistent input and output buffers."""
+        from hydra_model.decode_graphs import DecodeStage
+
+        def step() -> None:
+            logits.copy_(self(tokens, cache=cache).logits[:, -1])
+
+        return [DecodeStage(step)]
+
     def generate(
         self,
         input_ids: torch.Tensor,
@@ -64,12 +75,16 @@ class DecoderMixin:
         top_p: float | None = None,
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
+        decode: str = "auto",
     ) -> torch.Tensor:
         """Incremental decoding with the model's cache (keys/values, and CCGQA's conv and
-        value-shift state) → [B, S + new]."""
+        value-shift state) → [B, S + new]. ``decode``: auto (CUDA graphs on CUDA, else eager),
+        eager, staged or graphs (decode_graphs.py); ``self.last_decode_report`` says what ran."""
         from hydra_model.generation import generate
 
-        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
+        return generate(
+            self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, decode
+        )
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` (recording the architecture) and ``model.safetensors`` into

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hydra_model.cache import ModelCache
+from hydra_model.decode_graphs import DecodeReport, StagedDecoder, resolve_mode
 
 if TYPE_CHECKING:
     from hydra_model.model import CCGQAMoDMoRModel
@@ -53,9 +54,13 @@ def generate(
     top_p: float | None = None,
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    decode: str = "auto",
 ) -> torch.Tensor:
     """Prompt [B, S] (equal lengths, no padding) → [B, S + generated]. Stops early only when every
-    sequence has produced ``eos_token_id``; finished sequences are padded with it."""
+    sequence has produced ``eos_token_id``; finished sequences are padded with it. ``decode``
+    picks how the steps after the prompt run (decode_graphs.py); the model's
+    ``last_decode_report`` records what ran."""
+    mode = resolve_mode(decode, input_ids.device)
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [B, S] with S ≥ 1, got {tuple(input_ids.shape)}")
     if max_new_tokens < 0:
@@ -71,6 +76,13 @@ def generate(
         if max_new_tokens == 0:
             return input_ids
         logits = model(input_ids, cache=cache).logits[:, -1]
+        decoder = None
+        if mode == "eager":
+            model.last_decode_report = DecodeReport(mode="eager", requested=decode)
+        else:
+            decoder = StagedDecoder(model, cache, input_ids.shape[0], input_ids.device, mode)
+            decoder.report.requested = decode
+            model.last_decode_report = decoder.report
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
             nxt = sample_next(logits, temperature, top_k, top_p, generator)
@@ -80,7 +92,11 @@ def generate(
             pieces.append(nxt.unsqueeze(1))
             if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
                 break
-            logits = model(nxt.unsqueeze(1), cache=cache).logits[:, -1]
+            if decoder is None:
+                logits = model(nxt.unsqueeze(1), cache=cache).logits[:, -1]
+                model.last_decode_report.steps += 1
+            else:
+                logits = decoder.step(nxt)
         return torch.cat(pieces, dim=1)
     finally:
         model.train(was_training)

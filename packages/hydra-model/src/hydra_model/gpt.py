@@ -124,7 +124,7 @@ class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         if cache is not None and cache.seq_len:
             if s != 1:
                 raise ValueError(f"a filled cache decodes one token at a time, got {s}")
-            pos = torch.full((b, 1), cache.seq_len, dtype=torch.long, device=input_ids.device)
+            pos = cache.positions(b, input_ids.device)  # [B, 1]
             cos, sin = self.rope.tables(positions=pos)
         else:
             if cache is None and s > cfg.max_seq_len:
@@ -137,7 +137,7 @@ class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
             h = self.checkpointed_call(i, layer, h, cos, sin) if slot is None else layer(h, cos, sin, slot)
         h = self.norm(h)
         if cache is not None:
-            cache.seq_len += s
+            cache.advance(s)
 
         if targets is None:
             return HydraOutput(logits=F.linear(h, self.embed.weight))

@@ -144,7 +144,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
             if cache.seq_len:
                 if s != 1:
                     raise ValueError(f"a filled cache decodes one token at a time, got {s}")
-                pos = torch.full((b, 1), cache.seq_len, dtype=torch.long, device=input_ids.device)
+                pos = cache.positions(b, input_ids.device)  # [B, 1]
         elif s > cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds max_seq_len={cfg.max_seq_len}")
         if self.training and torch.is_grad_enabled() and self.threshold_commit == "forward":
@@ -163,7 +163,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
             merge_aux(aux_lists, aux)
         h = self.norm(h)
         if cache is not None:
-            cache.seq_len += s
+            cache.advance(s)
 
         if targets is None:
             return HydraOutput(logits=F.linear(h, self.embed.weight))
@@ -175,6 +175,27 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
             if weights[name]:
                 loss = loss + weights[name] * value
         return HydraOutput(logits=logits, loss=loss, ce_loss=ce, aux_losses=aux_losses)
+
+    def decode_stages(self, cache: ModelCache, tokens: torch.Tensor, logits: torch.Tensor) -> list:
+        """One decode step as stages (decode_graphs.py): the embedding, each block's stages (a
+        routed block: its decision, then the block gated on it), the head. The residual stream
+        lives in one buffer the stages update in place."""
+        from hydra_model.decode_graphs import DecodeStage
+
+        b = tokens.shape[0]
+        h = torch.empty(b, 1, self.config.dim, dtype=self.embed.weight.dtype, device=tokens.device)
+        pos = cache.positions(b, tokens.device)  # [B, 1], advanced in place by the head stage
+        ctx = RunContext(self.rope, cache, seq_len=1, host_reads=False)
+        stages = [DecodeStage(lambda: h.copy_(self.embed(tokens)))]
+        for block in self.blocks:
+            stages.extend(block.decode_stages(h, pos, ctx))
+
+        def head() -> None:
+            logits.copy_(F.linear(self.norm(h), self.embed.weight)[:, -1])
+            cache.advance(1)
+
+        stages.append(DecodeStage(head))
+        return stages
 
     # --- introspection --------------------------------------------------------------------------
     def routing_stats(self) -> dict[str, list[dict[str, Any]]]:

@@ -17,6 +17,7 @@ from hydra_model.routing_rules import RoutingRule, add_aux, merge_aux, register_
 class CausalRouting(RoutingRule):
     name = "causal"
     selects_tokens = True
+    staged_decode = True
 
     def build_mod(self, wrapper, cfg) -> None:
         if wrapper.capacity < 1.0:
@@ -45,30 +46,49 @@ class CausalRouting(RoutingRule):
         if wrapper.causal is None:  # capacity 1: nothing to decide
             return soft_mod(wrapper, h, pos, ctx)
         b, s, _ = h.shape
+        if ctx.decoding:
+            taken, weight = self.decode_decide(wrapper, h, pos, ctx)
+            if b == 1 and ctx.host_reads and not bool(taken):  # one host sync: the block is skipped
+                return h, {}
+            return self.decode_apply(wrapper, h, pos, ctx, taken, weight)
         logit = router_logits(h, wrapper.router.weight[0], wrapper.router.bias[0], with_detached=False)[0]
         weight = torch.sigmoid(logit)
         aux = {"router_z": [logit.pow(2).mean()]}
         all_pos = positions_or_arange(pos, b, s, h.device)
         taken = wrapper.causal.decide(logit, all_pos, None, ctx.counts, ctx.decoding)
-        if ctx.decoding:
-            if b == 1 and not bool(taken):  # one host sync a step: the block is skipped
-                new_h = h
-            else:
-                h_out, inner = wrapper.mor(h, pos, taken, ctx)
-                merge_aux(aux, inner)
-                update = (weight.unsqueeze(-1) * (h_out - h)).to(h.dtype)
-                new_h = h + torch.where(taken.unsqueeze(-1), update, torch.zeros_like(update))
-        else:
-            idx, rows = take_first_k(taken, wrapper.causal.rows(s, ctx.seq_len or s))
-            view = SubSequence(idx, all_pos.gather(1, idx), rows, flat_index(idx, s))
-            hs = view.gather(h)  # [B, ⌈c·S⌉, E]
-            hs_out, inner = wrapper.mor(hs, view.pos, view.member, ctx)
-            merge_aux(aux, inner)
-            new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
+        idx, rows = take_first_k(taken, wrapper.causal.rows(s, ctx.seq_len or s))
+        view = SubSequence(idx, all_pos.gather(1, idx), rows, flat_index(idx, s))
+        hs = view.gather(h)  # [B, ⌈c·S⌉, E]
+        hs_out, inner = wrapper.mor(hs, view.pos, view.member, ctx)
+        merge_aux(aux, inner)
+        new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
+        self._record(wrapper, logit, taken, weight)
+        return new_h, aux
+
+    @staticmethod
+    def _record(wrapper, logit, taken, weight) -> None:
         with torch.no_grad():
             passed = wrapper.causal.threshold.passes(logit.detach()).float().mean()
         wrapper.record_stats(taken.float().mean(), weight, passed)
-        return new_h, aux
+
+    # a decode step in two halves, so that a graphed decoder (decode_graphs.py) can read the
+    # decision on the host between them and skip the second
+    def decode_decide(self, wrapper, h, pos, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoded token h [B, 1, E]: (taken [B, 1] bool, router weight σ(logit) [B, 1]); the
+        point's counter in the cache advances where taken."""
+        logit = router_logits(h, wrapper.router.weight[0], wrapper.router.bias[0], with_detached=False)[0]
+        weight = torch.sigmoid(logit)
+        all_pos = positions_or_arange(pos, h.shape[0], 1, h.device)
+        taken = wrapper.causal.decide(logit, all_pos, None, ctx.counts, True)
+        self._record(wrapper, logit, taken, weight)
+        return taken, weight
+
+    def decode_apply(self, wrapper, h, pos, ctx, taken, weight):
+        """The MoR block on the decoded token, its update σ(logit)·(out − in) kept where taken (a
+        token not taken leaves h and every cache slot of the block unchanged)."""
+        h_out, aux = wrapper.mor(h, pos, taken, ctx)
+        update = (weight.unsqueeze(-1) * (h_out - h)).to(h.dtype)
+        return h + torch.where(taken.unsqueeze(-1), update, torch.zeros_like(update)), aux
 
     def mor_forward(self, block, h, pos, member, ctx, aux):
         """The candidates of recursion r are the tokens recursion r−1 took; its rows are gathered
@@ -93,7 +113,7 @@ class CausalRouting(RoutingRule):
                 reach = reach * prob
                 taken = router.decide(logit, all_pos, active, ctx.counts, ctx.decoding)
                 if ctx.decoding:
-                    if b == 1 and not bool(taken):  # one host sync a step: skip the rest
+                    if b == 1 and ctx.host_reads and not bool(taken):  # one host sync: skip the rest
                         break
                     stepped, moe_loss = block.run_block(h, r, ctx, pos, gate, member=taken)
                     h = torch.where(taken.unsqueeze(-1), stepped, h)

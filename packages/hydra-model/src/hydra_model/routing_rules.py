@@ -84,6 +84,17 @@ class RoutingRule:
     ) -> tuple[torch.Tensor, AuxLists]:
         raise ValueError(f"routing rule {self.name!r} does not route Mixture-of-Depths blocks")
 
+    #: the rule splits a MoD decode step into ``decode_decide`` and ``decode_apply`` (see
+    #: routing_causal.py), so a graphed decoder can skip the block for a token routed out of it
+    #: (decode_graphs.py); otherwise a graphed step runs the whole ``mod_forward``
+    staged_decode: ClassVar[bool] = False
+
+    def decode_decide(self, wrapper, h, pos, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError(f"routing rule {self.name!r} has no staged decode step")
+
+    def decode_apply(self, wrapper, h, pos, ctx, taken, weight) -> tuple[torch.Tensor, AuxLists]:
+        raise NotImplementedError(f"routing rule {self.name!r} has no staged decode step")
+
     def mor_forward(
         self,
         block: CCGQAMoRBlock,

@@ -188,6 +188,14 @@ def inference_cmd(
     ] = 2048,
     device: Annotated[str, opt("--device", metavar="cuda|cpu", help="cuda (bf16) or cpu (fp32).")] = "cuda",
     repeats: Annotated[int, opt("--repeats", help="Timed generations (median).", min=1)] = 3,
+    decode: Annotated[
+        str,
+        opt(
+            "--decode",
+            metavar="MODES",
+            help="Decode modes to time, comma-separated: auto (CUDA graphs on CUDA), eager, staged, graphs.",
+        ),
+    ] = "eager,auto",
     json_out: JsonOut = False,
 ) -> None:
     """Inference cost per configuration: parameters, the FLOPs one inference-mode forward
@@ -210,6 +218,7 @@ def inference_cmd(
             flops_seq_len=flops_seq_len,
             device=device,
             repeats=repeats,
+            decodes=tuple(m.strip() for m in decode.split(",") if m.strip()),
             progress=say,
         ),
         json_out,

@@ -158,11 +158,23 @@ def race_one(
     tick: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     """Race ``cfg`` for ``s.budget_s`` seconds of training; the per-configuration result."""
+    from hydra_model.fused_routing import compiled_routing_enabled, set_compiled_routing
     from hydra_train.optim import build_optimizer
     from hydra_train.prefetch import Prefetcher
 
     cuda = device.type == "cuda"
     t_setup = time.perf_counter()
+    # where setup goes: seconds from the start of setup to each progress message (the last phase
+    # ends at setup_s); the phases are the messages below
+    phases: list[tuple[str, float]] = []
+    outer_say = say
+
+    def say(msg: str) -> None:
+        if setup_s is None:
+            phases.append((msg, time.perf_counter() - t_setup))
+        outer_say(msg)
+
+    setup_s: float | None = None
     torch.manual_seed(s.seed)
     say("building")
     model = build_entrant(cfg, s.model_size, data.vocab_size, data.seq_len).to(device).train()
@@ -178,10 +190,18 @@ def race_one(
         # 2026-11-23: 25-45 s of HYDRA's 120 s budget)
         say("measuring attention kernels (eager)")
         x, y = data.batch(0)
-        with autocast(device):
-            model(x.to(device), targets=y.to(device)).loss.backward()
-        evaluate(model, val[:1], device, train_mode=False)
-        evaluate(model, val[:1], device, train_mode=True)
+        # the routing glue op by op here: its own compiled copies (fused_routing.py) would cost
+        # ~15 s of compiling (H100, 2026-11-25, warm cache too) for a pass that only measures
+        # attention; the compiled entrant traces the glue into its own graph anyway
+        glue = compiled_routing_enabled()
+        set_compiled_routing(False)
+        try:
+            with autocast(device):
+                model(x.to(device), targets=y.to(device)).loss.backward()
+            evaluate(model, val[:1], device, train_mode=False)
+            evaluate(model, val[:1], device, train_mode=True)
+        finally:
+            set_compiled_routing(glue)
         restore(model, initial)
     scope = cfg.compile if (cuda and s.compile) else "none"
     fwd = compile_entrant(model, scope) if scope != "none" else model
@@ -213,6 +233,7 @@ def race_one(
     for i in range(s.warmup_steps):
         say(f"warm-up step {i + 1}/{s.warmup_steps} (compiling)" if scope != "none" else "warm-up")
         step(tuple(t.to(device) for t in data.batch(i)), choice.optimizer, cfg.lr * 0.01)
+    say("evaluation warm-up" + (" (compiling)" if scope != "none" else ""))
     evaluate(model, val[:1], device, train_mode=False)
     _sync(device)
     restore(model, initial)
@@ -309,6 +330,10 @@ def race_one(
         "flops_per_token": fpt,
         "flops_per_token_dense": fpt_dense,
         "setup_s": setup_s,
+        "setup_phases": [
+            {"phase": msg, "start_s": start, "seconds": end - start}
+            for (msg, start), end in zip(phases, [p[1] for p in phases[1:]] + [setup_s], strict=True)
+        ],
         "train_s": clock,
         "steps": k,
         "tokens": k * tokens_per_step,

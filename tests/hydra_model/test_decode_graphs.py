@@ -1,0 +1,130 @@
+"""Staged decoding (decode_graphs.py): the stages a graphed decoder captures compute what the
+model's own decode step computes, skip routed blocks only for tokens routed out of them, and
+change the cache only in place (what a replayed CUDA graph needs)."""
+
+import pytest
+import torch
+
+from hydra_model import build_model
+from hydra_model.cache import ModelCache
+from hydra_model.decode_graphs import DecodeStage, StagedDecoder, resolve_mode, segments_of
+
+ROUTED = dict(n_mor_blocks=5, recursions_per_block=1, mod_capacity=0.5, mod_block_stride=2)
+
+
+def routed_model(seed: int) -> torch.nn.Module:
+    """A small HYDRA with two MoD-routed blocks whose routers take some tokens and not others."""
+    torch.manual_seed(seed)
+    model = build_model("hydra", "tiny", **ROUTED).eval()
+    routed = [blk for blk in model.blocks if blk.routed]
+    assert len(routed) == 2
+    for blk in routed:
+        torch.nn.init.normal_(blk.router.weight, std=1.0)
+        blk.causal.threshold.tau.fill_(0.0)  # about half the tokens clear it
+    return model
+
+
+def test_staged_steps_equal_the_models_decode_step_and_skip_routed_blocks():
+    model = routed_model(seed=torch.seed() % 2**31)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, 9))
+    ref_cache, cache = ModelCache(capacity=40), ModelCache(capacity=40)
+    with torch.no_grad():
+        ref_logits = model(prompt, cache=ref_cache).logits[:, -1]
+        logits = model(prompt, cache=cache).logits[:, -1]
+        decoder = StagedDecoder(model, cache, 1, prompt.device, "staged")
+        for _ in range(24):
+            nxt = torch.randint(0, vocab, (1,))  # the same tokens for both: not a greedy echo
+            ref_logits = model(nxt.view(1, 1), cache=ref_cache).logits[:, -1]
+            logits = decoder.step(nxt)
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    report = decoder.report
+    assert report.segments == 5 and report.gated_segments == 2 and report.steps == 24
+    assert report.gated_run > 0 and report.gated_skipped > 0  # both branches were exercised
+    assert report.gated_run + report.gated_skipped == 2 * 24
+    assert cache.seq_len == ref_cache.seq_len == 9 + 24
+    for key, slot in ref_cache.slots.items():
+        torch.testing.assert_close(cache.slots[key].entry.length, slot.entry.length, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["hydra", "gpt"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_staged_generation_gives_the_eager_tokens(arch, batch):
+    model = routed_model(seed=torch.seed() % 2**31) if arch == "hydra" else build_model("gpt", "tiny").eval()
+    prompt = torch.randint(0, model.config.vocab_size, (batch, 6))
+    eager = model.generate(prompt, 16, decode="eager")
+    assert model.last_decode_report.mode == "eager" and model.last_decode_report.steps == 15
+    staged = model.generate(prompt, 16, decode="staged")
+    assert model.last_decode_report.mode == "staged" and model.last_decode_report.steps == 15
+    assert torch.equal(eager, staged)
+
+
+def decode_state(cache: ModelCache) -> list[torch.Tensor]:
+    """Every tensor of the cache a decode step changes."""
+    state = [cache.position, *cache.counts.values()]
+    for slot in cache.slots.values():
+        e = slot.entry
+        state += [e.k, e.v, e.length] + [t for t in (e.conv_state, e.prev_v) if t is not None]
+    return state
+
+
+def test_decode_step_changes_the_cache_only_in_place():
+    model = routed_model(seed=torch.seed() % 2**31)
+    cache = ModelCache(capacity=20)
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (2, 5)), cache=cache)
+        model(torch.randint(0, model.config.vocab_size, (2, 1)), cache=cache)  # makes the position
+        before = [(t, t.data_ptr(), t.clone()) for t in decode_state(cache)]
+        model(torch.randint(0, model.config.vocab_size, (2, 1)), cache=cache)
+    after = decode_state(cache)
+    assert all(a is b for a, (b, _, _) in zip(after, before, strict=True))
+    assert all(t.data_ptr() == ptr for t, ptr, _ in before)
+    assert any(not torch.equal(t, old) for t, _, old in before)  # the step did change state
+    assert torch.equal(cache.position, torch.full((2, 1), 7))  # 5 prompt tokens + 2 decoded
+
+
+def test_segments_group_plain_stages_up_to_each_decision():
+    def noop() -> None:
+        pass
+
+    flag = torch.zeros((), dtype=torch.bool)
+    stages = [
+        DecodeStage(noop),
+        DecodeStage(noop, flag=flag),
+        DecodeStage(noop, gated=True),
+        DecodeStage(noop),
+    ]
+    segs = segments_of(stages)
+    shapes = [(len(s.stages), s.gated, s.flag is not None) for s in segs]
+    assert shapes == [(2, False, True), (1, True, False), (1, False, False)]
+    with pytest.raises(ValueError, match="gated decode stage must follow"):
+        segments_of([DecodeStage(noop), DecodeStage(noop, gated=True)])
+
+
+def test_decode_mode_is_checked():
+    cpu = torch.device("cpu")
+    assert resolve_mode("auto", cpu) == "eager"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_mode("graphs", cpu)
+    with pytest.raises(ValueError, match="decode='fast'"):
+        resolve_mode("fast", cpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("arch", ["hydra", "gpt"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graphed_decoding_replays_the_eager_steps_on_cuda(arch, batch):
+    """fp32 on the GPU: graphed greedy decoding gives the eager tokens, captured without a
+    fallback, and (HYDRA) both runs and skips of the routed blocks happen."""
+    model = routed_model(seed=torch.seed() % 2**31) if arch == "hydra" else build_model("gpt", "tiny").eval()
+    model = model.cuda()
+    prompt = torch.randint(0, model.config.vocab_size, (batch, 6), device="cuda")
+    eager = model.generate(prompt, 24, decode="eager")
+    graphed = model.generate(prompt, 24, decode="graphs")
+    report = model.last_decode_report
+    assert report.mode == "graphs" and report.reason is None, report
+    assert torch.equal(eager, graphed)
+    if arch == "hydra":
+        assert report.gated_segments == 2 and report.gated_run > 2
+        if batch == 1:
+            assert report.gated_skipped > 0
