@@ -56,9 +56,9 @@ def test_fires_only_while_active_and_in_its_phase():
 
 def test_env(monkeypatch):
     monkeypatch.setenv(ENV, "slow=0.1:compile@always")
-    assert FaultInjector.from_env(NAMES).faults[0].value == 0.1
+    assert FaultInjector.from_options(NAMES).faults[0].value == 0.1
     monkeypatch.delenv(ENV)
-    assert FaultInjector.from_env(NAMES) is None
+    assert FaultInjector.from_options(NAMES) is None
 
 
 class _Eager:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import platform
 import socket
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from hydra_train.callbacks import StepMetrics, TrainerCallback
+from hydra_train.options import recorded_environment, train_options
 
 
 def fallback_counters() -> list[tuple[str, str, int]]:
@@ -106,11 +106,7 @@ def environment(device: torch.device, world_size: int) -> dict[str, Any]:
                 "numpy",
             )
         },
-        "environment": {
-            k: v
-            for k, v in os.environ.items()
-            if k.startswith(("HYDRA_", "PYTORCH_", "CUDA_", "TORCH_", "NCCL_", "TRITON_"))
-        },
+        "environment": recorded_environment(),
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
@@ -185,7 +181,7 @@ class ArtifactsCallback(TrainerCallback):
 
     def __init__(self, artifacts: RunArtifacts):
         self.a = artifacts
-        self.mem_every = int(os.environ.get("HYDRA_MEM_DUMP_EVERY", "0") or 0)
+        self.mem_every = train_options().mem_dump_every
         self._first_log_dumped = False
 
     def on_train_start(self, trainer) -> None:

@@ -51,9 +51,9 @@ def run(
         debug=debug,
         resume_hint=f"hydra-train run --resume --checkpoint_dir {cfg.runtime.checkpoint_dir}",
     )
-    import os
+    from hydra_train.options import torchrun_launch
 
-    if int(os.environ.get("RANK", "0")) != 0:
+    if torchrun_launch().rank != 0:
         return
     if json_out:
         emit_json(summary)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hydra_train.errors import HydraDataError
+from hydra_train.options import train_options
 
 VAL_PERCENT = 5
 _TEST_DIRS = {"test", "tests", "idle_test"}
@@ -107,6 +108,6 @@ def load_stdlib_corpus(name: str = "stdlib", root: Path | None = None) -> Corpus
 
 
 def cache_dir() -> Path:
-    """``$HYDRA_CACHE_DIR`` or ``~/.cache/hydra``: tokenizers and tokenized corpora live here."""
-    env = os.environ.get("HYDRA_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hydra"
+    """``$HYDRA_CACHE_DIR`` or ``~/.cache/hydra`` (:mod:`hydra_train.options`): tokenizers and
+    tokenized corpora live here."""
+    return train_options().cache_dir

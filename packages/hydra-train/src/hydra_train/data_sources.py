@@ -34,6 +34,7 @@ from hydra_train.config import EMBEDDED_CORPORA as EMBEDDED_NAMES
 from hydra_train.corpus import cache_dir, load_stdlib_corpus
 from hydra_train.dataset import TokenDataset, WindowView
 from hydra_train.errors import HydraDataError, short_error
+from hydra_train.options import train_options
 from hydra_train.shards import SHARD_SUFFIXES, Shard, open_shard, write_token_shard
 from hydra_train.text_tables import hf_train_val, is_hf_dataset_dir, unsupported_message
 from hydra_train.tokenizer import cached_corpus_tokenizer, encode_documents, load_tokenizer
@@ -59,9 +60,9 @@ def _shard_files(folder: Path) -> list[Path]:
 def resolve_dataset_path(name: str) -> Path:
     """A name under ``$HYDRA_DATA_ROOT`` first, then a path; the error lists what was tried."""
     tried = []
-    root = os.environ.get("HYDRA_DATA_ROOT")
-    if root and "/" not in name and os.sep not in name:
-        cand = Path(root).expanduser() / name
+    root = train_options().data_root
+    if root is not None and "/" not in name and os.sep not in name:
+        cand = root / name
         if cand.exists():
             return cand
         tried.append(str(cand))
@@ -69,7 +70,7 @@ def resolve_dataset_path(name: str) -> Path:
     if p.exists():
         return p
     tried.append(str(p))
-    hint = "" if root else " (HYDRA_DATA_ROOT is not set)"
+    hint = "" if root is not None else " (HYDRA_DATA_ROOT is not set)"
     raise HydraDataError(f"dataset {name!r} not found; looked for {' and '.join(tried)}{hint}")
 
 

@@ -2,7 +2,8 @@
 
 ``torchrun --nproc_per_node=N -m hydra_train run ...`` sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``;
 :func:`init_distributed` then joins the group (NCCL on CUDA, gloo on the CPU) and each rank uses
-``cuda:LOCAL_RANK``. Without those variables everything here is a no-op single process.
+``cuda:LOCAL_RANK``. Without those variables everything here is a no-op single process. They are
+read through :func:`hydra_train.options.torchrun_launch`, the one place that reads them.
 
 DDP: gradients are all-reduced (averaged) on the last micro-batch of an accumulation only; the
 others run under ``no_sync()``. FSDP2 (``--fsdp``): every block in the model's ``nn.ModuleList``
@@ -14,13 +15,14 @@ of ``no_sync``. Checkpoints always hold *full* state dicts (gathered with
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hydra_train.options import torchrun_launch
 
 
 @dataclass(frozen=True)
@@ -40,15 +42,16 @@ class DistInfo:
 
 
 def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return torchrun_launch().launched
 
 
 def init_distributed(device_type: str) -> DistInfo:
     """Join the process group when launched by torchrun with more than one process."""
-    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) <= 1:
+    launch = torchrun_launch()
+    if not launch.launched or launch.world_size <= 1:
         return DistInfo()
     backend = "nccl" if device_type == "cuda" else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launch.local_rank
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():

@@ -9,6 +9,11 @@ class HydraUsageError(HydraTrainError):
     """A flag value out of range (not finite, negative, zero where it must be positive): exit 2."""
 
 
+class HydraOptionsError(HydraTrainError, ValueError):
+    """An option of :mod:`hydra_train.options` with a value that cannot be used; the message names
+    its environment variable (or the field, when set from code)."""
+
+
 class HydraDivergedError(HydraTrainError):
     """Training produced non-finite loss, gradients or weights; the run stops as ``failed``."""
 

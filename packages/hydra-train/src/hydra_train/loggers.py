@@ -84,7 +84,7 @@ class WandbCallback(TrainerCallback):
         return cls(str(run_dir), run_id, config)
 
     def __init__(self, run_dir: str, run_id: str, config: dict[str, Any]):
-        import os
+        from hydra_train.options import train_options
 
         try:
             import wandb
@@ -95,12 +95,13 @@ class WandbCallback(TrainerCallback):
                 "--wandb needs the wandb package: pip install 'hydra-train[wandb]'"
             ) from None
         self.wandb = wandb
+        opts = train_options()
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "hydra"),
+            project=opts.wandb_project,
             name=run_id,
             dir=run_dir,
             config=config,
-            mode=os.environ.get("WANDB_MODE", "offline"),
+            mode=opts.wandb_mode,
         )
 
     def on_log(self, step: int, row: dict[str, Any]) -> None:

@@ -59,6 +59,7 @@ from hydra_train.errors import HydraTrainError
 from hydra_train.loggers import build_loggers
 from hydra_train.metrics_db import DB_NAME, TrainingDB
 from hydra_train.optim import OptimizerChoice
+from hydra_train.options import torchrun_launch, train_options
 from hydra_train.prefetch import Prefetcher
 from hydra_train.reporting import MetricsDBCallback, ProgressCallback
 from hydra_train.run_guard import check_finite_weights, install_sigterm, open_checkpoint_dir, settle_dead_runs
@@ -111,7 +112,8 @@ def run_training(
 ) -> dict[str, Any]:
     """Train as ``cfg`` says; returns the summary (see :meth:`Trainer.summary` plus where things went)."""
     console = console or Console()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    train_options()  # a variable that cannot be used stops the run here, before anything is built
+    local_rank = torchrun_launch().local_rank
     device = pick_device(cfg.runtime.device, local_rank)
     dist_info = init_distributed(device.type)
     restore_sigterm = install_sigterm()

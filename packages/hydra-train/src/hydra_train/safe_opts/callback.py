@@ -72,7 +72,7 @@ class SafeOptimizations(ActivationMixin, TrainerCallback):
             cfg.optimizations.experimental_loss_spike_threshold,
             cfg.optimizations.experimental_throughput_drop_threshold,
         )
-        self.injector = fault_injector if fault_injector is not None else FaultInjector.from_env(NAMES)
+        self.injector = fault_injector if fault_injector is not None else FaultInjector.from_options(NAMES)
         self.hook = PretestHook(
             log_dir if log_dir is not None else Path(cfg.runtime.checkpoint_dir) / "pretest_logs"
         )

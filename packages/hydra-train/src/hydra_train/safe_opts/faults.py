@@ -3,8 +3,8 @@
 A fault fires only in steps where its optimization is active, so switching that optimization off
 really stops it: that is what proves the fallback is real. Nothing here is on the normal step
 path: :meth:`FaultInjector.install` wraps a trainer's ``step_impl`` only when faults are given,
-from tests (``SafeOptimizations(fault_injector=FaultInjector.parse(...))``) or from the
-environment::
+from tests (``SafeOptimizations(fault_injector=FaultInjector.parse(...))``) or from the option
+``inject_faults`` of :mod:`hydra_train.options`, that is from code or from the environment::
 
     HYDRA_SAFEOPTS_INJECT="nan_grad:compile@step5,loss_spike=20:fa3@step10-12,slow=0.3:prefetch_threads@step8+"
 
@@ -27,7 +27,6 @@ failures can be tested too).
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 from collections import Counter
@@ -39,6 +38,7 @@ import torch
 
 from hydra_train.callbacks import TrainerCallback
 from hydra_train.errors import HydraTrainError
+from hydra_train.options import train_options
 
 if TYPE_CHECKING:
     from hydra_train.step import StepResult
@@ -107,8 +107,9 @@ class FaultInjector:
         return cls(faults)
 
     @classmethod
-    def from_env(cls, known: Iterable[str] | None = None) -> FaultInjector | None:
-        spec = os.environ.get(ENV, "").strip()
+    def from_options(cls, known: Iterable[str] | None = None) -> FaultInjector | None:
+        """The injector the option ``inject_faults`` (``HYDRA_SAFEOPTS_INJECT``) asks for, if any."""
+        spec = train_options().inject_faults
         return cls.parse(spec, known) if spec else None
 
     def install(

@@ -127,7 +127,7 @@ def run_standalone(
             cfg.optimizations.pretest_steps,
             arm_timeout_s=arm_timeout_s,
         ),
-        injector=injector if injector is not None else FaultInjector.from_env(NAMES),
+        injector=injector if injector is not None else FaultInjector.from_options(NAMES),
         log=log,
     )
     body = runner.run(names, graph_modes_for(cfg))

@@ -15,11 +15,11 @@ compile             the eager modules
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hydra_train.options import train_options
 from hydra_train.prefetch import Prefetcher
 from hydra_train.safe_opts.registry import THROUGHPUT_DROP, Optimization
 
@@ -36,9 +36,9 @@ class FlashAttention(Optimization):
         return self.cfg.optimizations.experimental_fa3
 
     def not_applicable(self, trainer: Trainer) -> str | None:
-        env = os.environ.get("HYDRA_ATTENTION_BACKEND", "").strip()
-        if env:
-            return f"HYDRA_ATTENTION_BACKEND={env} is set: the environment chooses the backend"
+        pinned = train_options().pinned_attention_backend
+        if pinned:
+            return f"HYDRA_ATTENTION_BACKEND={pinned} is set: the environment chooses the backend"
         if trainer.device.type != "cuda":
             return "needs CUDA (off CUDA every backend is plain SDPA)"
         return None
@@ -53,7 +53,7 @@ class FlashAttention(Optimization):
     def deactivate(self, trainer: Trainer) -> None:
         from hydra_model import set_attention_backend
 
-        if not os.environ.get("HYDRA_ATTENTION_BACKEND", "").strip():
+        if not train_options().pinned_attention_backend:
             set_attention_backend("sdpa")
         self.active = False
 
@@ -246,7 +246,7 @@ class CompileModel(Optimization):
 
     @property
     def backend(self) -> str:
-        return os.environ.get("HYDRA_COMPILE_BACKEND", "").strip() or "inductor"
+        return train_options().compile_backend
 
     def requested(self) -> bool:
         return self.cfg.optimizations.compile
