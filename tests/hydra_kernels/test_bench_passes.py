@@ -1,5 +1,6 @@
-"""kernel_bench.py on the CPU (the CLI needs CUDA; the library runs anywhere when given a device):
-the workloads, the byte and FLOP accounting, the backward-only closure, the switch restored."""
+"""hydra_kernels.bench_passes on the CPU (the hydra-diag commands need CUDA; the library runs
+anywhere when given a device): the workloads, the byte and FLOP accounting, the switch restored,
+private inputs per implementation."""
 
 from __future__ import annotations
 
@@ -7,18 +8,14 @@ import pytest
 import torch
 
 import hydra_kernels as hk
-from hydra_diag.kernel_bench import (
-    backward_step,
-    bench_backward_kernels,
-    bench_kernels_forward,
-    bench_swiglu_backward,
-)
+from hydra_kernels.bench_harness import wall_timer
+from hydra_kernels.bench_passes import Case, bench_pass, bench_swiglu_backward, time_backward
 
 SMALL = dict(tokens=40, dims=(48,), head_shapes=((2, 8, 2, 16),), compile_peers=False, device="cpu")
 
 
 def test_forward_rows_and_rates():
-    out = bench_kernels_forward(**SMALL)
+    out = bench_pass(False, **SMALL)
     ops = {r["op"] for r in out["rows"]}
     assert ops == {"rms_norm", "fused_add_rms_norm", "swiglu", "qk_norm", "rope", "linear_ce"}
     for r in out["rows"]:
@@ -39,22 +36,11 @@ def test_forward_rows_and_rates():
 
 def test_backward_rows_restore_the_switch():
     before = hk.get_kernel_status()["ops"]["swiglu"]["backward_enabled"]
-    out = bench_backward_kernels(ops=["swiglu", "rms_norm", "qk_norm"], **SMALL)
+    out = bench_pass(True, ops=["swiglu", "rms_norm", "qk_norm"], **SMALL)
     impls = {(r["op"], r["impl"]) for r in out["rows"] if r.get("ms")}
     for op in ("swiglu", "rms_norm", "qk_norm"):
         assert {(op, "hydra"), (op, "hydra (torch bwd)"), (op, "eager")} <= impls
     assert hk.get_kernel_status()["ops"]["swiglu"]["backward_enabled"] == before
-
-
-def test_backward_step_gives_the_autograd_gradient():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 7, generator=g, requires_grad=True)
-    w = torch.randn(7, generator=g, requires_grad=True)
-    step = backward_step(hk.rms_norm_ref, [x, w, 1e-6], [0, 1])
-    dx1, dw1 = step()
-    dx2, dw2 = step()  # retain_graph: the same backward twice
-    assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2)
-    assert dx1.shape == x.shape and dw1.shape == w.shape and dx1.abs().sum() > 0
 
 
 def test_swiglu_backward_grid():
@@ -68,8 +54,6 @@ def test_swiglu_backward_grid():
 def test_each_implementation_gets_its_own_inputs():
     """A peer that writes into its inputs (as Liger's SwiGLU backward does) must not change the data
     the next implementation is timed on."""
-    from hydra_diag.kernel_bench import Case, time_backward, wall_timer
-
     seen = []
 
     def clobbering(gate, up):
@@ -95,3 +79,20 @@ def test_each_implementation_gets_its_own_inputs():
     )
     time_backward(case, wall_timer(1), None, torch_bwd_variant=False)
     assert seen and seen[0] > 0 and float(case.inputs[0].abs().sum()) > 0
+
+
+def test_unknown_op_is_named():
+    with pytest.raises(ValueError, match="unknown op 'attention'; choose from rms_norm"):
+        bench_pass(False, ops=["rope", "attention"], **SMALL)
+
+
+def test_liger_without_the_op_is_noted_as_such(monkeypatch):
+    """An importable Liger that lacks an op: the note says so (not Liger's version string)."""
+    from hydra_kernels import bench_passes
+
+    monkeypatch.setattr(bench_passes, "liger_peers", lambda: ({"rms_norm": hk.rms_norm_ref}, "0.6.0"))
+    cases = bench_passes.kernel_cases(["rms_norm", "qk_norm"], 8, (16,), ((1, 4, 2, 8),),
+                                      torch.device("cpu"), torch.float32, compile_peers=False)  # fmt: skip
+    by_op = {c.op: c for c in cases}
+    assert by_op["rms_norm"].impls["liger"] is hk.rms_norm_ref and not by_op["rms_norm"].notes
+    assert by_op["qk_norm"].notes == {"liger": "Liger-Kernel has no qk_norm op with these semantics"}
