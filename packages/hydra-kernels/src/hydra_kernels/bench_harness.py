@@ -103,12 +103,13 @@ def peak_extra_mib(step: Callable[[], Any]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def copy_bandwidth_tbps(device: torch.device, gib: float = 1.0) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second) in TB/s."""
+def copy_bandwidth_tbps(device: torch.device, gib: float = 1.0, timer: Timer | None = None) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second) in TB/s, timed by
+    ``timer`` (default: :func:`time_ms` over 200 ms)."""
     n = int(gib * 2**30) // 2
     src = torch.randn(n, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), rep=200)
+    ms = (timer or (lambda fn: time_ms(fn, rep=200)))(lambda: dst.copy_(src))
     return 2 * n * 2 / (ms * 1e-3) / 1e12
 
 
