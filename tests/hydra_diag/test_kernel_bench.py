@@ -1,97 +1,39 @@
-"""kernel_bench.py on the CPU (the CLI needs CUDA; the library runs anywhere when given a device):
-the workloads, the byte and FLOP accounting, the backward-only closure, the switch restored."""
+"""kernel_bench.py, hydra-diag's thin callers of hydra_kernels.bench_passes (whose measurements
+tests/hydra_kernels/test_bench_passes.py tests): the user's errors as DiagError naming the command,
+and the options handed through."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import hydra_kernels as hk
-from hydra_diag.kernel_bench import (
-    backward_step,
-    bench_backward_kernels,
-    bench_kernels_forward,
-    bench_swiglu_backward,
+from hydra_diag.kernel_bench import bench_backward_kernels, bench_kernels_forward, bench_swiglu_backward
+from hydra_diag.output import DiagError
+
+
+def test_unknown_op_is_a_diag_error():
+    with pytest.raises(DiagError, match="unknown op 'attention'; choose from rms_norm, fused_add_rms_norm"):
+        bench_kernels_forward(ops=["attention"], device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("call", "command"),
+    [
+        (bench_kernels_forward, "bench kernels"),
+        (bench_backward_kernels, "bench backward-kernels"),
+        (bench_swiglu_backward, "bench swiglu-backward"),
+    ],
 )
+def test_no_gpu_is_a_diag_error_naming_the_command(monkeypatch, call, command):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DiagError, match=f"^{command} needs a CUDA GPU"):
+        call()
 
-SMALL = dict(tokens=40, dims=(48,), head_shapes=((2, 8, 2, 16),), compile_peers=False, device="cpu")
 
-
-def test_forward_rows_and_rates():
-    out = bench_kernels_forward(**SMALL)
-    ops = {r["op"] for r in out["rows"]}
-    assert ops == {"rms_norm", "fused_add_rms_norm", "swiglu", "qk_norm", "rope", "linear_ce"}
-    for r in out["rows"]:
-        if r.get("ms"):
-            if "gbps" in r:
-                assert r["gbps"] > 0
-            assert r.get("error") is None
-    rms = next(r for r in out["rows"] if r["op"] == "rms_norm" and r["impl"] == "hydra")
-    bytes_fwd = (2 * 40 * 48 + 48) * 2  # read x and w, write y, bf16
-    assert rms["gbps"] == pytest.approx(bytes_fwd / (rms["ms"] * 1e-3) / 1e9)
-    ce = next(r for r in out["rows"] if r["op"] == "linear_ce" and r["impl"] == "hydra")
-    assert ce["tflops"] == pytest.approx(2.0 * 40 * 48 * 32000 / (ce["ms"] * 1e-3) / 1e12)
-    assert any(r.get("note") for r in out["rows"] if r["impl"] == "liger") or any(
-        r["impl"] == "liger" and r.get("ms") for r in out["rows"]
+def test_options_reach_the_library():
+    out = bench_backward_kernels(
+        ops=["rope"], tokens=8, dims=(16,), head_shapes=((1, 4, 2, 8),), compile_peers=False, device="cpu"
     )
-    assert {s["op"] for s in out["summary"]} == ops
-
-
-def test_backward_rows_restore_the_switch():
-    before = hk.get_kernel_status()["ops"]["swiglu"]["backward_enabled"]
-    out = bench_backward_kernels(ops=["swiglu", "rms_norm", "qk_norm"], **SMALL)
-    impls = {(r["op"], r["impl"]) for r in out["rows"] if r.get("ms")}
-    for op in ("swiglu", "rms_norm", "qk_norm"):
-        assert {(op, "hydra"), (op, "hydra (torch bwd)"), (op, "eager")} <= impls
-    assert hk.get_kernel_status()["ops"]["swiglu"]["backward_enabled"] == before
-
-
-def test_backward_step_gives_the_autograd_gradient():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 7, generator=g, requires_grad=True)
-    w = torch.randn(7, generator=g, requires_grad=True)
-    step = backward_step(hk.rms_norm_ref, [x, w, 1e-6], [0, 1])
-    dx1, dw1 = step()
-    dx2, dw2 = step()  # retain_graph: the same backward twice
-    assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2)
-    assert dx1.shape == x.shape and dw1.shape == w.shape and dx1.abs().sum() > 0
-
-
-def test_swiglu_backward_grid():
-    out = bench_swiglu_backward(tokens=(16, 24), widths=(10, 33), device="cpu")
-    assert {(r["tokens"], r["width"]) for r in out["rows"]} == {(16, 10), (16, 33), (24, 10), (24, 33)}
-    assert {r["impl"] for r in out["rows"]} == {"hydra", "hydra (torch bwd)", "eager", "hydra packed"}
-    r = out["rows"][0]
-    assert r["bytes"] == 5 * r["tokens"] * r["width"] * 2
-
-
-def test_each_implementation_gets_its_own_inputs():
-    """A peer that writes into its inputs (as Liger's SwiGLU backward does) must not change the data
-    the next implementation is timed on."""
-    from hydra_diag.kernel_bench import Case, time_backward, wall_timer
-
-    seen = []
-
-    def clobbering(gate, up):
-        out = gate * up
-        with torch.no_grad():
-            gate.zero_()  # the next implementation would see zeros if inputs were shared
-        return out
-
-    def recording(gate, up):
-        seen.append(float(gate.detach().abs().sum()))
-        return gate * up
-
-    g = torch.Generator().manual_seed(0)
-    case = Case(
-        "swiglu",
-        "swiglu",
-        "4x6",
-        [torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)],
-        [0, 1],
-        {"peer": clobbering, "eager": recording},
-        0,
-        0,
-    )
-    time_backward(case, wall_timer(1), None, torch_bwd_variant=False)
-    assert seen and seen[0] > 0 and float(case.inputs[0].abs().sum()) > 0
+    assert out["tool"] == "benchmark_backward_kernels" and out["pass"] == "backward"
+    assert {r["shape"] for r in out["rows"]} == {"1x4x2x8 R=4"}
+    assert {r["impl"] for r in out["rows"] if r.get("ms")} == {"eager", "hydra", "hydra (torch bwd)"}

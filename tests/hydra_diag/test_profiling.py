@@ -7,9 +7,9 @@ import json
 
 import torch
 
-from hydra_diag.kernel_bench import wall_timer
 from hydra_diag.perf_suite import _attention_rows
 from hydra_diag.profiling import kernel_family, profile_kernels, python_overhead
+from hydra_kernels.bench_harness import wall_timer
 
 OV = {"dim": 64, "n_mor_blocks": 3, "vocab_size": 320}
 

@@ -9,14 +9,14 @@ For two head layouts at B=8 × T=2048, E=768 — the 2026-11-23 preset's compres
 backward (bf16 autocast) with each ``conv_impl``, eager and under ``torch.compile``, and for
 comparison the plain GQA attention of the same head layout (GQAAttention). Outputs of the two
 conv forms are checked against each other first (same weights, fresh random input). Medians of
-``triton.testing.do_bench``; JSON to ``--out``; a table last.
+``triton.testing.do_bench`` (``hydra_kernels.bench_harness.time_ms``); JSON to ``--out``; a table last.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -30,8 +30,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (small shapes)")
     args = ap.parse_args()
 
-    import triton.testing
-
+    from hydra_kernels.bench_harness import time_ms, write_report
     from hydra_model.ccgqa import CONV_IMPLS, CCGQAAttention
     from hydra_model.gqa import GQAAttention
     from hydra_model.layers import RotaryEmbedding
@@ -63,7 +62,7 @@ def main() -> None:
 
                 try:
                     if dev.type == "cuda":
-                        ms = float(triton.testing.do_bench(step, rep=args.rep, return_mode="median"))
+                        ms = time_ms(step, rep=args.rep)
                     else:  # smoke test: one timed call
                         step()
                         ms = 0.0
@@ -89,8 +88,7 @@ def main() -> None:
         "shape": {"batch": b, "seq": n, "dim": e},
     }
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        write_report({"meta": meta, "rows": rows}, Path(args.out))
     print(f"{meta['device']}, torch {meta['torch']}, B={b} T={n} E={e}, fwd+bwd bf16 ms (median)")
     print(f"{'layout':<20} {'impl':<9} {'eager':>8} {'compiled':>9}  rel diff")
     for label in dict.fromkeys(r["layout"] for r in rows):

@@ -22,10 +22,8 @@ last. Exit 1 when a required check fails or a Triton kernel fell back.
 """
 
 import contextlib
-import json
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +41,7 @@ except ImportError:  # run from a checkout without the package installed
 from rich.console import Console
 from rich.table import Table
 
+from hydra_kernels.bench_harness import time_ms, wall_timer, write_report
 from hydra_kernels.cli_support import console, emit_json, fail, require_cuda
 from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
 from hydra_kernels.ops import _linear_ce_chunks as chunks
@@ -97,16 +96,9 @@ def _sync() -> None:
 
 
 def _ms(fn: Callable[[], Any], rep: int) -> float:
-    if Setup.smoke:  # wall clock, one call: only shows that the script runs
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    from triton.testing import do_bench
-
-    fn()
-    _sync()
-    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+    """hydra_kernels.bench_harness's do_bench median; under --smoke one wall-clock call (it only
+    shows that the script runs)."""
+    return wall_timer(1)(fn) if Setup.smoke else time_ms(fn, rep)
 
 
 def _liger_fn():
@@ -441,11 +433,9 @@ def main(
         "timings": timings,
         "fallbacks": hydra_kernels.fallback_counts()[OP],
     }
-    text = json.dumps(result, indent=2, default=str)
     for path in (out, Path(os.environ["OUT"], "bench_linear_ce.json") if os.environ.get("OUT") else None):
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            write_report(result, path)
     if as_json:
         emit_json(result)
     else:

@@ -18,7 +18,6 @@ A compact table goes to stdout; everything as JSON to $OUT/bench_norms.json when
 (--json prints it instead). Exit 1 when a correctness check fails.
 """
 
-import json
 import math
 import os
 import sys
@@ -38,9 +37,9 @@ except ImportError:  # run from a checkout without the package installed
 
 from rich.console import Console
 from rich.table import Table
-from triton.testing import do_bench
 
 from hydra_kernels import launch_config
+from hydra_kernels.bench_harness import copy_bandwidth_tbps, liger_peers, time_ms, wall_timer, write_report
 from hydra_kernels.cli_support import console, emit_json, err_console, fail, require_cuda
 from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
 from hydra_kernels.ops import qk_norm as qk_mod
@@ -78,22 +77,15 @@ class Setup:
 
 
 def _ms(fn: Callable[[], Any], rep: int) -> float:
-    fn()
+    """hydra_kernels.bench_harness's do_bench median; under --smoke one wall-clock call."""
+    return wall_timer(1)(fn) if Setup.smoke else time_ms(fn, rep)
+
+
+def copy_tbps() -> float:
+    """The device-to-device copy bandwidth (1 GiB; 128 KiB under --smoke)."""
     if Setup.smoke:
-        import time
-
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    torch.cuda.synchronize()
-    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
-
-
-def copy_tbps(rep: int) -> float:
-    src = torch.randn(2**29 if not Setup.smoke else 2**16, device=Setup.device, dtype=DT)  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = _ms(lambda: dst.copy_(src), rep)
-    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
+        return copy_bandwidth_tbps(torch.device(Setup.device), gib=2**-13, timer=wall_timer(1))
+    return copy_bandwidth_tbps(torch.device(Setup.device))
 
 
 def fwd_bwd(fn: Callable[..., Any], inputs: list[Any], grads_out: list[torch.Tensor]) -> Callable[[], None]:
@@ -112,20 +104,12 @@ def fwd_bwd(fn: Callable[..., Any], inputs: list[Any], grads_out: list[torch.Ten
 
 
 def _liger() -> dict[str, Callable[..., Any]]:
-    peers: dict[str, Callable[..., Any]] = {}
-    try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        peers["rms"] = lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
-    except Exception as exc:
-        err_console.print(f"Liger RMSNorm unavailable: {type(exc).__name__}: {exc}")
-    try:
-        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
-
-        peers["fused"] = lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "llama", False)
-    except Exception as exc:
-        err_console.print(f"Liger fused-add RMSNorm unavailable: {type(exc).__name__}: {exc}")
-    return peers
+    """Liger's RMSNorm ("rms") and fused-add RMSNorm ("fused"), where importable."""
+    found, info = liger_peers()
+    if not found:
+        err_console.print(f"Liger unavailable: {info}")
+    names = {"rms": "rms_norm", "fused": "fused_add_rms_norm"}
+    return {short: found[op] for short, op in names.items() if op in found}
 
 
 # --- workloads -----------------------------------------------------------------------------------
@@ -487,7 +471,7 @@ def main(
         require_cuda("bench_norms.py")
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     hydra_kernels.reset_fallback_counts()
-    copy = copy_tbps(rep)
+    copy = copy_tbps()
     checks = [] if skip_check else run_checks(chosen)
     liger = _liger()
     timings, sweeps = [], []
@@ -512,9 +496,7 @@ def main(
         "kernel_status": hydra_kernels.get_kernel_status(),
     }
     if os.environ.get("OUT"):
-        out_dir = Path(os.environ["OUT"])
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "bench_norms.json").write_text(json.dumps(result, indent=2, default=str))
+        write_report(result, Path(os.environ["OUT"]) / "bench_norms.json")
     if as_json:
         emit_json(result)
     else:

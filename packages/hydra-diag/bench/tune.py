@@ -43,9 +43,9 @@ except ImportError:  # run from a checkout without the package installed
 import triton
 import triton.language as tl
 from rich.console import Console
-from triton.testing import do_bench
 
 from hydra_kernels import bench, launch_config
+from hydra_kernels import bench_harness as harness
 from hydra_kernels.cli_support import require_cuda
 from hydra_kernels.ops import linear_cross_entropy as lce
 from hydra_kernels.ops import qk_norm as qk_mod
@@ -82,9 +82,7 @@ def host_us(step: Callable[[], Any], calls: int = 50) -> float:
 
 
 def ms(fn: Callable[[], Any], rep: int = 60) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+    return harness.time_ms(fn, rep=rep)
 
 
 @triton.jit
@@ -120,9 +118,10 @@ def section_host() -> None:
     record("host", what="aten mul", us=host_us(lambda: a.mul(2.0), 200))
     x = torch.randn(64, 256, device=dev, requires_grad=True)
     g = torch.randn(64, 256, device=dev)
-    record("host", what="autograd mul fwd+bwd", us=host_us(bench.fwd_bwd_step(lambda t: t * 2.0, [x], g)))
+    record("host", what="autograd mul fwd+bwd", us=host_us(harness.fwd_bwd_step(lambda t: t * 2.0, [x], g)))
     small = {"rms_norm": 768, "fused_add_rms_norm": 768, "swiglu": 2048, "qk_norm": 64, "rope": 64}
-    liger, why = bench.liger_peers()
+    liger, info = harness.liger_peers()
+    why = None if liger else info  # a version string is no reason
     for op in small:
         for w in bench._workloads(op, dev, torch.bfloat16, liger, why):
             if op in ("qk_norm", "rope"):  # shrink [B, S, H, D] to 64 tokens
@@ -142,8 +141,8 @@ def section_host() -> None:
                 if fn is None:
                     continue
                 try:
-                    inputs = [bench._private_copy(t) for t in w.inputs]  # peers may overwrite inputs
-                    us = host_us(bench.fwd_bwd_step(fn, inputs, bench._private_copy(w.grad_out)))
+                    inputs = [harness.private_copy(t) for t in w.inputs]  # peers may overwrite inputs
+                    us = host_us(harness.fwd_bwd_step(fn, inputs, harness.private_copy(w.grad_out)))
                     record("host", what=f"{op} {impl} fwd+bwd (small)", us=us)
                 except Exception as exc:
                     record("host", what=f"{op} {impl}", error=f"{type(exc).__name__}: {exc}"[:160])
@@ -166,10 +165,11 @@ def section_ops(rep: int) -> None:
 def section_opshost() -> None:
     """Host time of each hydra fwd+bwd at the benchmark shapes (the ``hydra-kernels bench`` rows)."""
     dev = torch.device("cuda")
-    liger, why = bench.liger_peers()
+    liger, info = harness.liger_peers()
+    why = None if liger else info  # a version string is no reason
     for op in OPS:
         for w in bench._workloads(op, dev, torch.bfloat16, liger, why):
-            step = bench.fwd_bwd_step(w.impls["hydra"], w.inputs, w.grad_out)
+            step = harness.fwd_bwd_step(w.impls["hydra"], w.inputs, w.grad_out)
             record("opshost", op=op, shape=w.shape, hydra_host_us=host_us(step, 20))
             del w
         torch.cuda.empty_cache()
@@ -184,7 +184,7 @@ def _with(key: str, fields: dict[str, int], pps: tuple[dict[str, int], int] | No
     if pps:
         pps[0].update(dict.fromkeys(pps[0], pps[1]))
     try:
-        return bench.graph_ms(fn, rep=40)
+        return harness.graph_ms(fn, rep=40)
     except Exception as exc:
         out.print(f"[yellow]{key} {fields}: {type(exc).__name__}: {str(exc)[:100]}[/]")
         return None
@@ -317,7 +317,7 @@ def section_sweep(budget_s: float) -> None:
         if time.time() > t_end:
             record("sweep", skipped=f"{key} {label}: sweep time budget spent")
             continue
-        record("sweep", key=key, case=label, config="default", ms=bench.graph_ms(fn, rep=40))
+        record("sweep", key=key, case=label, config="default", ms=harness.graph_ms(fn, rep=40))
         table = None
         if mod is not None:
             table = mod.BWD_PROGRAMS_PER_SM
@@ -407,7 +407,7 @@ def section_lce(rep: int, variants: list[str], peers: bool) -> None:
         finally:
             lce.reset_linear_ce_options()
     torch.cuda.empty_cache()
-    liger, _ = bench.liger_peers()
+    liger, _ = harness.liger_peers()
     for n, d, v in ((16384, 768, 50304), (16384, 2048, 128256)):
         hid = torch.randn(n, d, device=dev, dtype=torch.bfloat16).requires_grad_()
         wt = (torch.randn(v, d, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
@@ -422,8 +422,8 @@ def section_lce(rep: int, variants: list[str], peers: bool) -> None:
             if name.startswith("hydra"):
                 lce.set_linear_ce_options(**_lce_opts(name.removeprefix("hydra "), n, d, v))
             try:
-                step = bench.fwd_bwd_step(fn, [hid, wt, tgt], None)
-                mib = bench.peak_extra_mib(step)
+                step = harness.fwd_bwd_step(fn, [hid, wt, tgt], None)
+                mib = harness.peak_extra_mib(step)
                 t = ms(step, rep)
                 record(
                     "lce",

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from hydra_diag.kernel_bench import Timer, bench_setup, rand_tensor
+from hydra_diag.loading import require_cuda_device
 from hydra_diag.output import Progress, no_progress
+from hydra_kernels.bench_harness import Timer, bench_setup, rand_tensor
 
 
 def square_matmul_tflops(size: int, dtype: torch.dtype, dev: torch.device, timer: Timer) -> float:
@@ -34,7 +35,8 @@ def tall_skinny_bench(
 ) -> dict[str, Any]:
     """Matmul ``[M, K] @ [K, N]`` for tall-skinny shapes (routers, latent projections): ms, TFLOP/s,
     GB/s, share of the copy bandwidth and of a measured large square matmul's TFLOP/s."""
-    dev, timer, copy, env = bench_setup(device, "bench tall-skinny", rep)
+    dev = torch.device(device) if device else require_cuda_device("bench tall-skinny")
+    timer, copy, env = bench_setup(dev, rep)
     es = torch.empty((), dtype=dtype).element_size()
     big = 8192 if dev.type == "cuda" else 256
     progress(f"{big}^3 matmul (peak reference)")

@@ -97,14 +97,13 @@ def performance_suite(
 ) -> dict[str, Any]:
     """Ceilings, kernels, attention backends and the model, in one report (see the module docstring)."""
     import hydra_kernels
-    from hydra_diag.kernel_bench import cuda_timer
     from hydra_diag.matmul_bench import square_matmul_tflops
     from hydra_diag.model_bench import bench_model
 
     dev = torch.device(device) if device else require_cuda_device("bench performance")
-    from hydra_kernels.bench import copy_bandwidth_tbps
+    from hydra_kernels.bench_harness import copy_bandwidth_tbps, timer_for
 
-    timer = cuda_timer(rep)
+    timer = timer_for(dev, rep)
     progress("ceilings")
     copy = copy_bandwidth_tbps(dev)
     mm = square_matmul_tflops(8192, torch.bfloat16, dev, timer)

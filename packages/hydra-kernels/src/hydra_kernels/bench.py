@@ -1,6 +1,8 @@
 """Benchmarks of the fused ops against torch eager, torch.compile and Liger-Kernel (CUDA only).
 
-Every figure is forward+backward, the median of ``triton.testing.do_bench`` on random inputs.
+Every figure is forward+backward, the median of ``triton.testing.do_bench`` on random inputs,
+timed through :mod:`hydra_kernels.bench_harness` (the timing, peers and rows every kernel
+benchmark shares; the single-pass benchmarks are :mod:`hydra_kernels.bench_passes`).
 Bandwidth counts the byte floor of docs/TARGETS.md (each input read once and each output written once,
 over forward and backward) and is set against the device-to-device copy bandwidth measured at the
 start of the run. linear+CE is compute-bound: it reports TFLOP/s (6·N·D·V) and the peak memory
@@ -10,7 +12,6 @@ allocated above its inputs during one call.
 :func:`print_benchmark_results` are the small Python-level face.
 """
 
-import importlib.metadata
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +20,18 @@ from typing import Any
 import torch
 
 from hydra_kernels import controls
+from hydra_kernels.bench_harness import (
+    copy_bandwidth_tbps,
+    environment,
+    fwd_bwd_step,
+    graph_ms,
+    liger_peers,
+    note_rows,
+    peak_extra_mib,
+    private_copy,
+    time_ms,
+    timed_row,
+)
 from hydra_kernels.launch_config import (
     clear_launch_overrides,
     resolve_launch_config,
@@ -56,46 +69,6 @@ class Workload:
     measure_memory: bool = False
 
 
-# --- peers -----------------------------------------------------------------------------------
-
-
-def liger_peers() -> tuple[dict[str, Callable[..., Any]], str | None]:
-    """Liger-Kernel's functions by op, and its version (or why it is not importable)."""
-    try:
-        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
-        from liger_kernel.ops.fused_linear_cross_entropy import (
-            LigerFusedLinearCrossEntropyFunction,
-        )
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-    except Exception as exc:  # not installed, or built for another torch/triton
-        return {}, f"Liger-Kernel not importable ({type(exc).__name__}: {str(exc)[:120]})"
-    return {
-        "rms_norm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False),
-        "fused_add_rms_norm": lambda x, r, w: LigerFusedAddRMSNormFunction.apply(
-            x, r, w, 1e-6, 0.0, "llama", False
-        ),
-        "swiglu": LigerSiLUMulFunction.apply,
-        "linear_ce": LigerFusedLinearCrossEntropyFunction.apply,
-    }, importlib.metadata.version("liger-kernel")
-
-
-def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, dynamic=False)
-
-
-def peers(op: str, ref: Callable[..., Any], liger: dict[str, Callable[..., Any]], why: str | None):
-    """The peers timed beside hydra: torch eager and torch.compile of the reference, and Liger's
-    op when it has one (else why not, as a note)."""
-    impls = {"eager": ref, "compile": _compiled(ref)}
-    notes = {}
-    if op in liger:
-        impls["liger"] = liger[op]
-    else:
-        notes["liger"] = why or f"Liger-Kernel has no {op} op with these semantics"
-    return impls, notes
-
-
 # --- workloads -------------------------------------------------------------------------------
 
 #: linear+CE dW schemes timed beside the default (``dw_accum``): see ops/_linear_ce_chunks.
@@ -130,114 +103,25 @@ def _workloads(op: str, dev: torch.device, dt: torch.dtype, liger, why) -> Itera
 # --- measurement -----------------------------------------------------------------------------
 
 
-def fwd_bwd_step(
-    fn: Callable[..., Any], inputs: list[Any], grad_out: torch.Tensor | tuple[torch.Tensor, ...] | None
-):
-    """A closure running ``fn(*inputs)`` forward and backward, clearing gradients first. A tuple
-    ``grad_out`` goes to the outputs of an op with several (fused add: normed and summed)."""
-    params = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-
-    def step() -> None:
-        for t in params:
-            t.grad = None
-        out = fn(*inputs)
-        if isinstance(grad_out, tuple):
-            torch.autograd.backward(out[: len(grad_out)], grad_out)
-            return
-        if isinstance(out, tuple):  # e.g. Liger's fused CE returns (loss, extras...)
-            out = out[0]
-        out.backward() if grad_out is None else out.backward(grad_out)
-
-    return step
-
-
-def time_ms(step: Callable[[], None], rep: int = 100) -> float:
-    """Median milliseconds of ``step`` (do_bench clears the L2 cache between runs)."""
-    from triton.testing import do_bench
-
-    step()
-    torch.cuda.synchronize()
-    return float(do_bench(step, warmup=25, rep=rep, return_mode="median"))
-
-
-def graph_ms(step: Callable[[], None], rep: int = 100) -> float | None:
-    """Median milliseconds of one replay of ``step`` captured in a CUDA graph: the GPU's time for
-    the call (gaps between kernels included) with the host's Python and launch work taken out.
-    None when the step cannot be captured."""
-    from triton.testing import do_bench
-
-    from hydra_kernels.cuda_graph import CUDAGraphStep
-
-    graphed = CUDAGraphStep.deferred(step)
-    graphed.warm_up(2)  # off the capture: compiles, allocator pools
-    try:
-        graphed.capture()
-    except Exception:
-        return None
-    try:
-        return float(do_bench(graphed.replay, warmup=25, rep=rep, return_mode="median"))
-    finally:
-        graphed.release()
-
-
-def peak_extra_mib(step: Callable[[], None]) -> float:
-    """Peak memory allocated above what was live before one call of ``step``, in MiB."""
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def copy_bandwidth_tbps(device: torch.device, gib: float = 1.0) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second) in TB/s."""
-    n = int(gib * 2**30) // 2
-    src = torch.randn(n, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), rep=200)
-    return 2 * n * 2 / (ms * 1e-3) / 1e12
-
-
-def _private_copy(value: Any) -> Any:
-    """A fresh copy of a benchmark input: some peers (Liger's SwiGLU and RMSNorm backward) write
-    their gradients over their saved inputs or the incoming gradient, which would otherwise change
-    the data every implementation timed after them sees."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone().requires_grad_(value.requires_grad)
-    if isinstance(value, tuple):
-        return tuple(_private_copy(v) for v in value)
-    return value
-
-
 def _measure(w: Workload, copy_tbps: float, rep: int) -> list[dict[str, Any]]:
+    """A row per implementation of ``w`` (forward+backward, each on its own copy of the inputs)
+    and one per peer that did not run."""
     rows = []
     for impl, fn in w.impls.items():
-        row: dict[str, Any] = {"op": w.op, "shape": w.shape, "impl": impl, "ms": None}
-        before = controls.fallback_counts()[BENCH_OPS[w.op]]
-        try:
-            inputs = [_private_copy(t) for t in w.inputs]
-            step = fwd_bwd_step(fn, inputs, _private_copy(w.grad_out))
+
+        def measure(row: dict[str, Any], impl: str = impl, fn: Callable[..., Any] = fn) -> float:
+            step = fwd_bwd_step(fn, [private_copy(t) for t in w.inputs], private_copy(w.grad_out))
             if w.measure_memory:
                 row["peak_extra_mib"] = round(peak_extra_mib(step), 1)
             row["ms"] = time_ms(step, rep)
             if impl in GRAPH_IMPLS and not w.measure_memory:
                 row["graph_ms"] = graph_ms(step, rep)
-        except Exception as exc:  # a failing peer is a finding, not a crash
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        if impl == "hydra" and controls.fallback_counts()[BENCH_OPS[w.op]] > before:
-            row["error"] = "the Triton kernel failed and fell back to the reference (not timed fairly)"
-        if row["ms"]:
-            if w.bytes_floor:
-                row["gbps"] = w.bytes_floor / (row["ms"] * 1e-3) / 1e9
-                row["pct_copy"] = 100 * row["gbps"] / (copy_tbps * 1e3)
-            if w.flops:
-                row["tflops"] = w.flops / (row["ms"] * 1e-3) / 1e12
-        rows.append(row)
-    for impl, note in w.notes.items():
-        rows.append({"op": w.op, "shape": w.shape, "impl": impl, "ms": None, "note": note})
-    return rows
+            return row["ms"]
+
+        rows.append(
+            timed_row(w.op, w.shape, impl, BENCH_OPS[w.op], measure, w.bytes_floor, w.flops, copy_tbps)
+        )
+    return rows + note_rows(w.op, w.shape, w.notes)
 
 
 def summarize(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -329,8 +213,6 @@ def run_bench(
     defaults of their launch tables). Returns a JSON-able report. CUDA only."""
     if not torch.cuda.is_available():
         raise RuntimeError("run_bench needs a CUDA GPU and torch.cuda.is_available() is False")
-    import triton
-
     ops = list(ops or BENCH_OPS)
     unknown = [o for o in ops if o not in BENCH_OPS]
     if unknown:
@@ -344,10 +226,7 @@ def run_bench(
     copy_tbps = copy_bandwidth_tbps(dev)
     liger, liger_info = liger_peers()
     report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(dev),
-        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(dev))),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **environment(dev),
         "liger": liger_info,
         "dtype": str(dtype).removeprefix("torch."),
         "copy_tbps": copy_tbps,
@@ -379,6 +258,7 @@ def run_bench(
 
 
 # --- the small Python face -------------------------------------------------------------------
+
 
 def benchmark_kernels(
     batch_size: int = 4, seq_len: int = 512, dim: int = 768, dtype: torch.dtype = torch.bfloat16

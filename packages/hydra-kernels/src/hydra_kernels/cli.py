@@ -3,7 +3,6 @@
 torch and the kernels are imported inside the commands, so ``--help`` stays fast.
 """
 
-import json
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -324,6 +323,7 @@ def bench(
         fail(f"--sweep covers {' and '.join(SWEEP_CONFIGS)}; none of them is among --op", EXIT_USAGE)
     require_cuda("hydra-kernels bench")
     from hydra_kernels.bench import run_bench
+    from hydra_kernels.bench_harness import write_report
 
     started = time.perf_counter()
 
@@ -338,13 +338,11 @@ def bench(
     report["command"] = "hydra-kernels bench " + " ".join(
         [*(f"--op {o}" for o in op or ()), *(["--sweep"] if sweep else []), f"--rep {rep}"]
     )
-    targets = [Path(out)] if out else []
-    for path in targets:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1, default=str))
+    if out:
+        write_report(report, Path(out))
     if json_output:
         emit_json(report)
     else:
         render_bench_report(report, console)
-        for path in targets:
-            console.print(f"JSON report: {path}")
+        if out:
+            console.print(f"JSON report: {out}")

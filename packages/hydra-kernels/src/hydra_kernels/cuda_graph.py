@@ -2,7 +2,7 @@
 
 hydra-train's graphed training step (``hydra_train.graphed_step``), hydra-model's benchmarks
 (``hydra_model.CUDAGraphStep`` is this class) and the kernel benchmarks' GPU-time measurement
-(:func:`hydra_kernels.bench.graph_ms`) all capture through :class:`CUDAGraphStep`.
+(:func:`hydra_kernels.bench_harness.graph_ms`) all capture through :class:`CUDAGraphStep`.
 
 A training step with fixed shapes and no host synchronisation spends much of its eager time on
 the host launching small kernels. Recording the step once and replaying it removes that cost::

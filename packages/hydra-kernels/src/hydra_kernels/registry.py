@@ -90,7 +90,8 @@ def _check_add_rms(shape, gen):
 
 
 def _bench_rms(dev, dt, liger, why):
-    from hydra_kernels.bench import TOKENS, Workload, peers
+    from hydra_kernels.bench import TOKENS, Workload
+    from hydra_kernels.bench_harness import peers
     from hydra_kernels.ops.rms_norm import rms_norm, rms_norm_ref
 
     es, n = torch.empty((), dtype=dt).element_size(), TOKENS
@@ -102,7 +103,8 @@ def _bench_rms(dev, dt, liger, why):
 
 
 def _bench_add_rms(dev, dt, liger, why):
-    from hydra_kernels.bench import TOKENS, Workload, peers
+    from hydra_kernels.bench import TOKENS, Workload
+    from hydra_kernels.bench_harness import peers
     from hydra_kernels.ops.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref
 
     es, n = torch.empty((), dtype=dt).element_size(), TOKENS
@@ -128,7 +130,8 @@ def _check_swiglu_packed(shape, gen):
 
 
 def _bench_swiglu(dev, dt, liger, why):
-    from hydra_kernels.bench import TOKENS, Workload, peers
+    from hydra_kernels.bench import TOKENS, Workload
+    from hydra_kernels.bench_harness import peers
     from hydra_kernels.ops import swiglu as mod
 
     es, n = torch.empty((), dtype=dt).element_size(), TOKENS
@@ -162,7 +165,8 @@ def _check_qk_norm(shape, gen):
 
 
 def _bench_qk_norm(dev, dt, liger, why):
-    from hydra_kernels.bench import Workload, peers
+    from hydra_kernels.bench import Workload
+    from hydra_kernels.bench_harness import peers
     from hydra_kernels.ops.qk_norm import qk_norm, qk_norm_ref
 
     es = torch.empty((), dtype=dt).element_size()
@@ -187,7 +191,8 @@ def _check_rope(shape, gen):
 
 
 def _bench_rope(dev, dt, liger, why):
-    from hydra_kernels.bench import Workload, peers
+    from hydra_kernels.bench import Workload
+    from hydra_kernels.bench_harness import peers
     from hydra_kernels.ops.rope import rope, rope_ref
 
     es = torch.empty((), dtype=dt).element_size()
@@ -221,7 +226,8 @@ def _linear_ce_grad_atol(args, dtype, gos):
 
 
 def _bench_linear_ce(dev, dt, liger, why):
-    from hydra_kernels.bench import LINEAR_CE_MODES, TOKENS, Workload, peers, with_dw_accum
+    from hydra_kernels.bench import LINEAR_CE_MODES, TOKENS, Workload, with_dw_accum
+    from hydra_kernels.bench_harness import peers
     from hydra_kernels.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 
     n = TOKENS

@@ -50,7 +50,7 @@ def kernels_cmd(
     execute(
         "bench kernels",
         lambda say: bench_kernels_forward(
-            ops, tokens, dtype=_dtype(dtype), compile_peers=not no_compile, rep=rep, progress=say
+            ops, tokens=tokens, dtype=_dtype(dtype), compile_peers=not no_compile, rep=rep, progress=say
         ),
         json_out,
         render_kernel_rows,
@@ -75,7 +75,7 @@ def backward_kernels_cmd(
     execute(
         "bench backward-kernels",
         lambda say: bench_backward_kernels(
-            ops, tokens, dtype=_dtype(dtype), compile_peers=not no_compile, rep=rep, progress=say
+            ops, tokens=tokens, dtype=_dtype(dtype), compile_peers=not no_compile, rep=rep, progress=say
         ),
         json_out,
         render_kernel_rows,
