@@ -7,7 +7,13 @@ import torch
 
 from hydra_model import build_model
 from hydra_model.cache import ModelCache
-from hydra_model.decode_graphs import DecodeStage, StagedDecoder, resolve_mode, segments_of
+from hydra_model.decode_graphs import (
+    DecodeStage,
+    StagedDecoder,
+    has_conditional_nodes,
+    resolve_mode,
+    segments_of,
+)
 
 ROUTED = dict(n_mor_blocks=5, recursions_per_block=1, mod_capacity=0.5, mod_block_stride=2)
 
@@ -122,9 +128,19 @@ def test_graphed_decoding_replays_the_eager_steps_on_cuda(arch, batch):
     eager = model.generate(prompt, 24, decode="eager")
     graphed = model.generate(prompt, 24, decode="graphs")
     report = model.last_decode_report
-    assert report.mode == "graphs" and report.reason is None, report
+    assert report.mode == "graphs", report
+    if arch == "gpt" or has_conditional_nodes():
+        # one replay a step (HYDRA: the routed blocks under conditional nodes, skipped by the GPU)
+        assert report.reason is None and report.capture == "one graph", report
+    else:  # a torch without conditional nodes: a graph per segment, and the report says so
+        assert report.capture == "per segment" and "no conditional CUDA graph nodes" in report.reason
     assert torch.equal(eager, graphed)
     if arch == "hydra":
         assert report.gated_segments == 2 and report.gated_run > 2
         if batch == 1:
             assert report.gated_skipped > 0
+        # the runs and skips the GPU counted equal those the staged steps read on the host
+        staged = model.generate(prompt, 24, decode="staged")
+        counted = model.last_decode_report
+        assert torch.equal(staged, eager)
+        assert (counted.gated_run, counted.gated_skipped) == (report.gated_run, report.gated_skipped)

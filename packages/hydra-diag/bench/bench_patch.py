@@ -235,7 +235,18 @@ def main(
         print("bench_patch: needs a CUDA GPU (or --smoke to try the script on the CPU)", file=sys.stderr)
         raise typer.Exit(1)
     have_liger = importlib.util.find_spec("liger_kernel") is not None
+    if out is None and os.environ.get("OUT"):
+        out = Path(os.environ["OUT"]) / "bench_patch.json"
     rows: list[dict[str, Any]] = []
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured
+        if out is not None:
+            _judge(rows)
+            result = {"environment": _environment(), "smoke": smoke, "steps": steps, "warmup": warmup}
+            result["rows"] = rows
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+
     for name in models.split(","):
         for variant in variants.split(","):
             if variant == "liger" and not have_liger:
@@ -254,15 +265,11 @@ def main(
                 rows.append({"model": name, "variant": variant, "error": " | ".join(tail)})
             else:
                 rows.append(json.loads(found[-1][len("RESULT ") :]))
+            save()
             print(f"{name}/{variant}: done", file=sys.stderr)
     _judge(rows)
     _print_table(rows)
-    result = {"environment": _environment(), "smoke": smoke, "steps": steps, "warmup": warmup, "rows": rows}
-    if out is None and os.environ.get("OUT"):
-        out = Path(os.environ["OUT"]) / "bench_patch.json"
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
     failed = [r for r in rows if "error" in r or ("check" in r and not r["check"].get("passed"))]
     if failed:

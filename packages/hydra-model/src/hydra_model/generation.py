@@ -97,6 +97,8 @@ def generate(
                 model.last_decode_report.steps += 1
             else:
                 logits = decoder.step(nxt)
+        if decoder is not None:
+            decoder.finish()
         return torch.cat(pieces, dim=1)
     finally:
         model.train(was_training)
