@@ -79,6 +79,10 @@ def tiny_run(tmp_path_factory) -> types.SimpleNamespace:
         warmup_steps=2,
         moe=True,
         model_overrides=dict(TINY),
+        # real step times on a shared 2-core machine swing enough to trip the default 0.5 throughput
+        # detector now and then (seen once: an anomaly at step 14 under the parallel suite); a step
+        # 100x slower than its EMA still counts, so the dashboard test's "no anomaly" stays a check
+        experimental_throughput_drop_threshold=0.01,
     )
     from rich.console import Console
 
