@@ -65,6 +65,37 @@ def test_staged_generation_gives_the_eager_tokens(arch, batch):
     assert torch.equal(eager, staged)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_masked_decoding_runs_every_block_and_keeps_the_tokens(batch, monkeypatch):
+    """decode='masked' (the stages eagerly on the CPU, no host read): every routed block runs each
+    step, yet the tokens equal eager decoding's and the taken/not-taken counts equal those the
+    staged decoder reads on the host."""
+    model = routed_model(seed=torch.seed() % 2**31)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, 6))
+    eager = model.generate(prompt, 20, decode="eager")
+    staged = model.generate(prompt, 20, decode="staged")
+    host = model.last_decode_report
+    calls = []
+    for blk in model.blocks:
+        if blk.routed:
+            monkeypatch.setattr(blk.mor, "forward", _recording(blk.mor.forward, calls))
+    masked = model.generate(prompt, 20, decode="masked")
+    report = model.last_decode_report
+    assert torch.equal(masked, eager) and torch.equal(staged, eager)
+    assert report.mode == "masked" and report.steps == host.steps == 19
+    assert (report.gated_run, report.gated_skipped) == (host.gated_run, host.gated_skipped)
+    assert host.gated_skipped > 0 or batch > 1
+    assert len(calls) == 2 * 19 + 2  # both routed blocks, every decode step, plus the prompt
+
+
+def _recording(forward, calls):
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    return wrapped
+
+
 def decode_state(cache: ModelCache) -> list[torch.Tensor]:
     """Every tensor of the cache a decode step changes."""
     state = [cache.position, *cache.counts.values()]
@@ -144,3 +175,8 @@ def test_graphed_decoding_replays_the_eager_steps_on_cuda(arch, batch):
         counted = model.last_decode_report
         assert torch.equal(staged, eager)
         assert (counted.gated_run, counted.gated_skipped) == (report.gated_run, report.gated_skipped)
+    # masked: one plain graph on any torch, every routed block run and its update masked
+    masked = model.generate(prompt, 24, decode="masked")
+    report = model.last_decode_report
+    assert report.mode == "masked" and report.capture == "one graph" and report.reason is None, report
+    assert torch.equal(masked, eager)

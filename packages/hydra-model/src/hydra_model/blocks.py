@@ -10,7 +10,7 @@ Routing statistics are written into non-persistent buffers (detached, no host sy
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ class RunContext:
     #: decoding may read a routing decision on the host to skip a block (one sync each); False
     #: while a decode step is captured as a CUDA graph: the block then runs, its update masked
     host_reads: bool = True
+    #: (positions, cos, sin) last gathered: every unrouted block of a decode step reads the same
+    #: positions tensor, so its tables are gathered once a step, not once a block
+    _tables: tuple | None = field(default=None, repr=False)
 
     @property
     def decoding(self) -> bool:
@@ -50,7 +53,16 @@ class RunContext:
     def tables(self, n: int, pos: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.rope is None:
             return None, None
-        return self.rope.tables(n) if pos is None else self.rope.tables(positions=pos)
+        if pos is None:
+            return self.rope.tables(n)
+        if self._tables is None or self._tables[0] is not pos:
+            self._tables = (pos, *self.rope.tables(positions=pos))
+        return self._tables[1], self._tables[2]
+
+    def forget_tables(self) -> None:
+        """A context that outlives a decode step (decode_graphs.py) whose positions tensor then
+        advances in place: the next step gathers its tables again."""
+        self._tables = None
 
 
 class CCGQABlock(nn.Module):
@@ -163,6 +175,8 @@ class CCGQAMoRBlock(nn.Module):
         h, depth, expected = routing_rule(self.mode).mor_forward(self, h, pos, member, ctx, aux)
         if self.ponder and self.mode != "dense":
             add_aux(aux, "ponder", masked_mean(expected, member) / big_r)
+        if ctx.decoding:  # statistics of one decoded token: a dozen kernels a step, read by no one
+            return h, aux
         with torch.no_grad():
             hist = F.one_hot(depth.detach().round().long().clamp(0, big_r), big_r + 1).float()
             both = torch.stack([depth.detach(), expected.detach()], -1)  # [B, n, 2]

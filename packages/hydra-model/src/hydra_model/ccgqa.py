@@ -266,7 +266,7 @@ class CCGQAAttention(nn.Module):
                 count = None if member is None else member.sum(dim=1)
                 self._fill_slot(slot, kt, vt, u, shifted_src, count)
         else:
-            write_mask = torch.ones(b, dtype=torch.bool, device=x.device) if member is None else member[:, 0]
+            write_mask = None if member is None else member[:, 0]  # None: every token joins
             out = decode_attend(entry, qt, kt, vt, write_mask, 1.0 / scale)
             self._advance_state(entry, u, shifted_src, write_mask)
 
@@ -286,9 +286,18 @@ class CCGQAAttention(nn.Module):
         entry.prev_v = prev.gather(1, length.view(b, 1, 1).expand(b, 1, prev.shape[-1])).squeeze(1)
 
     def _advance_state(self, entry: AttentionCache, u, shifted_src, write_mask) -> None:
-        keep = write_mask.view(-1, 1, 1)
+        """The token's inputs join the conv state and the value shift, where ``write_mask`` [B]
+        (None: every row)."""
         # in place, like the cache's keys and values (cache.py: a captured step replays on them)
+        new_v = shifted_src[:, 0].to(entry.prev_v.dtype)
         if self.conv_context:
             rolled = torch.cat([entry.conv_state[:, 1:], u.to(entry.conv_state.dtype)], dim=1)
+        if write_mask is None:
+            if self.conv_context:
+                entry.conv_state.copy_(rolled)
+            entry.prev_v.copy_(new_v)
+            return
+        keep = write_mask.view(-1, 1, 1)
+        if self.conv_context:
             entry.conv_state.copy_(torch.where(keep, rolled, entry.conv_state))
-        entry.prev_v.copy_(torch.where(keep[:, 0], shifted_src[:, 0].to(entry.prev_v.dtype), entry.prev_v))
+        entry.prev_v.copy_(torch.where(keep[:, 0], new_v, entry.prev_v))

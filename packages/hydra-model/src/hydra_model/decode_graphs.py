@@ -26,8 +26,12 @@ constants (the folded conv weights), so nothing is allocated or compiled during 
 
 Modes (``generate(..., decode=...)``): ``eager`` (the model's forward, host reads skip routed
 blocks), ``staged`` (the stages, run eagerly: the same arithmetic as ``graphs``, testable on a
-CPU) and ``graphs`` (CUDA only). When no capture works (an op that reads the host, say), decoding
-goes on eagerly with the stages and :class:`DecodeReport` says why.
+CPU), ``graphs`` (CUDA only) and ``masked`` (every routed block runs, its update kept only where
+its token was taken: no skipping and no host read, so on CUDA the step is one plain graph on any
+torch; on a CPU the stages run eagerly). When no capture works (an op that reads the host, say),
+decoding goes on eagerly with the stages and :class:`DecodeReport` says why. Which of ``graphs``
+(per segment) and ``masked`` is faster where conditional nodes are missing is for a GPU to say:
+``hydra-diag bench inference --decode graphs,masked`` times both.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-DECODE_MODES = ("auto", "eager", "staged", "graphs")
+DECODE_MODES = ("auto", "eager", "staged", "graphs", "masked")
 
 
 @dataclass
@@ -63,8 +67,8 @@ class DecodeReport:
     segments: int = 0  # graphs (or eager segments) per step
     gated_segments: int = 0  # segments a routing decision can skip
     steps: int = 0  # decode steps run
-    gated_run: int = 0  # gated segments run, over all steps
-    gated_skipped: int = 0  # gated segments skipped, over all steps
+    gated_run: int = 0  # gated segments run (masked: whose update was kept), over all steps
+    gated_skipped: int = 0  # gated segments skipped (masked: run, update dropped), over all steps
     capture_ms: float = 0.0  # warm-up step and capture
     capture: str | None = None  # graphs: "one graph" (with conditional nodes where gated) or "per segment"
     extra: dict = field(default_factory=dict)
@@ -129,7 +133,7 @@ def resolve_mode(mode: str, device: torch.device) -> str:
         raise ValueError(f"decode={mode!r}: expected one of {', '.join(DECODE_MODES)}")
     if mode == "auto":
         return "graphs" if device.type == "cuda" else "eager"
-    if mode == "graphs" and device.type != "cuda":
+    if mode == "graphs" and device.type != "cuda":  # masked runs eagerly off CUDA
         raise ValueError(f"decode='graphs' needs a CUDA device; the model is on {device}")
     return mode
 
@@ -150,11 +154,12 @@ class StagedDecoder:
             segments=len(self.segments),
             gated_segments=sum(s.gated for s in self.segments),
         )
-        self._ready = mode != "graphs"
-        self._step_graph: torch.cuda.CUDAGraph | None = None  # the whole step, conditional nodes
-        # routed blocks run in replays of the whole-step graph, summed on the GPU (read at finish)
+        self._ready = mode != "graphs" and not (mode == "masked" and device.type == "cuda")
+        self._step_graph: torch.cuda.CUDAGraph | None = None  # the whole step as one graph
+        # routing decisions of the steps that never read them on the host (the whole-step graph,
+        # masked steps), summed on the device and read once by finish()
         self._taken = torch.zeros((), dtype=torch.long, device=device)
-        self._replays = 0
+        self._device_counted = 0
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens.view(-1, 1))
@@ -163,22 +168,31 @@ class StagedDecoder:
         elif self._step_graph is not None:
             self._step_graph.replay()
             self.cache.advance_host(1)  # the graph advanced the device position
-            self._replays += 1
+            self._device_counted += 1
+        elif self.report.mode == "masked":
+            self._run_masked()
         else:
             self._run(graphs=self.report.mode == "graphs")
         self.report.steps += 1
         return self.logits
 
     def finish(self) -> DecodeReport:
-        """The report with the routed blocks the whole-step graph ran and skipped (one host read,
-        after the last step)."""
-        if self._replays:
+        """The report with the routing decisions counted on the device (one host read, after the
+        last step)."""
+        if self._device_counted:
             ran = int(self._taken)
             self.report.gated_run += ran
-            self.report.gated_skipped += self._replays * self.report.gated_segments - ran
+            self.report.gated_skipped += self._device_counted * self.report.gated_segments - ran
             self._taken.zero_()
-            self._replays = 0
+            self._device_counted = 0
         return self.report
+
+    def _run_masked(self) -> None:
+        for seg in self.segments:
+            seg.run()
+            if seg.flag is not None:
+                self._taken.add_(seg.flag)
+        self._device_counted += 1
 
     def _run(self, graphs: bool) -> None:
         take_next = True
@@ -205,9 +219,11 @@ class StagedDecoder:
         seq_len = self.cache.seq_len  # capture records the stages' host bookkeeping: undo it
         try:
             try:
-                self._step_graph = self._capture_step()
+                self._step_graph = self._capture_step(conditional=self.report.mode == "graphs")
                 self.report.capture = "one graph"
             except Exception as err:  # reported; a graph per segment instead
+                if self.report.mode == "masked":  # nothing to fall back to but eager stages
+                    raise
                 self._step_graph = None
                 self.cache.seq_len = seq_len
                 self.report.reason = (
@@ -229,16 +245,17 @@ class StagedDecoder:
             torch.cuda.synchronize(self.tokens.device)
         self.report.capture_ms = 1000.0 * (time.perf_counter() - start)
 
-    def _capture_step(self) -> torch.cuda.CUDAGraph:
+    def _capture_step(self, conditional: bool) -> torch.cuda.CUDAGraph:
         """The whole step as one graph; each gated segment under an IF node on the flag the
-        segment before it set, so that the GPU skips the block (no host read)."""
-        if self.report.gated_segments and not has_conditional_nodes():
+        segment before it set, so that the GPU skips the block (``conditional``), or run always,
+        its update masked (masked mode). No host read either way."""
+        if conditional and self.report.gated_segments and not has_conditional_nodes():
             raise RuntimeError(f"torch {torch.__version__} has no conditional CUDA graph nodes")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
             flag = None
             for seg in self.segments:
-                if seg.gated:
+                if seg.gated and conditional:
                     capturing = torch.cuda.CUDAGraph.get_currently_capturing_graph()
                     capturing.begin_capture_to_if_node(flag)
                     try:

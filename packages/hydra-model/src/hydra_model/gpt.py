@@ -154,7 +154,6 @@ class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         return {"mod": [], "mor": [], "moe": []}
 
 
-
 def create_gpt_model(model_size: str = "debug", **overrides: Any) -> GPTModel:
     """The GPT preset ``model_size`` with any GPTConfig field overridden."""
     return GPTModel(gpt_config(model_size, **overrides))

@@ -186,7 +186,12 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         h = torch.empty(b, 1, self.config.dim, dtype=self.embed.weight.dtype, device=tokens.device)
         pos = cache.positions(b, tokens.device)  # [B, 1], advanced in place by the head stage
         ctx = RunContext(self.rope, cache, seq_len=1, host_reads=False)
-        stages = [DecodeStage(lambda: h.copy_(self.embed(tokens)))]
+
+        def embed() -> None:
+            ctx.forget_tables()  # the positions advanced in place since the last step
+            h.copy_(self.embed(tokens))
+
+        stages = [DecodeStage(embed)]
         for block in self.blocks:
             stages.extend(block.decode_stages(h, pos, ctx))
 
@@ -199,7 +204,8 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
 
     # --- introspection --------------------------------------------------------------------------
     def routing_stats(self) -> dict[str, list[dict[str, Any]]]:
-        """Per-layer routing statistics of the last forward, as detached tensors (no host sync)."""
+        """Per-layer routing statistics of the last forward, as detached tensors (no host sync); a
+        decode step leaves those of the prompt's forward."""
         out: dict[str, list[dict[str, Any]]] = {"mod": [], "mor": [], "moe": []}
         for i, blk in enumerate(self.blocks):
             if blk.routed:
@@ -225,7 +231,6 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
                 stats = {k: v.detach().clone() for k, v in blk.mor.block.ffn.routing_stats().items()}
                 out["moe"].append({"layer": i, **stats})
         return out
-
 
 
 def create_ccgqa_mod_mor_model(model_size: str = "debug", **overrides: Any) -> CCGQAMoDMoRModel:

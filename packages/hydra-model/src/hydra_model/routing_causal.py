@@ -75,12 +75,12 @@ class CausalRouting(RoutingRule):
     # decision on the host between them and skip the second
     def decode_decide(self, wrapper, h, pos, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoded token h [B, 1, E]: (taken [B, 1] bool, router weight σ(logit) [B, 1]); the
-        point's counter in the cache advances where taken."""
+        point's counter in the cache advances where taken. The routing statistics stay those of
+        the prompt's forward (a decode step's would be one token's)."""
         logit = router_logits(h, wrapper.router.weight[0], wrapper.router.bias[0], with_detached=False)[0]
         weight = torch.sigmoid(logit)
         all_pos = positions_or_arange(pos, h.shape[0], 1, h.device)
         taken = wrapper.causal.decide(logit, all_pos, None, ctx.counts, True)
-        self._record(wrapper, logit, taken, weight)
         return taken, weight
 
     def decode_apply(self, wrapper, h, pos, ctx, taken, weight):

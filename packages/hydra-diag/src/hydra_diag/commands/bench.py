@@ -193,7 +193,9 @@ def inference_cmd(
         opt(
             "--decode",
             metavar="MODES",
-            help="Decode modes to time, comma-separated: auto (CUDA graphs on CUDA), eager, staged, graphs.",
+            help="Decode modes to time, comma-separated: auto (CUDA graphs on CUDA), eager, staged, "
+            "graphs, masked (every routed block run, its update masked: one graph without "
+            "conditional nodes).",
         ),
     ] = "eager,auto",
     json_out: JsonOut = False,

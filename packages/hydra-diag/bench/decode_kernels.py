@@ -1,0 +1,143 @@
+"""Kernels one decode step launches, counted on the CPU: what a graphed decode step on a GPU
+replays, without a GPU.
+
+    python packages/hydra-diag/bench/decode_kernels.py --configs gpt,hydra --out k.json
+
+At batch 1 a decode step of a 100M model is bound by kernel launches, not by arithmetic (an H100
+replayed the GPT's graphed step at about 4 µs a kernel, packages/hydra-model/BENCHMARKS.md), so the
+count is the first figure to move. Each configuration (as ``hydra-diag race`` builds it, random
+weights) prefills a prompt, then runs one decode step as the stages a graphed decoder captures
+(hydra_model/decode_graphs.py), every stage once. Counted as a GPU would launch them:
+hydra_kernels' Triton ops (run by Triton's interpreter) one launch each, the aten operators that
+launch a kernel one each; views, metadata and host-side work none. The routed blocks are counted
+apart: a step runs the plain stages always and a routed block only for a token it takes.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels on the CPU
+
+import argparse
+import collections
+import json
+
+import torch
+import triton.runtime.interpreter as triton_interpreter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hydra_kernels
+from hydra_model import build_model
+from hydra_model.cache import ModelCache
+from hydra_model.decode_graphs import StagedDecoder
+
+#: aten operators that launch no kernel of their own (views, metadata, scalars on the host)
+NO_KERNEL = frozenset((
+    "view", "_unsafe_view", "reshape", "expand", "as_strided", "slice", "select", "unsqueeze",
+    "squeeze", "t", "transpose", "permute", "alias", "detach", "unbind", "split", "split_with_sizes",
+    "chunk", "narrow", "_reshape_alias", "lift_fresh", "view_as_real", "view_as_complex", "diagonal",
+    "unfold", "empty", "empty_like", "empty_strided", "new_empty", "sym_size", "sym_stride",
+    "sym_numel", "is_nonzero", "_local_scalar_dense", "item", "promote_types", "result_type", "set_",
+    "scalar_tensor",
+))  # fmt: skip
+
+
+class KernelCount(TorchDispatchMode):
+    """Kernels by name: aten operators outside Triton launches, and one per Triton launch (the
+    interpreter's own tensor work inside a launch is not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: collections.Counter[str] = collections.Counter()
+        self.in_triton = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.in_triton and name not in NO_KERNEL:
+            self.kernels[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        original = triton_interpreter.GridExecutor.__call__
+        counter = self
+
+        def launch(grid_executor, *args, **kwargs):
+            if not counter.in_triton:
+                counter.kernels["triton:" + getattr(grid_executor.fn, "__name__", "kernel")] += 1
+            counter.in_triton += 1
+            try:
+                return original(grid_executor, *args, **kwargs)
+            finally:
+                counter.in_triton -= 1
+
+        self._restore = original
+        triton_interpreter.GridExecutor.__call__ = launch
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        triton_interpreter.GridExecutor.__call__ = self._restore
+        return super().__exit__(*exc)
+
+
+def count_decode_step(arch: str, model_size: str, overrides: dict, prompt_len: int = 8) -> dict:
+    """Kernels of one decode step at batch 1, by segment kind (plain, each routed block)."""
+    torch.manual_seed(0)
+    model = build_model(arch, model_size, **overrides).eval()
+    capacity = prompt_len + 4
+    if model.rope is not None:
+        model.rope.ensure(capacity)
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    plain: collections.Counter[str] = collections.Counter()
+    routed = []
+    with torch.no_grad():
+        cache = ModelCache(capacity=capacity)
+        model(prompt, cache=cache)
+        decoder = StagedDecoder(model, cache, 1, prompt.device, "staged")
+        decoder.step(torch.tensor([1]))  # the first step builds the per-generation constants
+        for segment in decoder.segments:
+            with KernelCount() as counter:
+                for stage in segment.stages:
+                    stage.run()
+            if segment.gated:
+                routed.append(sum(counter.kernels.values()))
+            else:
+                plain.update(counter.kernels)
+    return {
+        "plain": sum(plain.values()),
+        "routed_blocks": routed,
+        "all_blocks_run": sum(plain.values()) + sum(routed),
+        "plain_by_kernel": dict(plain.most_common()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="gpt,hydra", help="race configurations, comma-separated")
+    ap.add_argument("--model_size", default="100M")
+    ap.add_argument("--take", type=float, default=0.125, help="share of tokens a routed block takes")
+    ap.add_argument("--out", default=None, help="JSON file")
+    args = ap.parse_args()
+    from hydra_diag.race.configs import parse_config_names, resolve_configs
+
+    hydra_kernels.set_use_triton_kernels(True)  # what runs on a GPU, interpreted here
+    cfgs = resolve_configs(parse_config_names(args.configs), [], lr=1.0, compile_default="none")
+    rows = []
+    for cfg in cfgs:
+        row = {"config": cfg.name, **count_decode_step(cfg.arch, args.model_size, cfg.overrides)}
+        row["expected_per_step"] = row["plain"] + args.take * sum(row["routed_blocks"])
+        rows.append(row)
+    print(f"{'config':<16} {'plain':>6} {'routed blocks':>16} {'all run':>8} {'expected':>9}")
+    for r in rows:
+        routed = f"{len(r['routed_blocks'])} x {r['routed_blocks'][0]}" if r["routed_blocks"] else "-"
+        print(
+            f"{r['config']:<16} {r['plain']:>6} {routed:>16} {r['all_blocks_run']:>8} "
+            f"{r['expected_per_step']:>9.1f}"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model_size": args.model_size, "take": args.take, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
