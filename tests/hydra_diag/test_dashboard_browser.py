@@ -183,11 +183,12 @@ def test_page_follows_a_live_training_run(tmp_path):
                 now = page.evaluate(shown)
                 delays += [time.monotonic() - t for s, t in written.items() if s <= now]
                 written = {s: t for s, t in written.items() if s > now}
-                if now >= target and len(delays) >= 3:
+                # several polls, not one that happened to catch several steps (a loaded machine)
+                polls = page.evaluate("window.hydraDashboard.polls")
+                if now >= target and len(delays) >= 3 and polls >= 3:
                     break
-                assert time.monotonic() < end + 300, f"the page stopped at step {now}"
+                assert time.monotonic() < end + 300, f"the page stopped at step {now} ({polls} polls)"
                 time.sleep(0.25)
-            assert page.evaluate("window.hydraDashboard.polls") >= 3
             # a step reaches the page within a poll (2 s) plus fetch and render: a few seconds
             assert max(delays) < 5.0, delays
             page.wait_for("document.getElementById('safe-opts').innerText.includes('prefetch_threads')")

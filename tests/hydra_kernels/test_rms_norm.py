@@ -119,8 +119,17 @@ def test_fused_add_matches_fp64(dtype, seed):
         fused_add_rms_norm, fused_add_rms_norm_ref, (x, res, w), up, seed, names, reduction
     )
     _assert_kernel_ran(normed)
-    # normed is the norm of exactly the sum it returns
-    torch.testing.assert_close(normed, rms_norm_ref(summed, w), rtol=0, atol=fp32_noise_atol(normed) * 64)
+    # normed is the norm of exactly the sum it returns: both round the same fp32 value to the output
+    # dtype, so in bf16 they differ only where fp32 reordering noise straddles a rounding boundary,
+    # by one bf16 ulp there (seen: 1 element of 7000 for one seed), and are equal elsewhere
+    ref, atol = rms_norm_ref(summed, w), fp32_noise_atol(normed) * 64
+    if dtype == torch.float32:
+        torch.testing.assert_close(normed, ref, rtol=0, atol=atol)
+    else:
+        diff = (normed.float() - ref.float()).abs()
+        one_ulp = torch.finfo(dtype).eps * ref.float().abs()  # ≥ one ulp at each element's magnitude
+        assert (diff <= one_ulp + atol).all(), float(diff.max())
+        assert float((diff == 0).float().mean()) >= 0.99
 
 
 @pytest.mark.parametrize("used", ["normed", "summed"])

@@ -8,8 +8,8 @@ each routed block a *decide* stage that writes the routing decision to a flag, f
 *gated* stage (the block) that runs only when the flag is set.
 
 The whole step is captured as one graph in which each gated stage sits under a conditional (IF)
-node on its flag (``CUDAGraph.begin_capture_to_if_node``, CUDA 12.4+): the GPU itself skips the
-block, a step is one replay and the host never waits. With the 100M preset (MoD 12.5 % on five
+node on its flag (conditional_graphs.py, probed once per device before use): the GPU itself skips
+the block, a step is one replay and the host never waits. With the 100M preset (MoD 12.5 % on five
 blocks) most tokens skip the five routed blocks, so a step runs fewer kernels than the dense
 GPT's. Where conditional nodes are missing or fail to capture, the step falls back (reported in
 :class:`DecodeReport`) to a graph per segment: consecutive plain stages and the decide stage after
@@ -42,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from hydra_model.conditional_graphs import conditional_nodes_fail, if_node
 
 DECODE_MODES = ("auto", "eager", "staged", "graphs", "masked")
 
@@ -112,20 +114,6 @@ def segments_of(stages: list[DecodeStage]) -> list[_Segment]:
     if current:
         out.append(_Segment(current, False, None))
     return out
-
-
-def has_conditional_nodes() -> bool:
-    """Whether this torch captures conditional (IF) nodes into a CUDA graph (torch 2.11 does not;
-    the API is there in 2.13)."""
-    graph_cls = torch.cuda.CUDAGraph
-    return all(
-        hasattr(graph_cls, name)
-        for name in (
-            "get_currently_capturing_graph",
-            "begin_capture_to_if_node",
-            "end_capture_to_conditional_node",
-        )
-    )
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -249,20 +237,18 @@ class StagedDecoder:
         """The whole step as one graph; each gated segment under an IF node on the flag the
         segment before it set, so that the GPU skips the block (``conditional``), or run always,
         its update masked (masked mode). No host read either way."""
-        if conditional and self.report.gated_segments and not has_conditional_nodes():
-            raise RuntimeError(f"torch {torch.__version__} has no conditional CUDA graph nodes")
+        if conditional and self.report.gated_segments:
+            failed = conditional_nodes_fail(self.tokens.device)
+            if failed is not None:
+                raise RuntimeError(failed)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
             flag = None
             for seg in self.segments:
                 if seg.gated and conditional:
-                    capturing = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-                    capturing.begin_capture_to_if_node(flag)
-                    try:
+                    with if_node(flag):
                         for stage in seg.stages:
                             stage.run()
-                    finally:
-                        capturing.end_capture_to_conditional_node()
                     continue
                 for stage in seg.stages:
                     stage.run()
