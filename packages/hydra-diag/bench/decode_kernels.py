@@ -7,7 +7,8 @@ At batch 1 a decode step of a 100M model is bound by kernel launches, not by ari
 replayed the GPT's graphed step at about 4 µs a kernel, packages/hydra-model/BENCHMARKS.md), so the
 count is the first figure to move. Each configuration (as ``hydra-diag race`` builds it, random
 weights) prefills a prompt, then runs one decode step as the stages a graphed decoder captures
-(hydra_model/decode_graphs.py), every stage once. Counted as a GPU would launch them:
+(hydra_model/decode_graphs.py), every stage once, in bf16 by default as on a GPU (the casts an fp32
+model would not need are kernels too). Counted as a GPU would launch them:
 hydra_kernels' Triton ops (run by Triton's interpreter) one launch each, the aten operators that
 launch a kernel one each; views, metadata and host-side work none. The routed blocks are counted
 apart: a step runs the plain stages always and a routed block only for a token it takes.
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels on the CPU
+if __name__ == "__main__":  # before triton is imported: kernels on the CPU (not when imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse
 import collections
@@ -80,10 +82,13 @@ class KernelCount(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def count_decode_step(arch: str, model_size: str, overrides: dict, prompt_len: int = 8) -> dict:
-    """Kernels of one decode step at batch 1, by segment kind (plain, each routed block)."""
+def count_decode_step(
+    arch: str, model_size: str, overrides: dict, prompt_len: int = 8, dtype: torch.dtype = torch.bfloat16
+) -> dict:
+    """Kernels of one decode step at batch 1 of a ``dtype`` model, by segment kind (plain, each
+    routed block)."""
     torch.manual_seed(0)
-    model = build_model(arch, model_size, **overrides).eval()
+    model = build_model(arch, model_size, **overrides).eval().to(dtype)
     capacity = prompt_len + 4
     if model.rope is not None:
         model.rope.ensure(capacity)
@@ -116,6 +121,7 @@ def main() -> None:
     ap.add_argument("--configs", default="gpt,hydra", help="race configurations, comma-separated")
     ap.add_argument("--model_size", default="100M")
     ap.add_argument("--take", type=float, default=0.125, help="share of tokens a routed block takes")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     from hydra_diag.race.configs import parse_config_names, resolve_configs
@@ -124,7 +130,8 @@ def main() -> None:
     cfgs = resolve_configs(parse_config_names(args.configs), [], lr=1.0, compile_default="none")
     rows = []
     for cfg in cfgs:
-        row = {"config": cfg.name, **count_decode_step(cfg.arch, args.model_size, cfg.overrides)}
+        dtype = getattr(torch, args.dtype)
+        row = {"config": cfg.name, **count_decode_step(cfg.arch, args.model_size, cfg.overrides, dtype=dtype)}
         row["expected_per_step"] = row["plain"] + args.take * sum(row["routed_blocks"])
         rows.append(row)
     print(f"{'config':<16} {'plain':>6} {'routed blocks':>16} {'all run':>8} {'expected':>9}")
@@ -136,7 +143,11 @@ def main() -> None:
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model_size": args.model_size, "take": args.take, "rows": rows}, f, indent=2)
+            json.dump(
+                {"model_size": args.model_size, "dtype": args.dtype, "take": args.take, "rows": rows},
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Decoding one token a step as CUDA graphs, with the routed blocks skipped on the host's word.
+"""Decoding one token a step as CUDA graphs, with routed blocks skipped where their token is not taken.
 
 At batch 1 a decode step is a few hundred small kernels: launching them from Python costs far
 more than running them. Captured once as CUDA graphs and replayed, a step costs a few launches.
@@ -10,8 +10,9 @@ each routed block a *decide* stage that writes the routing decision to a flag, f
 The whole step is captured as one graph in which each gated stage sits under a conditional (IF)
 node on its flag (conditional_graphs.py, probed once per device before use): the GPU itself skips
 the block, a step is one replay and the host never waits. With the 100M preset (MoD 12.5 % on five
-blocks) most tokens skip the five routed blocks, so a step runs fewer kernels than the dense
-GPT's. Where conditional nodes are missing or fail to capture, the step falls back (reported in
+blocks) most tokens skip the five routed blocks; the rest of HYDRA's step still launches more
+kernels than the dense GPT's (packages/hydra-model/BENCHMARKS.md counts them). Where conditional
+nodes are missing or fail to capture, the step falls back (reported in
 :class:`DecodeReport`) to a graph per segment: consecutive plain stages and the decide stage after
 them form one graph, each gated stage another, and a step reads each flag on the host (one sync
 per routed block) to skip or replay the block's graph. Measured on an H100, 100M preset, batch 1:
@@ -63,7 +64,7 @@ class DecodeStage:
 class DecodeReport:
     """How a generation decoded (``model.last_decode_report``)."""
 
-    mode: str  # eager, staged or graphs: what ran
+    mode: str  # eager, staged, graphs or masked: what ran
     requested: str  # what was asked for (auto resolved)
     reason: str | None = None  # why ``mode`` differs from ``requested``
     segments: int = 0  # graphs (or eager segments) per step
@@ -199,10 +200,14 @@ class StagedDecoder:
 
     def _warm_up_and_capture(self) -> None:
         start = time.perf_counter()
-        for seg in self.segments:  # every stage once, eagerly: this step's real work
-            for stage in seg.stages:
+        taken = 0
+        for seg in self.segments:  # every stage once, eagerly: this step's real work (a gated
+            for stage in seg.stages:  # stage runs whatever its flag: its update is masked)
                 stage.run()
-        self.report.gated_run += self.report.gated_segments
+            if seg.flag is not None:
+                taken += bool(seg.flag)  # host reads, once per generation
+        self.report.gated_run += taken
+        self.report.gated_skipped += self.report.gated_segments - taken
         self._ready = True
         seq_len = self.cache.seq_len  # capture records the stages' host bookkeeping: undo it
         try:

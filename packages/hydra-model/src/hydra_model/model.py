@@ -188,7 +188,11 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         ctx = RunContext(self.rope, cache, seq_len=1, host_reads=False)
 
         def embed() -> None:
-            ctx.forget_tables()  # the positions advanced in place since the last step
+            # the positions advanced in place since the last step: gather this step's rotary tables
+            # here, in a stage every step runs, not in the first block that asks (a routed block's
+            # stage may be skipped, and the blocks after it would read the last step's tables)
+            ctx.forget_tables()
+            ctx.tables(1, pos)
             h.copy_(self.embed(tokens))
 
         stages = [DecodeStage(embed)]
@@ -204,8 +208,8 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
 
     # --- introspection --------------------------------------------------------------------------
     def routing_stats(self) -> dict[str, list[dict[str, Any]]]:
-        """Per-layer routing statistics of the last forward, as detached tensors (no host sync); a
-        decode step leaves those of the prompt's forward."""
+        """Per-layer routing statistics of the last forward, as detached tensors (no host sync). A
+        decode step under causal routing leaves the MoD and MoR ones of the prompt's forward."""
         out: dict[str, list[dict[str, Any]]] = {"mod": [], "mor": [], "moe": []}
         for i, blk in enumerate(self.blocks):
             if blk.routed:
