@@ -30,6 +30,35 @@ def test_greedy_generate_equals_repeated_full_forward(mode):
     assert all(len(set(row[7:].tolist())) >= 3 for row in got)  # a real continuation, not one token
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_decode_conv_window_gemm_equals_the_full_forward(mode, monkeypatch):
+    """HYDRA_DECODE_CONV=window_gemm (one GEMM over a decoded token's window, q-k mean inside): each
+    decode step's logits equal the full forward's at that position (fp32), and greedy generation
+    its tokens."""
+    from hydra_model.cache import ModelCache
+    from hydra_model.options import OPTIONS
+
+    monkeypatch.setattr(OPTIONS, "decode_conv", "window_gemm")
+    model = small_model(**MODES[mode]).eval()
+    prompt = random_tokens(2, 7)
+    got = model.generate(prompt, max_new_tokens=10)
+    assert torch.equal(got, repeated_forward(model, prompt, 10))
+    cache = ModelCache(capacity=20)
+    seq = random_tokens(2, 15, seed=3)
+    with torch.no_grad():
+        full = model(seq).logits
+        model(seq[:, :7], cache=cache)
+        for t in range(7, 15):
+            step = model(seq[:, t : t + 1], cache=cache).logits[:, -1]
+            torch.testing.assert_close(step, full[:, t], rtol=1e-4, atol=1e-4)
+    windowed = [s for s in cache.slots.values() if s.window_weight is not None]
+    if mode == "routing_off":  # GQA attention: no convs, nothing windowed
+        assert not windowed
+    else:
+        shapes = [s.window_weight[0].shape for s in windowed]
+        assert shapes and all(cols == 3 * rows for rows, cols in shapes)  # [C, K·C], K = 3
+
+
 def test_generate_restores_training_mode_and_handles_edge_cases():
     model = small_model().train()
     prompt = random_tokens(1, 1)
@@ -92,3 +121,20 @@ def test_seeded_sampling_is_reproducible():
     a = model.generate(prompt, 8, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(3))
     b = model.generate(prompt, 8, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
+
+
+def test_decode_conv_environment_variable(monkeypatch):
+    """HYDRA_DECODE_CONV fills model_options.decode_conv; a bad value names the variable."""
+    from hydra_model.options import OPTIONS, reload_env
+
+    try:
+        monkeypatch.setenv("HYDRA_DECODE_CONV", "window_gemm")
+        reload_env()
+        assert OPTIONS.decode_conv == "window_gemm"
+        monkeypatch.setenv("HYDRA_DECODE_CONV", "fused")
+        with pytest.raises(ValueError, match="HYDRA_DECODE_CONV='fused'"):
+            reload_env()
+    finally:
+        monkeypatch.delenv("HYDRA_DECODE_CONV")
+        reload_env()
+    assert OPTIONS.decode_conv == "headwise"

@@ -41,6 +41,10 @@ for batch in 1 8; do
     --configs gpt,hydra --decode $MODES --batch_size $batch --device $DEVICE --flops_seq_len $FLOPS_SEQ --json \
     > $OUT/inference_b$batch.json"
 done
+# CCGQA's decode convs as one GEMM over the token's window (HYDRA_DECODE_CONV, hydra_model.options)
+step inference_b1_window_gemm 90 env HYDRA_DECODE_CONV=window_gemm sh -c "python -W ignore -m hydra_diag \
+  bench inference --model_size $SIZE --configs hydra --decode $MODES --device $DEVICE \
+  --flops_seq_len $FLOPS_SEQ --json > $OUT/inference_b1_window_gemm.json"
 python - "$OUT" <<'PY'
 import json, pathlib, sys
 for path in sorted(pathlib.Path(sys.argv[1]).glob("inference_b*.json")):

@@ -122,11 +122,18 @@ def main() -> None:
     ap.add_argument("--model_size", default="100M")
     ap.add_argument("--take", type=float, default=0.125, help="share of tokens a routed block takes")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--decode_conv", default=None, help="CCGQA's decode convs (hydra_model.options)")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     from hydra_diag.race.configs import parse_config_names, resolve_configs
 
     hydra_kernels.set_use_triton_kernels(True)  # what runs on a GPU, interpreted here
+    if args.decode_conv is not None:
+        from hydra_model.options import DECODE_CONVS, OPTIONS
+
+        if args.decode_conv not in DECODE_CONVS:
+            ap.error(f"--decode_conv {args.decode_conv!r}: expected one of {', '.join(DECODE_CONVS)}")
+        OPTIONS.decode_conv = args.decode_conv
     cfgs = resolve_configs(parse_config_names(args.configs), [], lr=1.0, compile_default="none")
     rows = []
     for cfg in cfgs:
@@ -144,7 +151,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"model_size": args.model_size, "dtype": args.dtype, "take": args.take, "rows": rows},
+                {"model_size": args.model_size, "dtype": args.dtype, "decode_conv": args.decode_conv}
+                | {"take": args.take, "rows": rows},
                 f,
                 indent=2,
             )

@@ -36,6 +36,8 @@ class CacheSlot:
     entry: AttentionCache | None = None
     #: CCGQA: the folded conv weight and bias, built once per generation (ccgqa.py)
     folded: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: CCGQA, decode_conv "window_gemm": convs and q-k mean as one weight over the window
+    window_weight: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

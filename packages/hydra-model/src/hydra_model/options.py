@@ -1,11 +1,11 @@
 """hydra_model's process-wide options, in one explicit object (:data:`OPTIONS`).
 
-Which attention backend runs (attention_backend.py) and whether the routing glue runs compiled
-(fused_routing.py) are fields of a :class:`ModelOptions`; those modules read them there and
-nowhere else. Two kinds of thin entry point fill it: the environment variables of the seed
-documents, read when hydra_model is imported and again by :func:`reload_env`
-(``HYDRA_ATTENTION_BACKEND``, ``HYDRA_SDPA_FLASH_ONLY``, ``HYDRA_SDPA_NO_FLASH``,
-``HYDRA_COMPILED_ROUTING``), and the ``set_*`` functions (``set_attention_backend``,
+Which attention backend runs (attention_backend.py), whether the routing glue runs compiled
+(fused_routing.py) and how a decode step runs CCGQA's convolutions (ccgqa.py) are fields of a
+:class:`ModelOptions`; those modules read them there and nowhere else. Two kinds of thin entry
+point fill it: environment variables, read when hydra_model is imported and again by
+:func:`reload_env` (``HYDRA_ATTENTION_BACKEND``, ``HYDRA_SDPA_FLASH_ONLY``, ``HYDRA_SDPA_NO_FLASH``,
+``HYDRA_COMPILED_ROUTING``, ``HYDRA_DECODE_CONV``), and the ``set_*`` functions (``set_attention_backend``,
 ``set_compiled_routing``), each of which sets one field. hydra_kernels' switches are
 ``hydra_kernels.kernel_options``, built the same way.
 """
@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 #: attention backends (attention_backend.py): ``auto`` measures and picks per shape
 BACKENDS = ("auto", "flash", "xformers", "sdpa")
+#: how a decode step runs CCGQA's convs and q-k mean (ccgqa.py): the head-wise batched GEMM plus
+#: elementwise q-k mean of training, or one GEMM over the token's window with everything inside
+DECODE_CONVS = ("headwise", "window_gemm")
 _TRUE = {"1", "true", "yes", "on"}
 _OFF = {"0", "false", "no", "off"}
 
@@ -32,6 +35,8 @@ class ModelOptions:
     sdpa_no_flash: bool = False
     #: the routing glue through torch.compile on CUDA during training
     compiled_routing: bool = True
+    #: CCGQA's convolutions in a decode step, one of DECODE_CONVS
+    decode_conv: str = "headwise"
 
 
 OPTIONS = ModelOptions()
@@ -48,6 +53,10 @@ def reload_env() -> None:
         raise ValueError("HYDRA_SDPA_FLASH_ONLY=1 and HYDRA_SDPA_NO_FLASH=1 contradict each other; set one")
     OPTIONS.attention_backend, OPTIONS.sdpa_flash_only, OPTIONS.sdpa_no_flash = name, flash_only, no_flash
     OPTIONS.compiled_routing = os.environ.get("HYDRA_COMPILED_ROUTING", "1").strip().lower() not in _OFF
+    conv = os.environ.get("HYDRA_DECODE_CONV", "").strip().lower() or "headwise"
+    if conv not in DECODE_CONVS:
+        raise ValueError(f"HYDRA_DECODE_CONV={conv!r}; expected one of {', '.join(DECODE_CONVS)}")
+    OPTIONS.decode_conv = conv
 
 
 reload_env()
