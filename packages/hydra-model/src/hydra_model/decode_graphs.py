@@ -66,7 +66,7 @@ class DecodeReport:
 
     mode: str  # eager, staged, graphs or masked: what ran
     requested: str  # what was asked for (auto resolved)
-    reason: str | None = None  # why ``mode`` differs from ``requested``
+    reason: str | None = None  # why ``mode`` differs from ``requested``, or graphs are per segment
     segments: int = 0  # graphs (or eager segments) per step
     gated_segments: int = 0  # segments a routing decision can skip
     steps: int = 0  # decode steps run
