@@ -1,8 +1,11 @@
-"""Capture a fixed-shape step once as a CUDA graph and replay it: HYDRA's one capture mechanism.
+"""Capture a fixed-shape step once as a CUDA graph and replay it: HYDRA's capture of whole steps.
 
 hydra-train's graphed training step (``hydra_train.graphed_step``), hydra-model's benchmarks
 (``hydra_model.CUDAGraphStep`` is this class) and the kernel benchmarks' GPU-time measurement
 (:func:`hydra_kernels.bench_harness.graph_ms`) all capture through :class:`CUDAGraphStep`.
+Decoding is the exception (``hydra_model.decode_graphs``): its step is several graphs sharing one
+memory pool, or one graph with conditional nodes, over buffers the model's stages own, which a
+function-of-inputs capture like this one does not express.
 
 A training step with fixed shapes and no host synchronisation spends much of its eager time on
 the host launching small kernels. Recording the step once and replaying it removes that cost::

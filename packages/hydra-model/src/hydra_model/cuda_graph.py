@@ -8,7 +8,8 @@ it removes that launch cost. Eval-mode and token-choice routing, and MoE on its 
 are also fixed-shape; the per-expert loop of the MoE fallback is not (it syncs).
 
 The mechanism is :class:`hydra_kernels.cuda_graph.CUDAGraphStep` (its docstring shows a whole
-training step captured), HYDRA's one capture implementation; it is importable from here as well.
+training step captured), HYDRA's capture of whole steps; it is importable from here as well.
+Decoding captures its stages itself (decode_graphs.py).
 """
 
 from hydra_kernels.cuda_graph import CUDAGraphStep
