@@ -51,11 +51,11 @@ def test_decode_conv_window_gemm_equals_the_full_forward(mode, monkeypatch):
         for t in range(7, 15):
             step = model(seq[:, t : t + 1], cache=cache).logits[:, -1]
             torch.testing.assert_close(step, full[:, t], rtol=1e-4, atol=1e-4)
-    windowed = [s for s in cache.slots.values() if s.window_weight is not None]
+    windowed = [s for s in cache.slots.values() if "window" in s.conv_weights]
     if mode == "routing_off":  # GQA attention: no convs, nothing windowed
         assert not windowed
     else:
-        shapes = [s.window_weight[0].shape for s in windowed]
+        shapes = [s.conv_weights["window"][0].shape for s in windowed]
         assert shapes and all(cols == 3 * rows for rows, cols in shapes)  # [C, K·C], K = 3
 
 

@@ -135,9 +135,8 @@ def main() -> None:
             ap.error(f"--decode_conv {args.decode_conv!r}: expected one of {', '.join(DECODE_CONVS)}")
         OPTIONS.decode_conv = args.decode_conv
     cfgs = resolve_configs(parse_config_names(args.configs), [], lr=1.0, compile_default="none")
-    rows = []
+    rows, dtype = [], getattr(torch, args.dtype)
     for cfg in cfgs:
-        dtype = getattr(torch, args.dtype)
         row = {"config": cfg.name, **count_decode_step(cfg.arch, args.model_size, cfg.overrides, dtype=dtype)}
         row["expected_per_step"] = row["plain"] + args.take * sum(row["routed_blocks"])
         rows.append(row)

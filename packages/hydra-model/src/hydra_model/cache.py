@@ -34,10 +34,9 @@ class CacheSlot:
 
     capacity: int
     entry: AttentionCache | None = None
-    #: CCGQA: the folded conv weight and bias, built once per generation (ccgqa.py)
-    folded: tuple[torch.Tensor, torch.Tensor] | None = None
-    #: CCGQA, decode_conv "window_gemm": convs and q-k mean as one weight over the window
-    window_weight: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: CCGQA: its conv weights and bias by form (headwise, folded, window), built once per
+    #: generation (ccgqa.py)
+    conv_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass

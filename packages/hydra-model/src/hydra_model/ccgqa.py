@@ -200,37 +200,38 @@ class CCGQAAttention(nn.Module):
         batched GEMM and five elementwise kernels. Its weight is (heads − 1)/heads zeros, 6 MB at
         the 100M preset: a few µs of reading at batch 1, where a step is bound by launches."""
         b, k_total, c = window.shape
-        if slot.window_weight is None:
-            weight, bias = folded_qk_weight(
-                self.conv_seq.weight,
-                self.conv_seq.bias,
-                self.conv_ch.weight,
-                self.conv_ch.bias,
-                self.qk_mean_mix,
-            )  # columns c·K + s
-            weight = weight.view(c, c, k_total).transpose(1, 2).reshape(c, k_total * c)  # columns s·C + c
-            slot.window_weight = (weight.to(window.dtype).contiguous(), bias.to(window.dtype))
-        weight, bias = slot.window_weight
-        q, k = F.linear(window.reshape(b, k_total * c), weight, bias).split([self.q_dim, self.kv_dim], dim=-1)
+        weight, bias = self._folded(slot, "window")
+        taps = window.reshape(b, k_total * c)  # [B, s·C + c]
+        q, k = F.linear(taps, weight.to(taps.dtype), bias.to(taps.dtype)).split(
+            [self.q_dim, self.kv_dim], dim=-1
+        )
         return q.view(b, 1, self.n_heads, self.head_dim), k.view(b, 1, self.n_kv_heads, self.head_dim)
 
-    def _folded(self, slot: CacheSlot | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The folded conv weight (``conv_impl``'s form). A decoding slot keeps it for the whole
-        generation (the weights cannot change while decoding): rebuilding it every token was most
-        of a decode step's time. Anywhere else it is built per call (a cache keyed on the
-        parameters would go stale under optimizers that update them in place without a version
-        bump)."""
+    def _folded(
+        self, slot: CacheSlot | None = None, form: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv weight and bias in ``form`` (``conv_impl``'s by default; ``window``: the
+        folded weight with its columns in a decode window's memory order). A decoding slot keeps
+        it for the whole generation (the weights cannot change while decoding): rebuilding it
+        every token was most of a decode step's time. Anywhere else it is built per call (a cache
+        keyed on the parameters would go stale under optimizers that update them in place without
+        a version bump)."""
+        form = form or self.conv_impl
         if slot is None or torch.is_grad_enabled():
-            return self._build_folded()
-        if slot.folded is None:
-            slot.folded = self._build_folded()
-        return slot.folded
+            return self._build_folded(form)
+        if form not in slot.conv_weights:
+            slot.conv_weights[form] = self._build_folded(form)
+        return slot.conv_weights[form]
 
-    def _build_folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _build_folded(self, form: str) -> tuple[torch.Tensor, torch.Tensor]:
         params = (self.conv_seq.weight, self.conv_seq.bias, self.conv_ch.weight, self.conv_ch.bias)
-        if self.conv_impl == "folded":
-            return folded_qk_weight(*params, self.qk_mean_mix)
-        return headwise_qk_weight(*params)
+        if form == "headwise":
+            return headwise_qk_weight(*params)
+        weight, bias = folded_qk_weight(*params, self.qk_mean_mix)  # columns c·K + s
+        if form == "window":
+            c, k_total = self.qk_channels, self.conv_context + 1
+            weight = weight.view(c, c, k_total).transpose(1, 2).reshape(c, k_total * c)  # columns s·C + c
+        return weight, bias
 
     def forward(
         self,

@@ -88,11 +88,16 @@ class _Segment:
     graph: torch.cuda.CUDAGraph | None = None
 
     def run(self) -> None:
+        """Replay its graph, or run its stages where it has none."""
         if self.graph is not None:
             self.graph.replay()
         else:
-            for stage in self.stages:
-                stage.run()
+            self.run_stages()
+
+    def run_stages(self) -> None:
+        """Its stages, eagerly (or into the graph being captured)."""
+        for stage in self.stages:
+            stage.run()
 
 
 def segments_of(stages: list[DecodeStage]) -> list[_Segment]:
@@ -202,8 +207,7 @@ class StagedDecoder:
         start = time.perf_counter()
         taken = 0
         for seg in self.segments:  # every stage once, eagerly: this step's real work (a gated
-            for stage in seg.stages:  # stage runs whatever its flag: its update is masked)
-                stage.run()
+            seg.run_stages()  # stage runs whatever its flag: its update is masked)
             if seg.flag is not None:
                 taken += bool(seg.flag)  # host reads, once per generation
         self.report.gated_run += taken
@@ -252,11 +256,9 @@ class StagedDecoder:
             for seg in self.segments:
                 if seg.gated and conditional:
                     with if_node(flag):
-                        for stage in seg.stages:
-                            stage.run()
+                        seg.run_stages()
                     continue
-                for stage in seg.stages:
-                    stage.run()
+                seg.run_stages()
                 if seg.flag is not None:
                     flag = seg.flag
                     self._taken.add_(flag)
@@ -267,6 +269,5 @@ class StagedDecoder:
         for seg in self.segments:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                for stage in seg.stages:
-                    stage.run()
+                seg.run_stages()
             seg.graph = graph
