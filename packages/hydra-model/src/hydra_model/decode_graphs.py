@@ -8,11 +8,13 @@ each routed block a *decide* stage that writes the routing decision to a flag, f
 *gated* stage (the block) that runs only when the flag is set.
 
 The whole step is captured as one graph in which each gated stage sits under a conditional (IF)
-node on its flag (conditional_graphs.py, probed once per device before use): the GPU itself skips
-the block, a step is one replay and the host never waits. With the 100M preset (MoD 12.5 % on five
+node on its flag: captured so by torch where it can (conditional_graphs.py), else each segment
+captured on its own and one graph composed of them through the CUDA driver (graph_compose.py);
+either is probed once per device before use. The GPU itself skips the block, a step is one replay
+and the host never waits. With the 100M preset (MoD 12.5 % on five
 blocks) most tokens skip the five routed blocks; the rest of HYDRA's step still launches more
-kernels than the dense GPT's (packages/hydra-model/BENCHMARKS.md counts them). Where conditional
-nodes are missing or fail to capture, the step falls back (reported in
+kernels than the dense GPT's (packages/hydra-model/BENCHMARKS.md counts them). Where neither
+way works, the step falls back (reported in
 :class:`DecodeReport`) to a graph per segment: consecutive plain stages and the decide stage after
 them form one graph, each gated stage another, and a step reads each flag on the host (one sync
 per routed block) to skip or replay the block's graph. Measured on an H100, 100M preset, batch 1:
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hydra_model.conditional_graphs import conditional_nodes_fail, if_node
+from hydra_model.graph_compose import ComposedGraph, capture_kept, driver_conditional_fail
 
 DECODE_MODES = ("auto", "eager", "staged", "graphs", "masked")
 
@@ -149,7 +152,7 @@ class StagedDecoder:
             gated_segments=sum(s.gated for s in self.segments),
         )
         self._ready = mode != "graphs" and not (mode == "masked" and device.type == "cuda")
-        self._step_graph: torch.cuda.CUDAGraph | None = None  # the whole step as one graph
+        self._step_graph: torch.cuda.CUDAGraph | ComposedGraph | None = None  # the whole step, one graph
         # routing decisions of the steps that never read them on the host (the whole-step graph,
         # masked steps), summed on the device and read once by finish()
         self._taken = torch.zeros((), dtype=torch.long, device=device)
@@ -242,14 +245,22 @@ class StagedDecoder:
             torch.cuda.synchronize(self.tokens.device)
         self.report.capture_ms = 1000.0 * (time.perf_counter() - start)
 
-    def _capture_step(self, conditional: bool) -> torch.cuda.CUDAGraph:
+    def _capture_step(self, conditional: bool) -> torch.cuda.CUDAGraph | ComposedGraph:
         """The whole step as one graph; each gated segment under an IF node on the flag the
         segment before it set, so that the GPU skips the block (``conditional``), or run always,
-        its update masked (masked mode). No host read either way."""
+        its update masked (masked mode). No host read either way. IF nodes come from torch's
+        capture where it has them, else from a graph composed through the driver
+        (graph_compose.py); ``report.extra["conditional_nodes"]`` says which."""
         if conditional and self.report.gated_segments:
-            failed = conditional_nodes_fail(self.tokens.device)
+            device = self.tokens.device
+            failed = conditional_nodes_fail(device)
             if failed is not None:
-                raise RuntimeError(failed)
+                composed_failed = driver_conditional_fail(device)
+                if composed_failed is not None:
+                    raise RuntimeError(f"{failed}; {composed_failed}")
+                self.report.extra["conditional_nodes"] = "driver"
+                return self._compose_step()
+            self.report.extra["conditional_nodes"] = "torch"
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
             flag = None
@@ -263,6 +274,26 @@ class StagedDecoder:
                     flag = seg.flag
                     self._taken.add_(flag)
         return graph
+
+    def _compose_step(self) -> ComposedGraph:
+        """Each segment captured on its own (one pool, capture order), then one driver-built
+        graph of them with each gated segment under an IF node on its decide stage's flag."""
+        pool = torch.cuda.graph_pool_handle()
+        pieces: list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = []
+        flag = None
+        for seg in self.segments:
+            if seg.gated:
+                pieces.append((capture_kept(seg.run_stages, pool), flag))
+                continue
+
+            def run(seg: _Segment = seg) -> None:
+                seg.run_stages()
+                if seg.flag is not None:
+                    self._taken.add_(seg.flag)  # decisions counted on the device, as above
+
+            pieces.append((capture_kept(run, pool), None))
+            flag = seg.flag if seg.flag is not None else flag
+        return ComposedGraph(pieces)
 
     def _capture_segments(self) -> None:
         pool = torch.cuda.graph_pool_handle()

@@ -1,0 +1,331 @@
+"""One CUDA graph assembled from captured pieces, with IF nodes, through the CUDA driver: conditional
+graph nodes for a torch that cannot capture them (torch 2.11 has no ``begin_capture_to_if_node``).
+
+A decode step's segments (decode_graphs.py) are captured as ordinary torch graphs, one after the
+other in one memory pool and kept un-instantiated (``CUDAGraph(keep_graph=True)``). This module
+builds a parent graph from them with the driver API (ctypes on ``libcuda``; no extra package):
+
+    plain segment   →  a child-graph node (a copy of the captured graph)
+    gated segment   →  a one-thread kernel node that copies the decide stage's flag (a bool on
+                       the GPU) into a conditional handle, then an IF node on that handle whose
+                       body is a child-graph node of the segment
+
+chained in capture order. One launch replays the step and the GPU itself skips a routed block
+whose token was not taken; the host never reads a flag. The pieces replay in the order they were
+captured, with the addresses they were captured with, exactly as the per-segment graphs do; a
+skipped piece is one the per-segment path would not have replayed either.
+
+The flag-to-handle kernel is a few lines of PTX written here: ``cudaGraphSetConditional`` is a
+device function the driver resolves when it loads the module. Driver entry points are fetched by
+their exported names (each keeps the ABI it was introduced with), so a newer driver gives the
+signatures declared below.
+
+:func:`driver_conditional_fail` checks the whole path once per device (compose, replay with the
+flag set and cleared, compare with eager results) before a decoder relies on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_ulonglong, c_void_p
+
+import torch
+
+_NODE_KERNEL, _NODE_CONDITIONAL = 0, 13  # CUgraphNodeType
+_COND_IF = 0  # CUgraphConditionalNodeType
+
+# Sets a conditional handle to 1 when the byte at ``flag`` is non-zero, else 0 (one thread).
+_SET_IF_PTX = rb"""
+.version 7.8
+.target sm_70
+.address_size 64
+
+.extern .func cudaGraphSetConditional
+(
+    .param .b64 handle,
+    .param .b32 value
+);
+
+.visible .entry hydra_set_if_from_flag(
+    .param .u64 handle_in,
+    .param .u64 flag_in
+)
+{
+    .reg .pred %p1;
+    .reg .b16 %rs1;
+    .reg .b32 %r1;
+    .reg .b64 %rd<4>;
+
+    ld.param.u64 %rd1, [handle_in];
+    ld.param.u64 %rd2, [flag_in];
+    cvta.to.global.u64 %rd3, %rd2;
+    ld.global.u8 %rs1, [%rd3];
+    setp.ne.s16 %p1, %rs1, 0;
+    selp.u32 %r1, 1, 0, %p1;
+    {
+        .param .b64 arg_handle;
+        st.param.b64 [arg_handle+0], %rd1;
+        .param .b32 arg_value;
+        st.param.b32 [arg_value+0], %r1;
+        call.uni cudaGraphSetConditional, (arg_handle, arg_value);
+    }
+    ret;
+}
+"""
+
+
+class KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v3."""
+
+    _fields_ = [
+        ("func", c_void_p),
+        ("gridDimX", c_uint),
+        ("gridDimY", c_uint),
+        ("gridDimZ", c_uint),
+        ("blockDimX", c_uint),
+        ("blockDimY", c_uint),
+        ("blockDimZ", c_uint),
+        ("sharedMemBytes", c_uint),
+        ("kernelParams", c_void_p),
+        ("extra", c_void_p),
+        ("kern", c_void_p),
+        ("ctx", c_void_p),
+    ]
+
+
+class ConditionalNodeParams(ctypes.Structure):
+    """CUDA_CONDITIONAL_NODE_PARAMS (``phGraph_out`` is written by the driver: the body graphs)."""
+
+    _fields_ = [
+        ("handle", c_uint64),
+        ("type", c_int),
+        ("size", c_uint),
+        ("phGraph_out", POINTER(c_void_p)),
+        ("ctx", c_void_p),
+    ]
+
+
+class _NodeUnion(ctypes.Union):
+    _fields_ = [
+        ("reserved1", ctypes.c_longlong * 29),
+        ("kernel", KernelNodeParams),
+        ("conditional", ConditionalNodeParams),
+    ]
+
+
+class GraphNodeParams(ctypes.Structure):
+    """CUgraphNodeParams: a node type, then its parameters in a 232-byte union (256 bytes in all)."""
+
+    _anonymous_ = ("u",)
+    _fields_ = [
+        ("type", c_int),
+        ("reserved0", c_int * 3),
+        ("u", _NodeUnion),
+        ("reserved2", ctypes.c_longlong),
+    ]
+
+
+_SIGNATURES = {
+    "cuGetErrorString": (c_int, POINTER(c_char_p)),
+    "cuCtxGetCurrent": (POINTER(c_void_p),),
+    "cuModuleLoadData": (POINTER(c_void_p), c_char_p),
+    "cuModuleGetFunction": (POINTER(c_void_p), c_void_p, c_char_p),
+    "cuGraphCreate": (POINTER(c_void_p), c_uint),
+    "cuGraphDestroy": (c_void_p,),
+    "cuGraphAddChildGraphNode": (POINTER(c_void_p), c_void_p, POINTER(c_void_p), c_size_t, c_void_p),
+    "cuGraphConditionalHandleCreate": (POINTER(c_uint64), c_void_p, c_void_p, c_uint, c_uint),
+    "cuGraphInstantiateWithFlags": (POINTER(c_void_p), c_void_p, c_ulonglong),
+    "cuGraphLaunch": (c_void_p, c_void_p),
+    "cuGraphExecDestroy": (c_void_p,),
+}
+
+
+class CudaDriverError(RuntimeError):
+    """A driver call failed (its name and the driver's message)."""
+
+
+class _Driver:
+    """The few driver entry points this module needs, typed. Each is looked up by its exported
+    name, which keeps the ABI it was introduced with; ``cuGraphAddNode`` is taken in its edge-data
+    form (``_v2``, CUDA 12.3+) where the driver exports it, since CUDA 13 headers give that form
+    the plain name."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = c_int, argtypes
+            setattr(self, name, fn)
+        edge = getattr(lib, "cuGraphAddNode_v2", None)
+        if edge is not None:  # (node out, graph, deps, edge data (NULL: default edges), n, params)
+            edge.restype = c_int
+            edge.argtypes = (POINTER(c_void_p), c_void_p, POINTER(c_void_p), c_void_p, c_size_t)
+            edge.argtypes += (POINTER(GraphNodeParams),)
+            self._add = lambda node, graph, deps, n, params: edge(node, graph, deps, None, n, params)
+        else:
+            plain = lib.cuGraphAddNode
+            plain.restype = c_int
+            plain.argtypes = (POINTER(c_void_p), c_void_p, POINTER(c_void_p), c_size_t)
+            plain.argtypes += (POINTER(GraphNodeParams),)
+            self._add = plain
+        module, func = c_void_p(), c_void_p()
+        self.call("cuModuleLoadData", byref(module), _SET_IF_PTX)
+        self.call("cuModuleGetFunction", byref(func), module, b"hydra_set_if_from_flag")
+        self.set_if_kernel = func
+
+    def add_node(self, what: str, node, graph, deps, n: int, params: GraphNodeParams) -> None:
+        """cuGraphAddNode; ``what`` names the node in an error."""
+        res = self._add(node, graph, deps, n, params)
+        if res != 0:
+            raise CudaDriverError(f"cuGraphAddNode ({what}) failed: {self.error_text(res)} ({res})")
+
+    def error_text(self, res: int) -> str:
+        msg = c_char_p()
+        self.cuGetErrorString(res, byref(msg))
+        return msg.value.decode() if msg.value else "unknown error"
+
+    def call(self, name: str, *args) -> None:
+        res = getattr(self, name)(*args)
+        if res != 0:
+            raise CudaDriverError(f"{name} failed: {self.error_text(res)} ({res})")
+
+
+_driver: _Driver | None = None
+
+
+def driver() -> _Driver:
+    """The process's driver bindings (loaded on first use; needs CUDA initialised, as torch does)."""
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver
+
+
+class ComposedGraph:
+    """A parent graph of captured torch graphs (``keep_graph=True``), each piece either run
+    always or under an IF node on a bool flag: ``pieces`` is [(graph, flag or None)] in order."""
+
+    def __init__(self, pieces: list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]]) -> None:
+        drv = driver()
+        self._drv = drv
+        self._pieces = pieces  # keeps the captured graphs, their memory pool and the flags alive
+        ctx = c_void_p()
+        drv.call("cuCtxGetCurrent", byref(ctx))
+        parent = c_void_p()
+        drv.call("cuGraphCreate", byref(parent), 0)
+        self._graph, self._exec = parent, c_void_p()
+        prev: c_void_p | None = None
+        for graph, flag in pieces:
+            raw = c_void_p(graph.raw_cuda_graph())
+            if flag is None:
+                prev = self._child(parent, prev, raw)
+                continue
+            if flag.dtype != torch.bool or flag.numel() != 1 or not flag.is_cuda:
+                raise ValueError(f"a gate flag is one bool on the GPU, not {flag.dtype} {list(flag.shape)}")
+            handle = c_uint64()
+            drv.call("cuGraphConditionalHandleCreate", byref(handle), parent, ctx, 0, 0)
+            setter = self._set_if(parent, prev, handle, flag.data_ptr())
+            params = GraphNodeParams()
+            params.type = _NODE_CONDITIONAL
+            params.conditional.handle = handle.value
+            params.conditional.type = _COND_IF
+            params.conditional.size = 1
+            params.conditional.ctx = ctx
+            node = c_void_p()
+            drv.add_node("conditional IF", byref(node), parent, byref(setter), 1, byref(params))
+            body = c_void_p(params.conditional.phGraph_out[0])
+            self._child(body, None, raw)
+            prev = node
+        drv.call("cuGraphInstantiateWithFlags", byref(self._exec), parent, 0)
+
+    def _child(self, graph: c_void_p, prev: c_void_p | None, raw: c_void_p) -> c_void_p:
+        node = c_void_p()
+        deps, n = (byref(prev), 1) if prev is not None else (None, 0)
+        self._drv.call("cuGraphAddChildGraphNode", byref(node), graph, deps, n, raw)
+        return node
+
+    def _set_if(self, graph: c_void_p, prev: c_void_p | None, handle: c_uint64, flag_ptr: int) -> c_void_p:
+        args = (c_uint64(handle.value), c_uint64(flag_ptr))
+        arg_ptrs = (c_void_p * 2)(*(ctypes.addressof(a) for a in args))
+        params = GraphNodeParams()
+        params.type = _NODE_KERNEL
+        k = params.kernel
+        k.func = self._drv.set_if_kernel
+        k.gridDimX = k.gridDimY = k.gridDimZ = 1
+        k.blockDimX = k.blockDimY = k.blockDimZ = 1
+        k.kernelParams = ctypes.cast(arg_ptrs, c_void_p)
+        node = c_void_p()
+        deps, n = (byref(prev), 1) if prev is not None else (None, 0)
+        self._drv.add_node("flag-to-handle kernel", byref(node), graph, deps, n, byref(params))
+        return node
+
+    def replay(self) -> None:
+        """Launch the whole graph on the current stream."""
+        self._drv.call("cuGraphLaunch", self._exec, c_void_p(torch.cuda.current_stream().cuda_stream))
+
+    def __del__(self) -> None:
+        drv = getattr(self, "_drv", None)
+        if drv is None:
+            return
+        if self._exec.value:
+            drv.cuGraphExecDestroy(self._exec)
+        if self._graph.value:
+            drv.cuGraphDestroy(self._graph)
+
+
+def capture_kept(fn, pool) -> torch.cuda.CUDAGraph:
+    """``fn`` captured into a graph kept un-instantiated (for :class:`ComposedGraph`)."""
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
+
+
+_checked: dict[torch.device, str | None] = {}
+
+
+def driver_conditional_fail(device: torch.device) -> str | None:
+    """None when composed graphs with IF nodes work on ``device``, else why not (checked once)."""
+    if device not in _checked:
+        _checked[device] = _probe(device)
+    return _checked[device]
+
+
+def _probe(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"conditional graph nodes need a CUDA device, not {device}"
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(64, 64, device=device, generator=gen) / 8
+        x = torch.randn(4, 64, device=device, generator=gen)
+        state, out = torch.empty_like(x), torch.empty_like(x)
+        flag = torch.zeros((), dtype=torch.bool, device=device)
+
+        def body() -> None:  # allocates inside the IF body, as a block does
+            state.copy_(torch.relu(state @ w) + state)
+
+        def tail() -> None:
+            out.copy_(state * 2)
+
+        state.copy_(x)
+        body()  # warm-up: kernels chosen and loaded before capture
+        tail()
+        torch.cuda.synchronize(device)
+        pool = torch.cuda.graph_pool_handle()
+        pieces = [(capture_kept(body, pool), flag), (capture_kept(tail, pool), None)]
+        composed = ComposedGraph(pieces)
+        results = []
+        for value in (True, False):
+            state.copy_(x)
+            flag.fill_(value)
+            composed.replay()
+            results.append(out.clone())
+        torch.cuda.synchronize(device)
+        ran = torch.relu(x @ w) + x
+        if not torch.allclose(results[0], 2 * ran, rtol=1e-4, atol=1e-4):
+            return "a composed IF node did not run its body with the flag set"
+        if not torch.equal(results[1], 2 * x):
+            return "a composed IF node ran its body with the flag cleared"
+    except Exception as err:  # a driver or torch without what this needs
+        return f"composed conditional graph failed: {type(err).__name__}: {err}"
+    return None
