@@ -33,7 +33,7 @@ def test_status_json_has_switches_ops_and_resolved_launch_configs(no_cuda):
     assert result.exit_code == 0, result.output
     st = json.loads(result.stdout)
     assert st["device"] == "cpu" and st["triton_available"] is True
-    assert set(st["ops"]) == set(controls.OPS)
+    assert set(st["ops"]) == {*controls.OPS, *controls.DECODE_OPS}
     expected = "triton" if INTERPRETED else "reference"
     assert {o["backend"] for o in st["ops"].values()} == {expected}
     assert st["launch"]["swiglu"]["LAUNCH_DEFAULTS"]["block_q"] == 1024  # the "default" entry

@@ -20,7 +20,8 @@ TESTS = Path(__file__).resolve().parent
 
 def test_every_table_is_the_registry():
     names = tuple(s.name for s in OP_SPECS)
-    assert names == controls.OPS and tuple(OPTIONS.ops) == names
+    # the decode-step ops have switches and fallback counts but no registry entry
+    assert names == controls.OPS and tuple(OPTIONS.ops) == (*names, *controls.DECODE_OPS)
     assert {c.control_op for c in checks.CASES} == set(names)
     assert [c.name for c in checks.CASES] == [c.name for s in OP_SPECS for c in s.checks]
     assert set(bench.BENCH_OPS.values()) <= set(names)
@@ -46,6 +47,8 @@ def test_every_op_has_its_test_module(spec):
 def test_the_environment_switch_of_an_entry_reaches_its_op(monkeypatch):
     for spec in OP_SPECS:
         monkeypatch.setenv(f"HYDRA_DISABLE_{spec.env}", "1")
+    for stem in controls.DECODE_OPS.values():
+        monkeypatch.setenv(f"HYDRA_DISABLE_{stem}", "1")
     controls.reload_env()
     assert not any(sw.forward or sw.backward for sw in OPTIONS.ops.values())
 

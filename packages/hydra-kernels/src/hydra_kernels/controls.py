@@ -42,8 +42,14 @@ from hydra_kernels.registry import OP_SPECS
 #: The ops, in the order status tables list them (hydra_kernels.registry, one entry each).
 OPS: tuple[str, ...] = tuple(spec.name for spec in OP_SPECS)
 
+#: Decode-step kernels outside the registry (no ``hydra-kernels check`` or bench entry: forward
+#: only, tested in their own test modules): each has a switch (HYDRA_DISABLE_<stem>) and its
+#: run-time failures are counted with the others'. op -> environment stem.
+DECODE_OPS: dict[str, str] = {"router_decide": "ROUTER_DECIDE", "kv_decode_step": "KV_DECODE"}
+
 # op -> (environment stem of the forward switch, stem of the backward switch or None)
 _ENV_STEMS: dict[str, tuple[str, str | None]] = {spec.name: (spec.env, spec.env_bwd) for spec in OP_SPECS}
+_ENV_STEMS.update({op: (stem, None) for op, stem in DECODE_OPS.items()})
 
 
 # --- Triton availability (decided once: importing triton is what makes it usable) ------------
@@ -73,8 +79,8 @@ class _OpState:
 
 
 _lock = threading.Lock()
-_states: dict[str, _OpState] = {op: _OpState() for op in OPS}
-OPTIONS.ops.update({op: OpSwitch() for op in OPS})
+_states: dict[str, _OpState] = {op: _OpState() for op in (*OPS, *DECODE_OPS)}
+OPTIONS.ops.update({op: OpSwitch() for op in (*OPS, *DECODE_OPS)})
 
 
 def reload_env() -> None:
@@ -97,7 +103,7 @@ def _check_op(op: str) -> _OpState:
     try:
         return _states[op]
     except KeyError:
-        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}") from None
+        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(_states)}") from None
 
 
 def set_use_triton_kernels(enabled: bool) -> None:
