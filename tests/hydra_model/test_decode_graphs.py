@@ -2,6 +2,8 @@
 model's own decode step computes, skip routed blocks only for tokens routed out of them, and
 change the cache only in place (what a replayed CUDA graph needs)."""
 
+import collections
+
 import pytest
 import torch
 
@@ -223,3 +225,46 @@ def test_a_decode_step_gathers_its_rotary_tables_in_its_first_stage(monkeypatch)
             for stage in seg.stages:
                 stage.run()
     assert decoder.segments[1].gated and gathered == [0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused decode kernels run on a GPU here")
+@pytest.mark.parametrize("arch", ["hydra", "gpt"])
+@pytest.mark.parametrize("decode_conv", ["headwise", "window_gemm"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_decode_kernels_on_cuda_give_the_reference_tokens(arch, decode_conv, batch, monkeypatch):
+    """fp32 on the GPU with hydra_kernels' Triton kernels on: graphed decoding (the one-kernel
+    routing decision, the fused attention step kernel) gives the tokens of eager decoding with
+    every kernel off (PyTorch ops), and no fused kernel fell back to its reference."""
+    import hydra_kernels
+    import hydra_kernels.ops.kv_decode as kv_mod
+    import hydra_kernels.ops.router_decide as rd_mod
+    from hydra_model.options import OPTIONS
+
+    if arch == "gpt" and decode_conv == "window_gemm":
+        pytest.skip("the GPT has no convs")
+    monkeypatch.setattr(OPTIONS, "decode_conv", decode_conv)
+    if arch == "hydra":
+        model, prompt = branching_case(batch, 24)
+    else:
+        model = build_model("gpt", "tiny").eval()
+        prompt = torch.randint(0, model.config.vocab_size, (batch, 6))
+    model, prompt = model.cuda(), prompt.cuda()
+    reference = model.generate(prompt, 24, decode="eager")  # the conftest keeps the kernels off
+    fallbacks = hydra_kernels.fallback_counts()
+    launches = collections.Counter()
+    for mod, name in ((kv_mod, "kv_decode_step_launch"), (rd_mod, "router_decide_launch")):
+        launch = getattr(mod, name)
+
+        def counted(*a, _launch=launch, _name=name, **k):
+            launches.update([_name])
+            return _launch(*a, **k)
+
+        monkeypatch.setattr(mod, name, counted)
+    hydra_kernels.set_use_triton_kernels(True)
+    graphed = model.generate(prompt, 24, decode="graphs")
+    report = model.last_decode_report
+    assert report.mode == "graphs" and report.capture == "one graph", report
+    assert torch.equal(graphed, reference)
+    assert fallbacks == hydra_kernels.fallback_counts()
+    assert launches["kv_decode_step_launch"] > 0  # the fused kernels ran (captured in the warm-up)
+    assert launches["router_decide_launch"] > 0 or arch == "gpt"

@@ -30,15 +30,17 @@ def test_greedy_generate_equals_repeated_full_forward(mode):
     assert all(len(set(row[7:].tolist())) >= 3 for row in got)  # a real continuation, not one token
 
 
+@pytest.mark.parametrize("conv", ["window_gemm", "headwise"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_decode_conv_window_gemm_equals_the_full_forward(mode, monkeypatch):
-    """HYDRA_DECODE_CONV=window_gemm (one GEMM over a decoded token's window, q-k mean inside): each
+def test_decode_conv_forms_equal_the_full_forward(mode, conv, monkeypatch):
+    """Both forms of CCGQA's decode convs (HYDRA_DECODE_CONV: ``window_gemm``, the default, one GEMM
+    over a decoded token's window with the q-k mean inside; ``headwise``, training's form): each
     decode step's logits equal the full forward's at that position (fp32), and greedy generation
     its tokens."""
     from hydra_model.cache import ModelCache
     from hydra_model.options import OPTIONS
 
-    monkeypatch.setattr(OPTIONS, "decode_conv", "window_gemm")
+    monkeypatch.setattr(OPTIONS, "decode_conv", conv)
     model = small_model(**MODES[mode]).eval()
     prompt = random_tokens(2, 7)
     got = model.generate(prompt, max_new_tokens=10)
@@ -52,7 +54,7 @@ def test_decode_conv_window_gemm_equals_the_full_forward(mode, monkeypatch):
             step = model(seq[:, t : t + 1], cache=cache).logits[:, -1]
             torch.testing.assert_close(step, full[:, t], rtol=1e-4, atol=1e-4)
     windowed = [s for s in cache.slots.values() if "window" in s.conv_weights]
-    if mode == "routing_off":  # GQA attention: no convs, nothing windowed
+    if mode == "routing_off" or conv == "headwise":  # no convs (GQA), or no window weight built
         assert not windowed
     else:
         shapes = [s.conv_weights["window"][0].shape for s in windowed]
@@ -128,13 +130,13 @@ def test_decode_conv_environment_variable(monkeypatch):
     from hydra_model.options import OPTIONS, reload_env
 
     try:
-        monkeypatch.setenv("HYDRA_DECODE_CONV", "window_gemm")
+        monkeypatch.setenv("HYDRA_DECODE_CONV", "headwise")
         reload_env()
-        assert OPTIONS.decode_conv == "window_gemm"
+        assert OPTIONS.decode_conv == "headwise"
         monkeypatch.setenv("HYDRA_DECODE_CONV", "fused")
         with pytest.raises(ValueError, match="HYDRA_DECODE_CONV='fused'"):
             reload_env()
     finally:
         monkeypatch.delenv("HYDRA_DECODE_CONV")
         reload_env()
-    assert OPTIONS.decode_conv == "headwise"
+    assert OPTIONS.decode_conv == "window_gemm"  # the default

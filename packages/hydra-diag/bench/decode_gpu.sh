@@ -34,8 +34,9 @@ step() {  # step NAME MAX_SECONDS COMMAND...: runs COMMAND under what is left of
   echo "rc=$? $name $(($(date +%s) - start)) s" | tee -a "$OUT/status"
 }
 
-step tests 90 python -m pytest -q -p no:cacheprovider -W ignore \
-  tests/hydra_model/test_decode_graphs.py tests/hydra_model/test_conditional_graphs.py
+step tests 120 python -m pytest -q -p no:cacheprovider -W ignore \
+  tests/hydra_model/test_decode_graphs.py tests/hydra_model/test_conditional_graphs.py \
+  tests/hydra_model/test_decode_kernels.py tests/hydra_model/test_fused_decide.py
 for batch in 1 8; do
   step "inference_b$batch" 120 sh -c "python -W ignore -m hydra_diag bench inference --model_size $SIZE \
     --configs gpt,hydra --decode $MODES --batch_size $batch --device $DEVICE --flops_seq_len $FLOPS_SEQ --json \
@@ -43,7 +44,7 @@ for batch in 1 8; do
 done
 # CCGQA's decode convs as one GEMM over the token's window (HYDRA_DECODE_CONV, hydra_model.options)
 step inference_b1_window_gemm 90 env HYDRA_DECODE_CONV=window_gemm sh -c "python -W ignore -m hydra_diag \
-  bench inference --model_size $SIZE --configs hydra --decode $MODES --device $DEVICE \
+  bench inference --model_size $SIZE --configs gpt,hydra --decode $MODES --device $DEVICE \
   --flops_seq_len $FLOPS_SEQ --json > $OUT/inference_b1_window_gemm.json"
 python - "$OUT" <<'PY'
 import json, pathlib, sys

@@ -26,67 +26,26 @@ import collections
 import json
 
 import torch
-import triton.runtime.interpreter as triton_interpreter
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hydra_kernels
+from hydra_kernels.launch_count import KernelCount
 from hydra_model import build_model
 from hydra_model.cache import ModelCache
 from hydra_model.decode_graphs import StagedDecoder
-
-#: aten operators that launch no kernel of their own (views, metadata, scalars on the host)
-NO_KERNEL = frozenset((
-    "view", "_unsafe_view", "reshape", "expand", "as_strided", "slice", "select", "unsqueeze",
-    "squeeze", "t", "transpose", "permute", "alias", "detach", "unbind", "split", "split_with_sizes",
-    "chunk", "narrow", "_reshape_alias", "lift_fresh", "view_as_real", "view_as_complex", "diagonal",
-    "unfold", "empty", "empty_like", "empty_strided", "new_empty", "sym_size", "sym_stride",
-    "sym_numel", "is_nonzero", "_local_scalar_dense", "item", "promote_types", "result_type", "set_",
-    "scalar_tensor",
-))  # fmt: skip
-
-
-class KernelCount(TorchDispatchMode):
-    """Kernels by name: aten operators outside Triton launches, and one per Triton launch (the
-    interpreter's own tensor work inside a launch is not counted)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernels: collections.Counter[str] = collections.Counter()
-        self.in_triton = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if not self.in_triton and name not in NO_KERNEL:
-            self.kernels[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        original = triton_interpreter.GridExecutor.__call__
-        counter = self
-
-        def launch(grid_executor, *args, **kwargs):
-            if not counter.in_triton:
-                counter.kernels["triton:" + getattr(grid_executor.fn, "__name__", "kernel")] += 1
-            counter.in_triton += 1
-            try:
-                return original(grid_executor, *args, **kwargs)
-            finally:
-                counter.in_triton -= 1
-
-        self._restore = original
-        triton_interpreter.GridExecutor.__call__ = launch
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        triton_interpreter.GridExecutor.__call__ = self._restore
-        return super().__exit__(*exc)
+from hydra_model.fused_decide import fused_decide
 
 
 def count_decode_step(
-    arch: str, model_size: str, overrides: dict, prompt_len: int = 8, dtype: torch.dtype = torch.bfloat16
+    arch: str,
+    model_size: str,
+    overrides: dict,
+    prompt_len: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    decide: str = "on",
 ) -> dict:
     """Kernels of one decode step at batch 1 of a ``dtype`` model, by segment kind (plain, each
-    routed block)."""
+    routed block). ``decide``: hydra_model.fused_decide's mode; a GPU fuses a routed block's
+    decision into one kernel ("auto" there), "on" does so on these CPU tensors too."""
     torch.manual_seed(0)
     model = build_model(arch, model_size, **overrides).eval().to(dtype)
     capacity = prompt_len + 4
@@ -95,7 +54,7 @@ def count_decode_step(
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
     plain: collections.Counter[str] = collections.Counter()
     routed = []
-    with torch.no_grad():
+    with torch.no_grad(), fused_decide(decide):
         cache = ModelCache(capacity=capacity)
         model(prompt, cache=cache)
         decoder = StagedDecoder(model, cache, 1, prompt.device, "staged")
@@ -123,6 +82,13 @@ def main() -> None:
     ap.add_argument("--take", type=float, default=0.125, help="share of tokens a routed block takes")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--decode_conv", default=None, help="CCGQA's decode convs (hydra_model.options)")
+    ap.add_argument(
+        "--fused_decide",
+        default="on",
+        choices=["on", "off"],
+        help="a routed block's decision as one kernel, as a GPU runs it (hydra_model.fused_decide); "
+        "off: op by op",
+    )
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
     from hydra_diag.race.configs import parse_config_names, resolve_configs
@@ -137,7 +103,12 @@ def main() -> None:
     cfgs = resolve_configs(parse_config_names(args.configs), [], lr=1.0, compile_default="none")
     rows, dtype = [], getattr(torch, args.dtype)
     for cfg in cfgs:
-        row = {"config": cfg.name, **count_decode_step(cfg.arch, args.model_size, cfg.overrides, dtype=dtype)}
+        row = {
+            "config": cfg.name,
+            **count_decode_step(
+                cfg.arch, args.model_size, cfg.overrides, dtype=dtype, decide=args.fused_decide
+            ),
+        }
         row["expected_per_step"] = row["plain"] + args.take * sum(row["routed_blocks"])
         rows.append(row)
     print(f"{'config':<16} {'plain':>6} {'routed blocks':>16} {'all run':>8} {'expected':>9}")
@@ -151,6 +122,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(
                 {"model_size": args.model_size, "dtype": args.dtype, "decode_conv": args.decode_conv}
+                | {"fused_decide": args.fused_decide}
                 | {"take": args.take, "rows": rows},
                 f,
                 indent=2,

@@ -19,6 +19,7 @@ from torch import nn
 from hydra_model.cache import ModelCache
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.config import HydraConfig
+from hydra_model.fused_decide import decision_buffers
 from hydra_model.fused_routing import gated_residual, gated_scatter, router_logits
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, autocast_dtype_for
@@ -38,6 +39,10 @@ class RunContext:
     #: decoding may read a routing decision on the host to skip a block (one sync each); False
     #: while a decode step is captured as a CUDA graph: the block then runs, its update masked
     host_reads: bool = True
+    #: set by a staged decode step's stage for an unrouted block (decode_graphs.py), which owns the
+    #: stream buffer: the block's update is added to it in place (one kernel fewer than a new
+    #: tensor and a copy back)
+    residual_in_place: bool = False
     #: (positions, cos, sin) last gathered: every unrouted block of a decode step reads the same
     #: positions tensor, so its tables are gathered once a step, not once a block
     _tables: tuple | None = field(default=None, repr=False)
@@ -158,6 +163,8 @@ class CCGQAMoRBlock(nn.Module):
             cos, sin = ctx.tables(h.shape[1], pos)
             delta, moe_loss = self.block(h, cos, sin, slot=slot, member=member)
             if gate is None:
+                if ctx.residual_in_place and torch.result_type(h, delta) == h.dtype:
+                    return h.add_(delta), moe_loss  # the same sum, written where the stage reads it
                 return h + delta, moe_loss  # promotes to h's dtype in the same pass
             return gated_residual(h, gate, delta), moe_loss
         hs = view.gather(h)
@@ -226,11 +233,31 @@ class CCGQAMoDBlockWrapper(nn.Module):
 
         rule = routing_rule("static" if self.static else self.rule)
         if not (self.routed and rule.staged_decode and self.causal is not None):
-            return [DecodeStage(lambda: h.copy_(self(h, pos, ctx)[0]))]
+
+            def whole() -> None:
+                # this stage owns h: the block's update may go into it in place (not so in a
+                # gated stage, whose rule reads h again after the block)
+                ctx.residual_in_place = True
+                try:
+                    out = self(h, pos, ctx)[0]
+                finally:
+                    ctx.residual_in_place = False
+                if out is not h:  # not added in place (RunContext.residual_in_place)
+                    h.copy_(out)
+
+            return [DecodeStage(whole)]
         flag = torch.zeros((), dtype=torch.bool, device=h.device)
         held: dict[str, torch.Tensor] = {}  # the decision, in buffers made by the first (eager) call
+        # a rule that writes its decision into the buffers itself (the causal rule: one fused
+        # kernel on a GPU) saves the copies below
+        write_into = getattr(rule, "decode_decide_into", None)
 
         def decide() -> None:
+            if write_into is not None:
+                if not held:
+                    held["taken"], held["weight"], _ = decision_buffers(h)  # [B, 1] each
+                write_into(self, h, pos, ctx, held["taken"], held["weight"], flag)
+                return
             taken, weight = rule.decode_decide(self, h, pos, ctx)
             if not held:
                 held["taken"], held["weight"] = torch.empty_like(taken), torch.empty_like(weight)

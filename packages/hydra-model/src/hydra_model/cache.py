@@ -5,6 +5,17 @@ those tokens: ``length[b]`` counts them per sequence, and a token that skips the
 leaves the slot unchanged. Shapes stay fixed: a decode step always writes its key/value at
 ``length[b]`` and only advances ``length`` for the sequences whose token was routed in, so a
 skipped token's write is overwritten by the next real one and never attended to.
+
+A decode step's attention inputs and every state update are one kernel
+(``hydra_kernels.ops.kv_decode``, :func:`decode_attend`): the QK norm and RoPE of the new query
+and key, the key/value writes, the attention mask and the length. The mask is kept in the slot as
+an additive bias (0 for held keys, −inf beyond; the step opens the current position), so no step
+builds one; SDPA then needs no boolean → additive conversion either. CCGQA's conv state lives in
+the slot's working row (``AttentionCache.window``) that the step's projection is written into, so
+its conv window is a view and the same kernel rolls it. At batch 1 the launches, not the
+arithmetic, bound a graphed step: together this took the dense GPT's layer from 17 kernels to 10
+and HYDRA's unrouted block from 27 to 13 with ``decode_conv="window_gemm"`` (34 to 20 head-wise),
+as packages/hydra-diag/bench/decode_kernels.py counts them.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hydra_kernels.ops.kv_decode import kv_decode_step
 from hydra_model.attention_backend import flexible_attention
 
 
@@ -21,11 +33,19 @@ class AttentionCache:
     k: torch.Tensor  # [B, n_kv, L, d]
     v: torch.Tensor  # [B, n_kv, L, d]
     length: torch.Tensor  # [B] long: tokens held per sequence
-    #: CCGQA: the last (k_seq−1)+(k_ch−1) packed [q;k] pre-conv inputs [B, K−1, C]
+    #: additive attention mask [B, L] in the keys' dtype: 0 for the held keys (and, during a
+    #: step, the current position), −inf beyond; a decode step opens its position in place
+    bias: torch.Tensor | None = None
+    #: CCGQA: the last (k_seq−1)+(k_ch−1) packed [q;k] pre-conv inputs [B, K−1, C], a view of
+    #: the first (K−1)·C columns of ``window``
     conv_state: torch.Tensor | None = None
     #: CCGQA: the previous held token's shifted-half value projection x·W_v2 [B, n_kv·d/2]
     #: (caching the projection instead of the hidden is the same maths, E/(n_kv·d/2) × smaller)
     prev_v: torch.Tensor | None = None
+    #: CCGQA: a decode step's working row per sequence, [B, (K−1)·C + C + n_kv·d]: the conv state,
+    #: then the step's projection [u | x·W_v1 | x·W_v2] written there by its matmul, so that the
+    #: first K·C columns are the conv window with no cat; the step rolls the state in place
+    window: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,6 +88,16 @@ class ModelCache:
             self.position = torch.full((batch, 1), self.seq_len, dtype=torch.long, device=device)
         return self.position
 
+    def check_room(self, n: int) -> None:
+        """Raise before a decode step of n tokens that would not fit: the fused step kernel
+        (hydra_kernels.ops.kv_decode) writes nothing past the capacity, so a step there would
+        lose its key and value silently."""
+        if self.seq_len + n > self.capacity:
+            raise ValueError(
+                f"the cache holds {self.capacity} tokens and has {self.seq_len}: no room for {n} more "
+                "(make the cache with a larger capacity, e.g. prompt + max_new_tokens)"
+            )
+
     def advance_host(self, n: int) -> None:
         """The host's count alone (a replayed decode graph advanced the device position)."""
         self.seq_len += n
@@ -104,7 +134,11 @@ def prefill_kv(
     kc[:, :, :n] = k
     vc[:, :, :n] = v
     # a copy: decoding advances it in place, and ``count`` may be the caller's tensor
-    entry = AttentionCache(kc, vc, valid_length(count, b, n, k.device).clone())
+    length = valid_length(count, b, n, k.device).clone()
+    keys = torch.arange(slot.capacity, device=k.device)
+    bias = torch.zeros(b, slot.capacity, dtype=k.dtype, device=k.device)
+    bias.masked_fill_(keys.view(1, -1) >= length.view(-1, 1), float("-inf"))
+    entry = AttentionCache(kc, vc, length, bias)
     slot.entry = entry
     return entry
 
@@ -116,21 +150,46 @@ def decode_attend(
     v: torch.Tensor,
     write: torch.Tensor | None,
     scale: float,
+    *,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    norm_scale: float | None = None,
+    k_temperature: torch.Tensor | None = None,
+    v_tail: torch.Tensor | None = None,
+    v_tail_next: torch.Tensor | None = None,
+    roll: torch.Tensor | None = None,
+    roll_shift: int = 0,
 ) -> torch.Tensor:
-    """One decode step: q [B, Hq, 1, d], new k, v [B, n_kv, 1, d]; returns [B, Hq, 1, d].
+    """One decode step: q [B, Hq, d], the new k [B, n_kv, d] and value v [B, n_kv·d] (or [B, V1]
+    with ``v_tail`` [B, n_kv·d − V1] the rest); returns the attention output [B, Hq, 1, d].
+    (q, k, v as [B, H, 1, d] are taken too.)
 
-    The new key/value goes to position ``length[b]``; ``length`` advances where ``write[b]``
-    (all in place: see :class:`ModelCache`).
+    With ``norm_scale`` q and k are QK-normed first (``k_temperature`` [n_kv]: the keys' gain),
+    with ``cos``/``sin`` ([B, R/2], [B, 1, R/2] or [1, R/2]) rotated; the key and value go to
+    position ``length[b]``, which attends too; ``length`` and the mask advance where ``write[b]``
+    (None: every row). ``v_tail_next`` replaces ``v_tail`` and ``roll[:, :W − roll_shift] ←
+    roll[:, roll_shift:]`` where written (CCGQA's value shift and conv window). All in place in
+    one kernel (``hydra_kernels.ops.kv_decode``; see :class:`ModelCache`).
     """
-    b, h, _, d = k.shape
-    pos = entry.length  # [B]
-    index = pos.view(b, 1, 1, 1).expand(b, h, 1, d)
-    entry.k.scatter_(2, index, k.to(entry.k.dtype))
-    entry.v.scatter_(2, index, v.to(entry.v.dtype))
-    keys = torch.arange(entry.k.shape[2], device=k.device)
-    mask = (keys.view(1, -1) <= pos.view(-1, 1)).view(b, 1, 1, -1)  # [B, 1, 1, L]
-    out = flexible_attention(
-        q, entry.k.to(q.dtype), entry.v.to(q.dtype), causal=False, attn_mask=mask, scale=scale
-    )
-    entry.length.add_(1 if write is None else write.to(pos.dtype))
-    return out
+    b = q.shape[0]
+    if q.dim() == 4:  # [B, H, 1, d]
+        if q.shape[2] != 1:
+            raise ValueError(f"decode_attend: one token per sequence, got q {tuple(q.shape)}")
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0].reshape(b, -1)
+    if write is not None and write.dtype != torch.bool:
+        write = write != 0
+    if cos is not None and cos.dim() == 3:  # [B, 1, R/2]: a row per sequence
+        cos, sin = cos[:, 0], sin[:, 0]
+    if cos is not None and cos.dim() == 2 and cos.shape[0] != b:  # [1, R/2]: shared
+        cos, sin = cos[0], sin[0]
+    q_out = kv_decode_step(
+        q, k, v, entry.k, entry.v, entry.length, entry.bias, write=write, cos=cos, sin=sin,
+        norm_scale=norm_scale, k_temperature=k_temperature, v_tail=v_tail, v_tail_next=v_tail_next,
+        roll=roll, roll_shift=roll_shift,
+    )  # fmt: skip
+    length = entry.k.shape[2]
+    mask = entry.bias.view(b, 1, 1, length).to(q_out.dtype)
+    return flexible_attention(
+        q_out.view(b, -1, 1, q.shape[-1]), entry.k.to(q_out.dtype), entry.v.to(q_out.dtype),
+        causal=False, attn_mask=mask, scale=scale,
+    )  # fmt: skip

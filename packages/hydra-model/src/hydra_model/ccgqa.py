@@ -34,7 +34,7 @@ from torch import nn
 
 from hydra_kernels import qk_norm, rope
 from hydra_model.attention_backend import flexible_attention
-from hydra_model.cache import AttentionCache, CacheSlot, decode_attend, prefill_kv, valid_length
+from hydra_model.cache import CacheSlot, decode_attend, prefill_kv, valid_length
 from hydra_model.options import OPTIONS
 
 
@@ -194,18 +194,19 @@ class CCGQAAttention(nn.Module):
         return q, k
 
     def _conv_qk_window(self, window: torch.Tensor, slot: CacheSlot) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step's steps 2–3 (``decode_conv="window_gemm"``): the window [B, K, C] of one
-        token in its memory order times a [C, K·C] weight holding both convs and the q-k mean, built
-        once per generation; one GEMM and no copy where the head-wise form launches a copy, a
-        batched GEMM and five elementwise kernels. Its weight is (heads − 1)/heads zeros, 6 MB at
-        the 100M preset: a few µs of reading at batch 1, where a step is bound by launches."""
-        b, k_total, c = window.shape
+        """A decode step's steps 2–3 (``decode_conv="window_gemm"``): the window [B, K·C] of one
+        token in its memory order (the slot's working row, ``AttentionCache.window``) times a
+        [C, K·C] weight holding both convs and the q-k mean, built once per generation; one GEMM
+        and no copy where the head-wise form launches a copy, a batched GEMM and five elementwise
+        kernels. Its weight is (heads − 1)/heads zeros, 6 MB at the 100M preset: a few µs of
+        reading at batch 1, where a step is bound by launches. → q [B, n_heads, d], k [B, n_kv, d]
+        (views of the GEMM's output)."""
+        b = window.shape[0]
         weight, bias = self._folded(slot, "window")
-        taps = window.reshape(b, k_total * c)  # [B, s·C + c]
-        q, k = F.linear(taps, weight.to(taps.dtype), bias.to(taps.dtype)).split(
+        q, k = F.linear(window, weight.to(window.dtype), bias.to(window.dtype)).split(
             [self.q_dim, self.kv_dim], dim=-1
         )
-        return q.view(b, 1, self.n_heads, self.head_dim), k.view(b, 1, self.n_kv_heads, self.head_dim)
+        return q.view(b, self.n_heads, self.head_dim), k.view(b, self.n_kv_heads, self.head_dim)
 
     def _folded(
         self, slot: CacheSlot | None = None, form: str | None = None
@@ -249,9 +250,10 @@ class CCGQAAttention(nn.Module):
         marks. With a filled slot: one decode step (n == 1) whose token joins the cache where
         ``member[b, 0]`` (all when None).
         """
+        if slot is not None and slot.entry is not None:
+            return self._decode_step(x, cos, sin, slot, member)
         b, n, _ = x.shape
         hkv, d = self.n_kv_heads, self.head_dim
-        entry = slot.entry if slot is not None else None
         proj = self.w_qkv(x)  # [B, n, C + kv_dim]
         half = self.kv_dim // 2
         # split, not slices: the backward then writes one [B, n, C + kv_dim] gradient (a cat)
@@ -259,22 +261,12 @@ class CCGQAAttention(nn.Module):
         u, v_cur, shifted_src = proj.split([self.qk_channels, half, half], dim=-1)
         # u: packed pre-conv [q;k] [B, n, C]; v_cur = x·W_v1, shifted_src = x·W_v2 [B, n, half]
 
-        # 2.–3. causal convs over the sequence (left context: zeros, or the cached inputs) and the
-        # q-k mean, folded into one matmul over the window of the last K pre-conv inputs
-        if entry is None:
-            window = F.pad(u, (0, 0, self.conv_context, 0))  # [B, n + K−1, C]
-        else:
-            window = torch.cat([entry.conv_state.to(u.dtype), u], dim=1)
-        if entry is not None and OPTIONS.decode_conv == "window_gemm" and not torch.is_grad_enabled():
-            q, k = self._conv_qk_window(window, slot)  # a decode step (n = 1)
-        else:
-            q, k = self._conv_qk(window, slot)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
+        # 2.–3. causal convs over the sequence (left context: zeros) and the q-k mean
+        window = F.pad(u, (0, 0, self.conv_context, 0))  # [B, n + K−1, C]
+        q, k = self._conv_qk(window, slot)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
 
         # 4. value shift: channels [0, half) from x_t, [half, kv_dim) from x_{t−1} (zero at t=0)
-        if entry is None:
-            v_prev = F.pad(shifted_src[:, : n - 1], (0, 0, 1, 0))  # [B, n, half], row t = x_{t−1}·W_v2
-        else:
-            v_prev = entry.prev_v.to(v_cur.dtype).unsqueeze(1)
+        v_prev = F.pad(shifted_src[:, : n - 1], (0, 0, 1, 0))  # [B, n, half], row t = x_{t−1}·W_v2
         v = torch.cat([v_cur, v_prev], dim=-1).reshape(b, n, hkv, d)
 
         # 5. QK norm, 6. RoPE on the normalised latent q, k
@@ -286,44 +278,67 @@ class CCGQAAttention(nn.Module):
 
         # 7. causal GQA attention in the latent space, softmax scale 1/√d
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, d]
-        if entry is None:
-            out = flexible_attention(qt, kt, vt, causal=True, scale=1.0 / scale)
-            if slot is not None:
-                count = None if member is None else member.sum(dim=1)
-                self._fill_slot(slot, kt, vt, u, shifted_src, count)
-        else:
-            write_mask = None if member is None else member[:, 0]  # None: every token joins
-            out = decode_attend(entry, qt, kt, vt, write_mask, 1.0 / scale)
-            self._advance_state(entry, u, shifted_src, write_mask)
+        out = flexible_attention(qt, kt, vt, causal=True, scale=1.0 / scale)
+        if slot is not None:
+            count = None if member is None else member.sum(dim=1)
+            self._fill_slot(slot, kt, vt, u, shifted_src, count)
 
         # 8. output projection
         return self.w_o(out.transpose(1, 2).reshape(b, n, self.q_dim))
 
+    def _decode_step(self, x, cos, sin, slot: CacheSlot, member) -> torch.Tensor:
+        """Steps 1–8 for one token per sequence on a filled slot, launch-lean (a graphed step at
+        batch 1 is bound by its kernel count): the projection's matmul writes into the slot's
+        working row right after the conv state, so the conv window is a view (no cat); steps 4–6
+        (value shift, QK norm, RoPE), the cache writes, the attention mask, the conv state's roll
+        and the value-shift state are one kernel (cache.decode_attend); then attention and the
+        output projection. Everything the step changes is changed in place."""
+        entry = slot.entry
+        b, n, _ = x.shape
+        if n != 1:
+            raise ValueError(f"a decode step takes one token per sequence, got x {tuple(x.shape)}")
+        c, half, ctx = self.qk_channels, self.kv_dim // 2, self.conv_context
+        row = entry.window  # [B, ctx·C + C + kv_dim]
+        proj = row[:, ctx * c :]  # this step's [u | x·W_v1 | x·W_v2]
+        self._project_into(x.reshape(b, -1), proj)
+        window = row[:, : (ctx + 1) * c]  # [B, K·C]: the conv state, then u
+        if OPTIONS.decode_conv == "window_gemm" and not torch.is_grad_enabled():
+            q, k = self._conv_qk_window(window, slot)  # [B, n_heads, d], [B, n_kv_heads, d]
+        else:
+            q, k = self._conv_qk(window.view(b, ctx + 1, c), slot)
+            q, k = q[:, 0], k[:, 0]
+        scale = math.sqrt(self.head_dim)
+        rotary = self.rotary_dim > 0
+        out = decode_attend(
+            entry, q, k, proj[:, c : c + half], None if member is None else member[:, 0], 1.0 / scale,
+            cos=cos if rotary else None, sin=sin if rotary else None, norm_scale=scale,
+            k_temperature=self.temperature, v_tail=entry.prev_v, v_tail_next=proj[:, c + half :],
+            roll=window if ctx else None, roll_shift=c,
+        )  # fmt: skip
+        return self.w_o(out.transpose(1, 2).reshape(b, 1, self.q_dim))
+
+    def _project_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` [B, C + kv_dim] (a strided view) ← x [B, E] · W_qkvᵀ: the matmul writes there
+        itself where it can (no gradients, no autocast, one dtype), else a copy follows it."""
+        weight = self.w_qkv.weight
+        direct = x.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(x.device.type)
+        if direct and not torch.is_grad_enabled():
+            torch.mm(x, weight.t(), out=out)
+        else:
+            out.copy_(self.w_qkv(x))
+
     def _fill_slot(self, slot, kt, vt, u, shifted_src, count) -> None:
         entry = prefill_kv(slot, kt, vt, count)
-        b, n, _ = u.shape
+        b, n, c = u.shape
         length = valid_length(count, b, n, u.device)  # [B]
         ctx = self.conv_context
-        # last `ctx` real inputs: in the left-padded sequence they sit at length .. length+ctx−1
-        padded = F.pad(u, (0, 0, ctx, 0))  # [B, n + ctx, C]
-        idx = length.view(b, 1) + torch.arange(ctx, device=u.device).view(1, -1)  # [B, ctx]
-        entry.conv_state = padded.gather(1, idx.unsqueeze(-1).expand(b, ctx, u.shape[-1]))
+        row = u.new_zeros(b, (ctx + 1) * c + self.kv_dim)
+        if ctx:
+            # last `ctx` real inputs: in the left-padded sequence they sit at length .. length+ctx−1
+            padded = F.pad(u, (0, 0, ctx, 0))  # [B, n + ctx, C]
+            idx = length.view(b, 1) + torch.arange(ctx, device=u.device).view(1, -1)  # [B, ctx]
+            row[:, : ctx * c] = padded.gather(1, idx.unsqueeze(-1).expand(b, ctx, c)).reshape(b, ctx * c)
+        entry.window = row
+        entry.conv_state = row[:, : ctx * c].view(b, ctx, c)
         prev = F.pad(shifted_src, (0, 0, 1, 0))  # [B, n + 1, half]: row j is token j−1
         entry.prev_v = prev.gather(1, length.view(b, 1, 1).expand(b, 1, prev.shape[-1])).squeeze(1)
-
-    def _advance_state(self, entry: AttentionCache, u, shifted_src, write_mask) -> None:
-        """The token's inputs join the conv state and the value shift, where ``write_mask`` [B]
-        (None: every row)."""
-        # in place, like the cache's keys and values (cache.py: a captured step replays on them)
-        new_v = shifted_src[:, 0].to(entry.prev_v.dtype)
-        if self.conv_context:
-            rolled = torch.cat([entry.conv_state[:, 1:], u.to(entry.conv_state.dtype)], dim=1)
-        if write_mask is None:
-            if self.conv_context:
-                entry.conv_state.copy_(rolled)
-            entry.prev_v.copy_(new_v)
-            return
-        keep = write_mask.view(-1, 1, 1)
-        if self.conv_context:
-            entry.conv_state.copy_(torch.where(keep, rolled, entry.conv_state))
-        entry.prev_v.copy_(torch.where(keep[:, 0], new_v, entry.prev_v))

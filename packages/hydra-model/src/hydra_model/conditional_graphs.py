@@ -44,44 +44,65 @@ def conditional_nodes_fail(device: torch.device) -> str | None:
     return _checked[device]
 
 
+class ProbeCase:
+    """What the probes of conditional nodes run (here and in graph_compose.py): an IF body that
+    allocates and computes, as a block does, and a tail after it; :meth:`check` replays with the
+    flag set and cleared and compares both with eager results."""
+
+    def __init__(self, device: torch.device) -> None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.device = device
+        self.w = torch.randn(64, 64, device=device, generator=gen) / 8
+        self.x = torch.randn(4, 64, device=device, generator=gen)
+        self.state, self.out = torch.empty_like(self.x), torch.empty_like(self.x)
+        self.flag = torch.zeros((), dtype=torch.bool, device=device)
+
+    def body(self) -> None:
+        self.state.copy_(torch.relu(self.state @ self.w) + self.state)
+
+    def tail(self) -> None:
+        self.out.copy_(self.state * 2)
+
+    def warm_up(self) -> None:
+        """Kernels chosen and loaded before any capture."""
+        self.state.copy_(self.x)
+        self.body()
+        self.tail()
+
+    def check(self, replay, what: str) -> str | None:
+        """None when ``replay()`` ran the body with the flag set and only then, else what failed."""
+        results = []
+        for value in (True, False):
+            self.state.copy_(self.x)
+            self.flag.fill_(value)
+            replay()
+            results.append(self.out.clone())
+        torch.cuda.synchronize(self.device)
+        ran = torch.relu(self.x @ self.w) + self.x
+        if not torch.allclose(results[0], 2 * ran, rtol=1e-4, atol=1e-4):
+            return f"{what} did not run its body with the flag set"
+        if not torch.equal(results[1], 2 * self.x):
+            return f"{what} ran its body with the flag cleared"
+        return None
+
+
 def _probe(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"conditional graph nodes need a CUDA device, not {device}"
     if not has_conditional_nodes():
         return f"torch {torch.__version__} has no conditional CUDA graph nodes"
     try:
-        gen = torch.Generator(device=device).manual_seed(0)
-        w = torch.randn(64, 64, device=device, generator=gen) / 8
-        x = torch.randn(4, 64, device=device, generator=gen)
-        state = torch.empty_like(x)
-        flag = torch.zeros((), dtype=torch.bool, device=device)
-
-        def body() -> None:  # allocates inside the IF body, as a block does
-            state.copy_(torch.relu(state @ w) + state)
-
+        case = ProbeCase(device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            state.copy_(x)
-            body()  # warm-up: kernels chosen and loaded before capture
+            case.warm_up()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            with if_node(flag):
-                body()
-            out = state * 2
-        results = []
-        for value in (True, False):
-            state.copy_(x)
-            flag.fill_(value)
-            graph.replay()
-            results.append(out.clone())
-        torch.cuda.synchronize(device)
-        ran = torch.relu(x @ w) + x
-        if not torch.allclose(results[0], 2 * ran, rtol=1e-4, atol=1e-4):
-            return "a conditional node did not run its body with the flag set"
-        if not torch.equal(results[1], 2 * x):
-            return "a conditional node ran its body with the flag cleared"
+            with if_node(case.flag):
+                case.body()
+            case.tail()
+        return case.check(graph.replay, "a conditional node")
     except Exception as err:  # a torch or driver without working conditional nodes
         return f"conditional node capture failed: {type(err).__name__}: {err}"
-    return None

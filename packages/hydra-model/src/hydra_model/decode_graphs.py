@@ -159,6 +159,7 @@ class StagedDecoder:
         self._device_counted = 0
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.cache.check_room(1)
         self.tokens.copy_(tokens.view(-1, 1))
         if not self._ready:
             self._warm_up_and_capture()

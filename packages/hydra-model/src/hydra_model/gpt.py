@@ -124,6 +124,7 @@ class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         if cache is not None and cache.seq_len:
             if s != 1:
                 raise ValueError(f"a filled cache decodes one token at a time, got {s}")
+            cache.check_room(s)
             pos = cache.positions(b, input_ids.device)  # [B, 1]
             cos, sin = self.rope.tables(positions=pos)
         else:

@@ -47,6 +47,19 @@ class GQAAttention(nn.Module):
     ) -> torch.Tensor:
         b, n, _ = x.shape
         d = self.head_dim
+        entry = slot.entry if slot is not None else None
+        if entry is not None:  # a decode step: RoPE, the cache writes and the mask in one kernel
+            if n != 1:
+                raise ValueError(f"a decode step takes one token per sequence, got x {tuple(x.shape)}")
+            proj = self.w_qkv(x)[:, 0]  # [B, q_dim + 2·kv_dim]
+            q, k, v = proj.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+            rotary = self.rotary_dim > 0
+            out = decode_attend(
+                entry, q.view(b, self.n_heads, d), k.view(b, self.n_kv_heads, d), v,
+                None if member is None else member[:, 0], 1.0 / math.sqrt(d),
+                cos=cos if rotary else None, sin=sin if rotary else None,
+            )  # fmt: skip
+            return self.w_o(out.transpose(1, 2).reshape(b, n, self.q_dim))
         q, k, v = self.w_qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = q.reshape(b, n, self.n_heads, d)
         k = k.reshape(b, n, self.n_kv_heads, d)
@@ -54,12 +67,7 @@ class GQAAttention(nn.Module):
         if self.rotary_dim:
             q, k = rope(q, cos, sin), rope(k, cos, sin)
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        scale = 1.0 / math.sqrt(d)
-        entry = slot.entry if slot is not None else None
-        if entry is None:
-            out = flexible_attention(qt, kt, vt, causal=True, scale=scale)
-            if slot is not None:
-                prefill_kv(slot, kt, vt, None if member is None else member.sum(dim=1))
-        else:
-            out = decode_attend(entry, qt, kt, vt, None if member is None else member[:, 0], scale)
+        out = flexible_attention(qt, kt, vt, causal=True, scale=1.0 / math.sqrt(d))
+        if slot is not None:
+            prefill_kv(slot, kt, vt, None if member is None else member.sum(dim=1))
         return self.w_o(out.transpose(1, 2).reshape(b, n, self.q_dim))

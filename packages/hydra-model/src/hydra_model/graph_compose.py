@@ -31,6 +31,8 @@ from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, 
 
 import torch
 
+from hydra_model.conditional_graphs import ProbeCase
+
 _NODE_KERNEL, _NODE_CONDITIONAL = 0, 13  # CUgraphNodeType
 _COND_IF = 0  # CUgraphConditionalNodeType
 
@@ -295,37 +297,12 @@ def _probe(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"conditional graph nodes need a CUDA device, not {device}"
     try:
-        gen = torch.Generator(device=device).manual_seed(0)
-        w = torch.randn(64, 64, device=device, generator=gen) / 8
-        x = torch.randn(4, 64, device=device, generator=gen)
-        state, out = torch.empty_like(x), torch.empty_like(x)
-        flag = torch.zeros((), dtype=torch.bool, device=device)
-
-        def body() -> None:  # allocates inside the IF body, as a block does
-            state.copy_(torch.relu(state @ w) + state)
-
-        def tail() -> None:
-            out.copy_(state * 2)
-
-        state.copy_(x)
-        body()  # warm-up: kernels chosen and loaded before capture
-        tail()
+        case = ProbeCase(device)
+        case.warm_up()
         torch.cuda.synchronize(device)
         pool = torch.cuda.graph_pool_handle()
-        pieces = [(capture_kept(body, pool), flag), (capture_kept(tail, pool), None)]
+        pieces = [(capture_kept(case.body, pool), case.flag), (capture_kept(case.tail, pool), None)]
         composed = ComposedGraph(pieces)
-        results = []
-        for value in (True, False):
-            state.copy_(x)
-            flag.fill_(value)
-            composed.replay()
-            results.append(out.clone())
-        torch.cuda.synchronize(device)
-        ran = torch.relu(x @ w) + x
-        if not torch.allclose(results[0], 2 * ran, rtol=1e-4, atol=1e-4):
-            return "a composed IF node did not run its body with the flag set"
-        if not torch.equal(results[1], 2 * x):
-            return "a composed IF node ran its body with the flag cleared"
+        return case.check(composed.replay, "a composed IF node")
     except Exception as err:  # a driver or torch without what this needs
         return f"composed conditional graph failed: {type(err).__name__}: {err}"
-    return None

@@ -144,6 +144,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
             if cache.seq_len:
                 if s != 1:
                     raise ValueError(f"a filled cache decodes one token at a time, got {s}")
+                cache.check_room(s)
                 pos = cache.positions(b, input_ids.device)  # [B, 1]
         elif s > cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds max_seq_len={cfg.max_seq_len}")

@@ -35,8 +35,9 @@ class ModelOptions:
     sdpa_no_flash: bool = False
     #: the routing glue through torch.compile on CUDA during training
     compiled_routing: bool = True
-    #: CCGQA's convolutions in a decode step, one of DECODE_CONVS
-    decode_conv: str = "headwise"
+    #: CCGQA's convolutions in a decode step, one of DECODE_CONVS: the window GEMM, timed faster on
+    #: an H100 (packages/hydra-model/BENCHMARKS.md, 2026-11-25 night)
+    decode_conv: str = "window_gemm"
 
 
 OPTIONS = ModelOptions()
@@ -53,7 +54,7 @@ def reload_env() -> None:
         raise ValueError("HYDRA_SDPA_FLASH_ONLY=1 and HYDRA_SDPA_NO_FLASH=1 contradict each other; set one")
     OPTIONS.attention_backend, OPTIONS.sdpa_flash_only, OPTIONS.sdpa_no_flash = name, flash_only, no_flash
     OPTIONS.compiled_routing = os.environ.get("HYDRA_COMPILED_ROUTING", "1").strip().lower() not in _OFF
-    conv = os.environ.get("HYDRA_DECODE_CONV", "").strip().lower() or "headwise"
+    conv = os.environ.get("HYDRA_DECODE_CONV", "").strip().lower() or "window_gemm"
     if conv not in DECODE_CONVS:
         raise ValueError(f"HYDRA_DECODE_CONV={conv!r}; expected one of {', '.join(DECODE_CONVS)}")
     OPTIONS.decode_conv = conv

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hydra_model.causal_routing import CausalRouter, take_first_k
+from hydra_model.fused_decide import decide_into, decision_buffers, fused_decide_applies
 from hydra_model.fused_routing import router_logits
 from hydra_model.routing import SubSequence, flat_index, masked_mean, positions_or_arange
 from hydra_model.routing_rules import RoutingRule, add_aux, merge_aux, register_routing, soft_mod
@@ -76,12 +77,33 @@ class CausalRouting(RoutingRule):
     def decode_decide(self, wrapper, h, pos, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoded token h [B, 1, E]: (taken [B, 1] bool, router weight σ(logit) [B, 1]); the
         point's counter in the cache advances where taken. The routing statistics stay those of
-        the prompt's forward (a decode step's would be one token's)."""
+        the prompt's forward (a decode step's would be one token's). One kernel where
+        :func:`~hydra_model.fused_decide.fused_decide_applies` (a GPU's decode step), else op by op."""
+        if self._fused(wrapper, h, pos):
+            taken, weight, flag = decision_buffers(h)
+            decide_into(wrapper.causal, wrapper.router, h, pos, ctx.counts, taken, weight, flag)
+            return taken, weight
         logit = router_logits(h, wrapper.router.weight[0], wrapper.router.bias[0], with_detached=False)[0]
         weight = torch.sigmoid(logit)
         all_pos = positions_or_arange(pos, h.shape[0], 1, h.device)
         taken = wrapper.causal.decide(logit, all_pos, None, ctx.counts, True)
         return taken, weight
+
+    def decode_decide_into(self, wrapper, h, pos, ctx, taken, weight, flag) -> None:
+        """:meth:`decode_decide` written into a staged decoder's buffers (decode_graphs.py): taken
+        [B, 1] bool, weight [B, 1] and flag [] bool = any token taken. Fused, the kernel writes them
+        itself; op by op, the decision is copied in (three copies and an ``any``)."""
+        if self._fused(wrapper, h, pos):
+            decide_into(wrapper.causal, wrapper.router, h, pos, ctx.counts, taken, weight, flag)
+            return
+        now, w = self.decode_decide(wrapper, h, pos, ctx)
+        taken.copy_(now)
+        weight.copy_(w)
+        flag.copy_(now.any())
+
+    @staticmethod
+    def _fused(wrapper, h, pos) -> bool:
+        return fused_decide_applies(h, pos, (wrapper.router.weight, wrapper.router.bias))
 
     def decode_apply(self, wrapper, h, pos, ctx, taken, weight):
         """The MoR block on the decoded token, its update σ(logit)·(out − in) kept where taken (a
