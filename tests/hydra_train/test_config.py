@@ -50,6 +50,8 @@ def test_flags_and_mode_override_defaults():
         (dict(min_lr_ratio=1.5), "--min_lr_ratio"),
         (dict(precision="bf16"), "needs a CUDA device"),
         (dict(fsdp=True, compile=True), "cannot be combined"),
+        (dict(ddp_grad_sync="nccl"), "--ddp_grad_sync 'nccl' is not one of"),
+        (dict(ddp_grad_sync="allreduce", fsdp=True), "FSDP2 reduces its sharded gradients itself"),
     ],
 )
 def test_bad_values_say_which_flag(kw, needle):

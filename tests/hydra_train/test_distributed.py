@@ -63,18 +63,19 @@ def _final_state(ckpt) -> dict[str, torch.Tensor]:
     return torch.load(ckpt / "hydra_tiny_final.pt", weights_only=True)["model"]
 
 
-def _losses(ckpt) -> list[float]:
+def _losses(ckpt) -> tuple[list[float], list[float]]:
+    """(losses, gradient norms) of every step: the norm is that of the averaged gradients, which
+    Adam's updates alone would not show (they barely change when every gradient doubles)."""
     with TrainingDB(ckpt / "training.db") as db:
-        return [r["loss"] for r in db.query("SELECT loss FROM steps ORDER BY step")]
+        rows = db.query("SELECT loss, grad_norm FROM steps ORDER BY step")
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_gloo_processes_match_one_process(bin_dataset, tmp_path, mode):
-    single = tmp_path / "single"
-    multi = tmp_path / "multi"
-    extra = ["--fsdp"] if mode == "fsdp" else []
-    # the reference is one plain process (FSDP needs a process group of two or more)
+@pytest.fixture(scope="module")
+def single_process_run(bin_dataset, tmp_path_factory):
+    """The reference every multi-process mode is compared with: one plain process on the combined
+    batch (FSDP needs a process group of two or more), run once for all of them."""
+    single = tmp_path_factory.mktemp("single")
     proc = subprocess.run(
         [sys.executable, "-m", "hydra_train", *_cli_args(bin_dataset, single, 4)],
         capture_output=True,
@@ -82,6 +83,22 @@ def test_two_gloo_processes_match_one_process(bin_dataset, tmp_path, mode):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    yield _final_state(single), _losses(single)
+    shutil.rmtree(single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra, grad_sync",
+    [
+        pytest.param([], "ddp_reducer", id="ddp"),
+        pytest.param(["--fsdp"], "fsdp2", id="fsdp"),
+        # the hand-rolled averaging CUDA-graphed DDP steps use, here eager on every step
+        pytest.param(["--ddp_grad_sync", "allreduce"], "allreduce", id="allreduce"),
+    ],
+)
+def test_two_gloo_processes_match_one_process(bin_dataset, tmp_path, single_process_run, extra, grad_sync):
+    multi = tmp_path / "multi"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     # a rank that aborts (seen about once in 20 FSDP runs under load, after the final checkpoint:
     # "terminate called without an active exception") then prints where each of its threads was
@@ -94,13 +111,16 @@ def test_two_gloo_processes_match_one_process(bin_dataset, tmp_path, mode):
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert '"world_size": 2' in proc.stdout  # rank 0's summary (the other rank prints nothing)
-    a, b = _final_state(single), _final_state(multi)
+    assert f'"grad_sync": "{grad_sync}"' in proc.stdout  # the mode asked for is the one that ran
+    a, la = single_process_run
+    b = _final_state(multi)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=2e-5, msg=lambda m, k=k: f"{k}: {m}")
-    la, lb = _losses(single), _losses(multi)
+    (la, na), (lb, nb) = la, _losses(multi)
     assert len(la) == len(lb) == 3 and la[2] < la[0]  # it trained
     assert lb == pytest.approx(la, rel=1e-4)
+    assert nb == pytest.approx(na, rel=1e-4)
     runs_dirs = list((multi / "runs").iterdir())
     assert len(runs_dirs) == 1  # one run id shared by both ranks
     assert sorted(p.name for p in runs_dirs[0].glob("heartbeat_rank*.jsonl")) == [

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hydra_train.graphed_step as graphed_step
+from hydra_train.distributed import DistInfo
 from hydra_train.step import StepMixin, StepResult
 
 
@@ -51,6 +52,7 @@ class FakeTrainer(SimpleNamespace):
         p = torch.nn.Parameter(torch.ones(2))
         super().__init__(
             device=torch.device("cpu"),
+            dist=DistInfo(),  # one process: a capture needs no other rank's word
             optimizer=torch.optim.AdamW([p], lr=1e-3, fused=True),
             scales=[],
             applied=0,
@@ -75,7 +77,7 @@ class FakeTrainer(SimpleNamespace):
 def tr(monkeypatch):
     recorder = classmethod(lambda cls, *a, **k: RecordingGraph(*a, **k))
     monkeypatch.setattr(graphed_step.CUDAGraphStep, "deferred", recorder)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: None)  # the recorder needs no stream
+    monkeypatch.setattr(graphed_step, "capture_stream", lambda device: None)  # the recorder needs none
     trainer = FakeTrainer()
     trainer.cuda_graphs = graphed_step.GraphedStep(trainer, warmup=3)
     return trainer
@@ -120,3 +122,19 @@ def test_a_failure_before_the_step_runs_it_eagerly_and_reports(tr):
         StepMixin.run_step(tr, batch())
     StepMixin.run_step(tr, batch() * 2)  # two micro-batches: the graph holds one
     assert tr.applied == 4 and len(tr.failures) == 1 and "micro-batches" in tr.failures[0]
+
+
+def test_a_capture_another_rank_failed_is_dropped_here_too(tr, monkeypatch):
+    """Under torchrun a graph holds collectives: every rank replays it or none does."""
+    votes = []
+
+    def all_ranks_captured(ok):
+        votes.append(ok)
+        return False  # this rank captured, the other one did not
+
+    monkeypatch.setattr(tr.cuda_graphs, "_all_ranks_captured", all_ranks_captured)
+    for _ in range(3):  # two eager steps, then the warm-up step and the capture
+        StepMixin.run_step(tr, batch())
+    assert votes == [True] and not tr.cuda_graphs.captured  # asked once, after the capture: dropped
+    # the warm-up step was applied and is not run again; the trainer is told why the graph went
+    assert tr.applied == 3 and tr.failures == ["capture failed on another rank; every rank runs eagerly"]

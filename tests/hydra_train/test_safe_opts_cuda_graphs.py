@@ -27,8 +27,11 @@ def test_not_applicable_reasons():
     # the checks after the device need no GPU to be exercised
     assert "fused AdamW" in g.not_applicable(fake_trainer("cuda", fused=False))
     tr = fake_trainer("cuda")
-    tr.dist = DistInfo(rank=0, world_size=2, local_rank=0, backend="gloo")
-    assert "single-process" in g.not_applicable(tr)
+    tr.dist = DistInfo(rank=0, world_size=2, local_rank=0, backend="nccl")
+    assert g.not_applicable(tr) is None  # DDP steps are graphed, the averaging done by hand
+    assert "FSDP2" in CudaGraphs(TrainConfig(fsdp=True)).not_applicable(tr)
+    assert "reducer" in CudaGraphs(TrainConfig(ddp_grad_sync="reducer")).not_applicable(tr)
+    assert "unused" in CudaGraphs(TrainConfig(ddp_find_unused_parameters=True)).not_applicable(tr)
 
 
 def test_capturable_mode_and_the_schedule_writing_the_lr_in_place():

@@ -48,6 +48,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 FP8_FORMATS = ("e4m3", "e5m2")
 FP8_SCALINGS = ("row", "tensor")
 COMPILE_SCOPES = ("blocks", "model")
+GRAD_SYNC_MODES = ("auto", "reducer", "allreduce")  # hydra_train.data_parallel says what each does
 
 #: Default corpus names that need no files: the Python standard library's own source, and "pyenv"
 #: (every .py of the standard library and installed packages; hydra_train.pyenv_corpus).
@@ -321,6 +322,15 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
         out.precision = "bf16" if (kind == "cuda" and dev.bf16_supported) else "fp32"
     if out.precision == "bf16" and kind != "cuda":
         raise HydraTrainError("--precision bf16 needs a CUDA device; use --precision fp32 on the CPU")
+    _check_choice("ddp_grad_sync", out.ddp_grad_sync, GRAD_SYNC_MODES)
+    if out.ddp_grad_sync == "allreduce" and out.fsdp:
+        raise HydraTrainError(
+            "--ddp_grad_sync allreduce is for DDP; FSDP2 reduces its sharded gradients itself (drop one)"
+        )
+    if out.ddp_grad_sync == "allreduce" and out.ddp_find_unused_parameters:
+        # the hand-rolled all-reduce gives an unused parameter a zero gradient where DDP's reducer,
+        # finding it unused on every rank, leaves it without one
+        raise HydraTrainError("--ddp_grad_sync allreduce does not support ddp_find_unused_parameters")
     if out.fsdp and out.compile:
         # both work alone; together they need per-block compilation, which this runner does not do
         raise HydraTrainError("--fsdp and --compile cannot be combined yet; drop one of them")

@@ -215,6 +215,15 @@ class RuntimeOptions(LoggerFlags):
         help="Shard parameters, gradients and optimizer state with FSDP2 (under torchrun).",
         commands=(RUN,),
     )
+    ddp_grad_sync: str = flag(
+        "auto",
+        "--ddp_grad_sync",
+        metavar="auto|reducer|allreduce",
+        help="Under torchrun with DDP, who averages the gradients: auto (DDP's reducer for eager steps, "
+        "a hand-rolled all-reduce inside CUDA-graphed steps), reducer (DDP's always; no CUDA graphs "
+        "under DDP) or allreduce (hand-rolled always).",
+        commands=(RUN,),
+    )
     ddp_find_unused_parameters: bool = False
     eval_every: int | None = flag(
         None,

@@ -6,7 +6,8 @@
 read through :func:`hydra_train.options.torchrun_launch`, the one place that reads them.
 
 DDP: gradients are all-reduced (averaged) on the last micro-batch of an accumulation only; the
-others run under ``no_sync()``. FSDP2 (``--fsdp``): every block in the model's ``nn.ModuleList``
+others run under ``no_sync()``. A CUDA-graphed DDP step keeps DDP silent and averages by hand
+(:mod:`hydra_train.data_parallel`). FSDP2 (``--fsdp``): every block in the model's ``nn.ModuleList``
 children is ``fully_shard``-ed, then the root; ``set_requires_gradient_sync(False)`` plays the part
 of ``no_sync``. Checkpoints always hold *full* state dicts (gathered with
 ``torch.distributed.checkpoint.state_dict``), so a checkpoint from N GPUs loads on one and back.
@@ -94,8 +95,11 @@ def wrap_model(
     fsdp: bool,
     device: torch.device,
     find_unused_parameters: bool = False,
+    init_stream: torch.cuda.Stream | None = None,
 ) -> nn.Module:
-    """The module the training forward goes through: ``model`` itself, DDP(model), or FSDP2(model)."""
+    """The module the training forward goes through: ``model`` itself, DDP(model), or FSDP2(model).
+    ``init_stream``: build DDP on that CUDA stream, the one CUDA graphs are captured on
+    (:func:`hydra_train.data_parallel.capture_stream` says why)."""
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -115,7 +119,18 @@ def wrap_model(
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=ids, find_unused_parameters=find_unused_parameters)
+    if init_stream is None:
+        return DDP(model, device_ids=ids, find_unused_parameters=find_unused_parameters)
+    init_stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(init_stream):
+        ddp = DDP(model, device_ids=ids, find_unused_parameters=find_unused_parameters)
+    torch.cuda.current_stream(device).wait_stream(init_stream)
+    # eager steps now accumulate gradients on that stream, which recent torch versions warn about
+    # once as a likely mistake; here it is the documented way to let a later capture include DDP's model
+    quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if quiet is not None:
+        quiet(False)
+    return ddp
 
 
 def grad_sync(wrapped: nn.Module, enabled: bool):

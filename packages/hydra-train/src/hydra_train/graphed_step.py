@@ -27,6 +27,12 @@ What capture needs, and how it is met here:
   it, and a recompilation during capture invalidates the capture.
 * callbacks' ``on_after_backward`` is host code: the graphed body skips it (it would run once, at
   capture, and never again).
+* under torchrun (DDP): the gradients are averaged inside the body by plain NCCL collectives
+  (:mod:`hydra_train.data_parallel`; DDP's reducer cannot be captured), which NCCL lets a graph
+  capture; the process group is up and has run collectives (DDP's construction broadcast, the
+  eager steps) before any capture; torch keeps captured collectives away from its NCCL watchdog.
+  Every rank must replay the same graph or none: a capture that fails on one rank is dropped on
+  all (one all-reduce of a flag after each capture), and the ranks step eagerly together.
 
 The loss-scale input (1.0: exact) is how a test reaches the gradients of a graphed step:
 :meth:`GraphedStep.scale_next_loss` with NaN or Inf poisons the next graphed step
@@ -38,8 +44,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from hydra_kernels.cuda_graph import CUDAGraphStep
+from hydra_train.data_parallel import capture_stream
 from hydra_train.step import StepResult, supports_found_inf
 
 if TYPE_CHECKING:
@@ -79,7 +87,8 @@ class GraphedStep:
         self.tr = trainer
         self.warmup = max(1, int(warmup))
         self.eager_done = 0
-        self.stream = torch.cuda.Stream(trainer.device)
+        # the shared capture stream: under DDP the model's gradient-accumulation nodes live on it
+        self.stream = capture_stream(trainer.device)
         self.graph: CUDAGraphStep | None = None
         self.pending_scale: float | None = None
         #: set when a capture failed after its warm-up call had applied the step
@@ -137,15 +146,33 @@ class GraphedStep:
         finally:
             self._fill_scale(graph, reset=True)
         tr.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates its own gradients
+        failure = None
         try:
             graph.capture()
         except Exception as exc:
+            failure = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
+        if failure is None and not self._all_ranks_captured(True):
+            failure = "capture failed on another rank; every rank runs eagerly"
+            graph.release()
+        elif failure is not None:
+            self._all_ranks_captured(False)
+        if failure is not None:
             tr.optimizer.zero_grad(set_to_none=True)  # gradients captured but never computed
-            self.failure = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
+            self.failure = failure
             return res
         self.graph = graph
         self.captures += 1
         return res
+
+    def _all_ranks_captured(self, ok: bool) -> bool:
+        """Under torchrun: whether every rank captured (one all-reduce, once per capture). A graph
+        holding collectives must be replayed by every rank or by none, so a capture that failed on
+        one rank is dropped on all of them and they step eagerly together."""
+        if not self.tr.dist.enabled:
+            return ok
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.tr.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _fill_scale(self, graph: CUDAGraphStep, reset: bool = False) -> None:
         if self.pending_scale is not None:

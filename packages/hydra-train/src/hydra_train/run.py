@@ -45,6 +45,7 @@ from hydra_train.checkpoint import (
     step_name,
 )
 from hydra_train.config import TrainConfig, model_id_for, resolve_config
+from hydra_train.data_parallel import capture_stream, graphed_ddp_possible
 from hydra_train.dataset import BatchPlan, eval_batches
 from hydra_train.device_setup import choose_cpu_threads, device_info, pick_device, seed_everything
 from hydra_train.distributed import (
@@ -208,7 +209,22 @@ def _run(
             device=str(device),
             world_size=dist_info.world_size,
         )
-    return _train(run, log)
+    try:
+        return _train(run, log)
+    finally:
+        # a graphed step under DDP holds NCCL collectives: its graph goes before the process group
+        # does (destroying the group first left both H100 ranks hanging at exit, 2026-11-25)
+        release_graphs(run.trainer, device)
+
+
+def release_graphs(trainer, device: torch.device) -> None:
+    """Drop the trainer's captured step (if any) once the device has finished with it."""
+    if trainer.cuda_graphs is None:
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    trainer.cuda_graphs.release()
+    trainer.cuda_graphs = None
 
 
 def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
@@ -235,6 +251,10 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
         fsdp=cfg.runtime.fsdp,
         device=device,
         find_unused_parameters=cfg.runtime.ddp_find_unused_parameters,
+        # on the capture stream when DDP steps may become CUDA graphs (data_parallel says why)
+        init_stream=capture_stream(device)
+        if graphed_ddp_possible(cfg, device, dist_info.world_size)
+        else None,
     )
     choice, schedule = build_optimizer_and_schedule(
         model, cfg, log=lambda m: console.print(Text(m, style="yellow")) if main else None

@@ -7,6 +7,11 @@ runs it and clears the gradients; a CUDA graph (:mod:`hydra_train.graphed_step`)
 body and replays it. :meth:`StepMixin.run_step`, the trainer's default ``step_impl``, picks the
 graph when one is enabled (``enable_cuda_graphs``) and the eager step otherwise.
 
+Gradient averaging over ranks: DDP's reducer on the last micro-batch (``no_sync()`` before), or,
+with ``grad_averager`` set (a graphed DDP step, or ``--ddp_grad_sync allreduce``), DDP silent and
+:class:`hydra_train.data_parallel.GradAverager` after the last backward, in the step body itself,
+so that a graph captures it.
+
 The non-finite rule: ``finite = isfinite(total grad norm) & isfinite(loss)``, one fused reduction
 (the grad-norm computation already visits every gradient); under DDP/FSDP only the norm of the
 synchronised gradients decides, so that every rank takes the same decision. A fused torch
@@ -23,9 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hydra_train.distributed import all_reduce_sum, grad_sync
+from hydra_train.distributed import all_reduce_sum, grad_sync, is_fsdp
 
 if TYPE_CHECKING:
+    from hydra_train.data_parallel import GradAverager
     from hydra_train.graphed_step import GraphedStep
 
 
@@ -86,6 +92,8 @@ class StepMixin:
     """The step half of :class:`hydra_train.trainer.Trainer` (which sets every attribute used here)."""
 
     cuda_graphs: GraphedStep | None
+    #: set: the gradients are averaged over ranks by hand after backward, DDP's reducer silent
+    grad_averager: GradAverager | None
 
     def autocast(self):
         if self._autocast_dtype is None:
@@ -104,13 +112,19 @@ class StepMixin:
         ``on_after_backward`` callbacks, which a captured graph could not replay."""
         n = len(batches)
         sums = LossSums()
+        averager = self.grad_averager
+        if averager is not None:
+            averager.broadcast_buffers()  # what DDP's forward does once per step
         for i, (x, y) in enumerate(batches):
-            with grad_sync(self.wrapped, enabled=i == n - 1):
+            # with the hand-rolled averaging DDP's reducer stays silent on every micro-batch
+            with grad_sync(self.wrapped, enabled=averager is None and i == n - 1):
                 with self.autocast():
                     out = self.forward_model(x, y)
                 loss = out.loss if loss_scale is None else out.loss * loss_scale
                 (loss / n).backward()
             sums.add(out, loss_scale)
+        if averager is not None:
+            averager.average_gradients()  # before anything reads them: hooks, norm, optimizer
         if hooks:
             self.callbacks.call("on_after_backward", self.step + 1, self.model)
         grad_norm = self._grad_norm()
@@ -151,23 +165,38 @@ class StepMixin:
 
     def enable_cuda_graphs(self, warmup: int) -> None:
         """Run the step as a CUDA graph from now on: ``warmup`` eager steps, then capture and replay
-        (:mod:`hydra_train.graphed_step`). Enabling again starts afresh (a new capture)."""
+        (:mod:`hydra_train.graphed_step`). Enabling again starts afresh (a new capture). Under DDP
+        the gradients are averaged by hand from now on, eager warm-up steps included (DDP's
+        reducer cannot be captured; :mod:`hydra_train.data_parallel`)."""
         from hydra_train.graphed_step import GraphedStep
 
         if self.cuda_graphs is not None:
             self.cuda_graphs.release()
+        if self.dist.enabled and self.grad_averager is None:
+            self.grad_averager = self.new_grad_averager()
         self.cuda_graphs = GraphedStep(self, warmup)
 
     def disable_cuda_graphs(self) -> None:
-        """Back to the eager step: the graph released, the optimizer's lr a Python float again."""
+        """Back to the eager step: the graph released, the optimizer's lr a Python float again;
+        under DDP its reducer averages again (unless ``--ddp_grad_sync allreduce``)."""
         if self.cuda_graphs is None:
             return
         from hydra_train.graphed_step import make_uncapturable
 
         self.cuda_graphs.release()
         self.cuda_graphs = None
+        if self.cfg.runtime.ddp_grad_sync != "allreduce":
+            self.grad_averager = None
         if self.device.type == "cuda":
             make_uncapturable(self.optimizer)
+
+    def new_grad_averager(self) -> GradAverager:
+        """The hand-rolled gradient averaging for this trainer's DDP model."""
+        from hydra_train.data_parallel import GradAverager
+
+        if is_fsdp(self.wrapped):
+            raise RuntimeError("the hand-rolled gradient averaging is for DDP; FSDP2 reduces its own shards")
+        return GradAverager(self.params, self.model, self.dist.world_size)
 
     def _graph_failed(self, reason: str) -> None:
         self.disable_cuda_graphs()

@@ -32,6 +32,8 @@ def describe_run(summary: dict[str, Any], run: Any) -> dict[str, Any]:
         triton_kernels=cfg.optimizations.triton_kernels,
         chunked_ce=cfg.model.chunked_ce,
         fsdp=cfg.runtime.fsdp,
+        ddp_grad_sync=cfg.runtime.ddp_grad_sync,
+        grad_sync=_grad_sync(run),
     )
     if hasattr(model, "flops_per_token") and summary.get("tokens_per_s"):
         fpt = float(model.flops_per_token(cfg.data.seq_len, executed=True))
@@ -39,6 +41,15 @@ def describe_run(summary: dict[str, Any], run: Any) -> dict[str, Any]:
     if device.type == "cuda":
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return summary
+
+
+def _grad_sync(run: Any) -> str | None:
+    """Who averaged the gradients over ranks when the run ended (None: one process)."""
+    if run.dist.world_size <= 1:
+        return None
+    if run.cfg.runtime.fsdp:
+        return "fsdp2"
+    return "allreduce" if getattr(run.trainer, "grad_averager", None) is not None else "ddp_reducer"
 
 
 def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
@@ -53,7 +64,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
             "model",
             f"{s.get('arch', 'hydra')} {s.get('model_size')} ({f(s.get('params', 0) / 1e6, '.2f')}M params), "
             f"{s.get('device')}, "
-            f"{s.get('precision')}, world size {s.get('world_size')}",
+            f"{s.get('precision')}, world size {s.get('world_size')}"
+            + (f" (gradients: {s['grad_sync']})" if s.get("grad_sync") else ""),
         ),
         ("data", str(s.get("data"))),
         (

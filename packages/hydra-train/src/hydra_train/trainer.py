@@ -37,6 +37,7 @@ from torch import nn
 
 from hydra_train.callbacks import CallbackList, StepMetrics
 from hydra_train.config import TrainConfig
+from hydra_train.data_parallel import GradAverager
 from hydra_train.distributed import DistInfo, all_reduce_sum
 from hydra_train.graphed_step import GraphedStep
 from hydra_train.optim import LRSchedule
@@ -91,11 +92,14 @@ class Trainer(StepMixin, TrainerStateMixin):
         self.log = log
         self._init_state(device)
         self.step_impl: Callable[[list], StepResult] = self.run_step
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.cuda_graphs: GraphedStep | None = None
+        self.grad_averager: GradAverager | None = None  # hydra_train.step: who averages gradients
+        if self.dist.enabled and cfg.runtime.ddp_grad_sync == "allreduce":
+            self.grad_averager = self.new_grad_averager()
         self.graph_failures: list[str] = []  # why each CUDA graph was dropped (callbacks report it)
         self.stop_reason: str | None = None
         self.status = "running"
-        self.params = [p for p in model.parameters() if p.requires_grad]
         self._autocast_dtype = torch.bfloat16 if cfg.runtime.precision == "bf16" else None
         self.tokens_per_step = (
             cfg.data.batch_size * cfg.data.seq_len * cfg.optim.grad_accum * self.dist.world_size

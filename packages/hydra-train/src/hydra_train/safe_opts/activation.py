@@ -91,6 +91,11 @@ class ActivationMixin:
     def _pretest(self, trainer: Trainer, names: list[str]) -> dict[str, dict[str, Any]]:
         cfg = self.cfg
         env = environment(trainer.device)
+        if trainer.dist.enabled:
+            # a pretest under torchrun steps with the collectives (and, under DDP, decides whether
+            # the graph holds the gradient averaging): never the same record as one process's
+            rt = cfg.runtime
+            env.update(world_size=trainer.dist.world_size, fsdp=rt.fsdp, ddp_grad_sync=rt.ddp_grad_sync)
         model_cfg = trainer.model.config.to_dict()
         fp = fingerprint(model_cfg, cfg, env, self.checkpoint)
         decision = self.hook.decide(fp, cfg.model.model_size, self.checkpoint) if self._main else None

@@ -7,12 +7,18 @@ is captured right after) and off (``disable_cuda_graphs``: the graph and its
 memory pool released, the gradients back to None, the learning rate a Python float again: the
 next step is eager). A graph that fails to capture or replay is dropped by the trainer, which tells
 the callbacks (``on_graph_failure``); SafeOptimizations then records it DISABLED with the reason.
+
+Under torchrun with DDP the graph holds the gradient averaging too (``enable_cuda_graphs`` switches
+the trainer to :class:`hydra_train.data_parallel.GradAverager`, ``disable_cuda_graphs`` back to
+DDP's reducer); FSDP2, ``--ddp_grad_sync reducer`` and ``find_unused_parameters`` make it N/A
+(:func:`hydra_train.data_parallel.why_not_graphed`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hydra_train.data_parallel import why_not_graphed
 from hydra_train.graphed_step import CaptureError, GraphedStep, make_capturable, make_uncapturable
 from hydra_train.safe_opts.registry import Optimization
 from hydra_train.step import supports_found_inf
@@ -43,7 +49,9 @@ class CudaGraphs(Optimization):
         if trainer.device.type != "cuda":
             return "needs CUDA"
         if trainer.dist.enabled:
-            return "single-process runs only (not under DDP/FSDP)"
+            why = why_not_graphed(self.cfg)
+            if why is not None:
+                return why
         if not supports_found_inf(trainer.optimizer):
             return "needs torch's fused AdamW (bitsandbytes' AdamW8bit cannot skip a step on the device)"
         return None
