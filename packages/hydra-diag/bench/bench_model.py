@@ -189,6 +189,7 @@ def run_one(args, name: str, mode: str, extra: dict) -> dict:
     graphed = mode.endswith("graph")
     if graphed and not cuda:
         raise RuntimeError("graph modes need CUDA")
+    t_start = time.perf_counter()  # setup: build, first eager step, compile, warm-up, capture
     model, opt, batches = build(args, name, extra, capturable=graphed)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     make_step(model, opt, args.device)(batches[0])  # eager first: measures attention backends per shape
@@ -207,6 +208,7 @@ def run_one(args, name: str, mode: str, extra: dict) -> dict:
     for i in range(args.warmup):
         step(batches[i % len(batches)])
     sync()
+    t_setup = time.perf_counter() - t_start  # the sync-site count below is a measurement, not setup
     sites = sync_sites(fwd, list(model.parameters()), batches[0]) if cuda else []
     first_sync = locate_first_sync(fwd, list(model.parameters()), batches[0]) if sites else ""
     graph_check = None
@@ -262,6 +264,7 @@ def run_one(args, name: str, mode: str, extra: dict) -> dict:
         "mfu": tok_s * flops / H100_BF16_PEAK,
         "compile_s": t_compile,
         "capture_s": t_capture,
+        "setup_s": t_setup + t_capture,
         "host_syncs_fwd_bwd": len(sites) if cuda else None,
         "host_sync_sites": sites,
         "first_sync_traceback": first_sync,
@@ -362,7 +365,7 @@ def main(argv=None) -> int:
                 print(
                     f"    {res['step_ms']:.1f} ms, {res['tokens_per_s'] / 1e3:.1f}K tok/s, "
                     f"{res['peak_gib']:.1f} GiB, MFU {res['mfu'] * 100:.1f}%, "
-                    f"compile {res['compile_s']:.0f}s",
+                    f"compile {res['compile_s']:.0f}s, setup {res['setup_s']:.1f}s",
                     flush=True,
                 )
             except Exception as exc:  # report and go on with the next configuration
