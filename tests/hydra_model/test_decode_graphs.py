@@ -13,6 +13,8 @@ from hydra_model.conditional_graphs import conditional_nodes_fail
 from hydra_model.decode_graphs import DecodeStage, StagedDecoder, resolve_mode, segments_of
 from hydra_model.graph_compose import driver_conditional_fail
 
+from .conftest import MODES, random_tokens, small_model
+
 ROUTED = dict(n_mor_blocks=5, recursions_per_block=1, mod_capacity=0.5, mod_block_stride=2)
 
 
@@ -268,3 +270,35 @@ def test_fused_decode_kernels_on_cuda_give_the_reference_tokens(arch, decode_con
     assert fallbacks == hydra_kernels.fallback_counts()
     assert launches["kv_decode_step_launch"] > 0  # the fused kernels ran (captured in the warm-up)
     assert launches["router_decide_launch"] > 0 or arch == "gpt"
+
+
+def test_a_generation_that_fails_still_reports_its_routing_decisions(monkeypatch):
+    """The decisions a masked decoder counts on the device reach the report even when a later step
+    raises (generate's ``finally``)."""
+    model, prompt = branching_case(1, 12)
+    real_step, calls = StagedDecoder.step, []
+
+    def step_then_fail(self, tokens):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("a step failed")
+        return real_step(self, tokens)
+
+    monkeypatch.setattr(StagedDecoder, "step", step_then_fail)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        model.generate(prompt, 12, decode="masked")  # on a CPU: the stages, counted on the device
+    report = model.last_decode_report
+    assert report.steps == 5 and report.gated_run + report.gated_skipped == 2 * 5
+
+
+@pytest.mark.parametrize("mode", [*MODES, "capacity_1"])
+def test_staged_decoding_with_one_recursion_gives_the_eager_tokens(mode):
+    """One recursion a block (the 100M preset's layout: no MoR gate) in every routing mode: a decode
+    stage adds a block's update to the stream in place only where nothing reads the block's input
+    again (a soft gate, a gathered copy, a gated stage would see the updated stream instead)."""
+    overrides = {"mod_capacity": 1.0} if mode == "capacity_1" else MODES[mode]
+    model = small_model(seed=5, recursions_per_block=1, **overrides).eval()
+    prompt = random_tokens(2, 6)
+    eager = model.generate(prompt, 12, decode="eager")
+    staged = model.generate(prompt, 12, decode="staged")
+    assert torch.equal(eager, staged)

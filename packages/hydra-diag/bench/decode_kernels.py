@@ -59,6 +59,8 @@ def count_decode_step(
         model(prompt, cache=cache)
         decoder = StagedDecoder(model, cache, 1, prompt.device, "staged")
         decoder.step(torch.tensor([1]))  # the first step builds the per-generation constants
+        for segment in decoder.segments:  # of every block: a staged step skips the routed ones
+            segment.run_stages()  # that its token did not take (a graphed warm-up runs them all)
         for segment in decoder.segments:
             with KernelCount() as counter:
                 for stage in segment.stages:

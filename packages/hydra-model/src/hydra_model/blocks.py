@@ -234,10 +234,13 @@ class CCGQAMoDBlockWrapper(nn.Module):
         rule = routing_rule("static" if self.static else self.rule)
         if not (self.routed and rule.staged_decode and self.causal is not None):
 
+            # this stage owns h: the update of a block with no routing anywhere (no MoD router,
+            # dense recursions) may go into it in place. Not so where a rule reads its input again
+            # after the block (a gate mixing in and out, a gathered copy, a gated stage)
+            in_place = not self.routed and self.mor.mode == "dense"
+
             def whole() -> None:
-                # this stage owns h: the block's update may go into it in place (not so in a
-                # gated stage, whose rule reads h again after the block)
-                ctx.residual_in_place = True
+                ctx.residual_in_place = in_place
                 try:
                     out = self(h, pos, ctx)[0]
                 finally:

@@ -260,7 +260,8 @@ class StagedDecoder:
                 if composed_failed is not None:
                     raise RuntimeError(f"{failed}; {composed_failed}")
                 self.report.extra["conditional_nodes"] = "driver"
-                return self._compose_step()
+                with torch.cuda.device(device):  # the driver builds in the current context
+                    return self._compose_step()
             self.report.extra["conditional_nodes"] = "torch"
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):

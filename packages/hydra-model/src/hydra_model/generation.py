@@ -84,21 +84,23 @@ def generate(
             decoder.report.requested = decode
             model.last_decode_report = decoder.report
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for step in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, top_p, generator)
-            if eos_token_id is not None:
-                nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
-                finished |= nxt == eos_token_id
-            pieces.append(nxt.unsqueeze(1))
-            if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
-                break
-            if decoder is None:
-                logits = model(nxt.unsqueeze(1), cache=cache).logits[:, -1]
-                model.last_decode_report.steps += 1
-            else:
-                logits = decoder.step(nxt)
-        if decoder is not None:
-            decoder.finish()
+        try:
+            for step in range(max_new_tokens):
+                nxt = sample_next(logits, temperature, top_k, top_p, generator)
+                if eos_token_id is not None:
+                    nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
+                    finished |= nxt == eos_token_id
+                pieces.append(nxt.unsqueeze(1))
+                if step == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+                    break
+                if decoder is None:
+                    logits = model(nxt.unsqueeze(1), cache=cache).logits[:, -1]
+                    model.last_decode_report.steps += 1
+                else:
+                    logits = decoder.step(nxt)
+        finally:
+            if decoder is not None:  # the report counts the steps that ran, a failed one too
+                decoder.finish()
         return torch.cat(pieces, dim=1)
     finally:
         model.train(was_training)

@@ -170,10 +170,17 @@ class _Driver:
             plain.argtypes = (POINTER(c_void_p), c_void_p, POINTER(c_void_p), c_size_t)
             plain.argtypes += (POINTER(GraphNodeParams),)
             self._add = plain
-        module, func = c_void_p(), c_void_p()
-        self.call("cuModuleLoadData", byref(module), _SET_IF_PTX)
-        self.call("cuModuleGetFunction", byref(func), module, b"hydra_set_if_from_flag")
-        self.set_if_kernel = func
+        self._set_if: dict[int, c_void_p] = {}  # the flag-to-handle kernel, per CUDA context
+
+    def set_if_kernel(self, ctx: c_void_p) -> c_void_p:
+        """The flag-to-handle kernel in ``ctx`` (a module belongs to the context it was loaded in:
+        each device's context loads its own)."""
+        if ctx.value not in self._set_if:
+            module, func = c_void_p(), c_void_p()
+            self.call("cuModuleLoadData", byref(module), _SET_IF_PTX)
+            self.call("cuModuleGetFunction", byref(func), module, b"hydra_set_if_from_flag")
+            self._set_if[ctx.value] = func
+        return self._set_if[ctx.value]
 
     def add_node(self, what: str, node, graph, deps, n: int, params: GraphNodeParams) -> None:
         """cuGraphAddNode; ``what`` names the node in an error."""
@@ -208,14 +215,17 @@ class ComposedGraph:
     always or under an IF node on a bool flag: ``pieces`` is [(graph, flag or None)] in order."""
 
     def __init__(self, pieces: list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]]) -> None:
+        """Built in the current CUDA context: the caller makes its device current."""
+        self._graph, self._exec = c_void_p(), c_void_p()  # what __del__ destroys, once made
         drv = driver()
         self._drv = drv
         self._pieces = pieces  # keeps the captured graphs, their memory pool and the flags alive
         ctx = c_void_p()
         drv.call("cuCtxGetCurrent", byref(ctx))
-        parent = c_void_p()
+        self._set_if_kernel = drv.set_if_kernel(ctx)
+        self._device = torch.cuda.current_device()
+        parent = self._graph
         drv.call("cuGraphCreate", byref(parent), 0)
-        self._graph, self._exec = parent, c_void_p()
         prev: c_void_p | None = None
         for graph, flag in pieces:
             raw = c_void_p(graph.raw_cuda_graph())
@@ -252,7 +262,7 @@ class ComposedGraph:
         params = GraphNodeParams()
         params.type = _NODE_KERNEL
         k = params.kernel
-        k.func = self._drv.set_if_kernel
+        k.func = self._set_if_kernel
         k.gridDimX = k.gridDimY = k.gridDimZ = 1
         k.blockDimX = k.blockDimY = k.blockDimZ = 1
         k.kernelParams = ctypes.cast(arg_ptrs, c_void_p)
@@ -262,8 +272,11 @@ class ComposedGraph:
         return node
 
     def replay(self) -> None:
-        """Launch the whole graph on the current stream."""
-        self._drv.call("cuGraphLaunch", self._exec, c_void_p(torch.cuda.current_stream().cuda_stream))
+        """Launch the whole graph on its device's current stream. A plain graph launch: unlike
+        ``CUDAGraph.replay`` it does not advance torch's CUDA random offsets, so the pieces must
+        draw no random numbers on the GPU (a decode step's stages draw none)."""
+        stream = torch.cuda.current_stream(self._device).cuda_stream
+        self._drv.call("cuGraphLaunch", self._exec, c_void_p(stream))
 
     def __del__(self) -> None:
         drv = getattr(self, "_drv", None)
@@ -297,12 +310,13 @@ def _probe(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"conditional graph nodes need a CUDA device, not {device}"
     try:
-        case = ProbeCase(device)
-        case.warm_up()
-        torch.cuda.synchronize(device)
-        pool = torch.cuda.graph_pool_handle()
-        pieces = [(capture_kept(case.body, pool), case.flag), (capture_kept(case.tail, pool), None)]
-        composed = ComposedGraph(pieces)
-        return case.check(composed.replay, "a composed IF node")
+        with torch.cuda.device(device):
+            case = ProbeCase(device)
+            case.warm_up()
+            torch.cuda.synchronize(device)
+            pool = torch.cuda.graph_pool_handle()
+            pieces = [(capture_kept(case.body, pool), case.flag), (capture_kept(case.tail, pool), None)]
+            composed = ComposedGraph(pieces)
+            return case.check(composed.replay, "a composed IF node")
     except Exception as err:  # a driver or torch without what this needs
         return f"composed conditional graph failed: {type(err).__name__}: {err}"

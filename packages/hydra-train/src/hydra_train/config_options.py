@@ -219,9 +219,9 @@ class RuntimeOptions(LoggerFlags):
         "auto",
         "--ddp_grad_sync",
         metavar="auto|reducer|allreduce",
-        help="Under torchrun with DDP, who averages the gradients: auto (DDP's reducer for eager steps, "
-        "a hand-rolled all-reduce inside CUDA-graphed steps), reducer (DDP's always; no CUDA graphs "
-        "under DDP) or allreduce (hand-rolled always).",
+        help="Under torchrun with DDP, who averages the gradients: auto (DDP's reducer while no CUDA "
+        "graph is enabled; a hand-rolled all-reduce from enabling on, warm-up steps included), "
+        "reducer (DDP's always; no CUDA graphs under DDP) or allreduce (hand-rolled always).",
         commands=(RUN,),
     )
     ddp_find_unused_parameters: bool = False

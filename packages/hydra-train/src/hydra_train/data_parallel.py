@@ -128,7 +128,9 @@ class GradAverager:
             if p.grad is None:
                 # every rank must hand the same tensors to the collectives, so a parameter this
                 # rank did not use contributes zeros to the mean (DDP's reducer, without
-                # find_unused_parameters, which this averaging is never used with, would stop)
+                # find_unused_parameters, which this averaging is never used with, would stop).
+                # One difference from one process: a parameter no rank used gets a zero gradient,
+                # not None, so AdamW still decays it (weight decay, moments) that step
                 p.grad = torch.zeros_like(p)
         for bucket in self.buckets:
             grads = [self.params[i].grad for i in bucket]

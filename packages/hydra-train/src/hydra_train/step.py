@@ -144,7 +144,8 @@ class StepMixin:
     def run_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """One optimizer step: the CUDA graph when enabled, else the eager step. A graph that
         cannot be captured or replayed is dropped, reported to the callbacks
-        (``on_graph_failure``) and the step runs eagerly."""
+        (``on_graph_failure``) and the step runs eagerly; under DDP a failed replay stops the run
+        with that advice instead (a capture failure the ranks agree on still falls back)."""
         graphs = self.cuda_graphs
         if graphs is None or graphs.take_eager_step():
             if graphs is not None:  # a loss scale meant for a graphed step must not wait for one
@@ -155,6 +156,14 @@ class StepMixin:
         except Exception as exc:
             if graphs.step_applied:  # the optimizer step ran (copying its outputs failed): no rerun
                 raise
+            if self.dist.enabled:
+                # the other ranks are inside this step's collectives: stepping eagerly here alone
+                # would leave them waiting or pair mismatched collectives. Stop, and say so.
+                raise RuntimeError(
+                    f"the CUDA-graphed step failed on rank {self.dist.rank} ({type(exc).__name__}: "
+                    f"{str(exc)[:300]}); under DDP one rank cannot fall back to eager steps alone. "
+                    "Rerun with --no-experimental_cuda_graphs to train eagerly"
+                ) from exc
             # nothing of this step was applied: run it eagerly
             self._graph_failed(f"{type(exc).__name__}: {str(exc)[:300]}")
             self.optimizer.zero_grad(set_to_none=True)  # whatever a half-run step accumulated
