@@ -110,26 +110,36 @@ def _recording(forward, calls):
 
 
 def decode_state(cache: ModelCache) -> list[torch.Tensor]:
-    """Every tensor of the cache a decode step changes."""
+    """Every tensor of the cache a decode step changes (the slots' masks and working rows too)."""
     state = [cache.position, *cache.counts.values()]
     for slot in cache.slots.values():
         e = slot.entry
-        state += [e.k, e.v, e.length] + [t for t in (e.conv_state, e.prev_v) if t is not None]
+        state += [e.k, e.v, e.length, e.bias]
+        state += [t for t in (e.window, e.conv_state, e.prev_v) if t is not None]
     return state
+
+
+def step_in_place(model, cache: ModelCache) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """Prefill 5 tokens of 2 sequences, decode one (it makes the position), then check that a
+    second decode step changes ``decode_state`` only in place, and some of it; → (tensor, its
+    address, its value) before that step."""
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        model(torch.randint(0, vocab, (2, 5)), cache=cache)
+        model(torch.randint(0, vocab, (2, 1)), cache=cache)  # makes the position
+        before = [(t, t.data_ptr(), t.clone()) for t in decode_state(cache)]
+        model(torch.randint(0, vocab, (2, 1)), cache=cache)
+    after = decode_state(cache)
+    assert all(a is b for a, (b, _, _) in zip(after, before, strict=True))
+    assert all(t.data_ptr() == ptr for t, ptr, _ in before)
+    assert any(not torch.equal(t, old) for t, _, old in before)  # the step did change state
+    return before
 
 
 def test_decode_step_changes_the_cache_only_in_place():
     model = routed_model(seed=torch.seed() % 2**31)
     cache = ModelCache(capacity=20)
-    with torch.no_grad():
-        model(torch.randint(0, model.config.vocab_size, (2, 5)), cache=cache)
-        model(torch.randint(0, model.config.vocab_size, (2, 1)), cache=cache)  # makes the position
-        before = [(t, t.data_ptr(), t.clone()) for t in decode_state(cache)]
-        model(torch.randint(0, model.config.vocab_size, (2, 1)), cache=cache)
-    after = decode_state(cache)
-    assert all(a is b for a, (b, _, _) in zip(after, before, strict=True))
-    assert all(t.data_ptr() == ptr for t, ptr, _ in before)
-    assert any(not torch.equal(t, old) for t, _, old in before)  # the step did change state
+    step_in_place(model, cache)
     assert torch.equal(cache.position, torch.full((2, 1), 7))  # 5 prompt tokens + 2 decoded
 
 
@@ -160,19 +170,24 @@ def test_decode_mode_is_checked():
         resolve_mode("fast", cpu)
 
 
+def cuda_case(arch: str, batch: int):
+    """A model and prompt [batch, 6] on the GPU, fp32: HYDRA's a branching case chosen on the CPU
+    (the GPU's fp32 roundings could move a decision sitting on the threshold), the tiny GPT's."""
+    if arch == "hydra":
+        model, prompt = branching_case(batch, 24)
+    else:
+        model = build_model("gpt", "tiny").eval()
+        prompt = torch.randint(0, model.config.vocab_size, (batch, 6))
+    return model.cuda(), prompt.cuda()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("arch", ["hydra", "gpt"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_graphed_decoding_replays_the_eager_steps_on_cuda(arch, batch):
     """fp32 on the GPU: graphed greedy decoding gives the eager tokens, captured without a
     fallback, and (HYDRA) both runs and skips of the routed blocks happen."""
-    if arch == "hydra":
-        # chosen on the CPU; the GPU's fp32 roundings could move a decision sitting on the threshold
-        model, prompt = branching_case(batch, 24)
-    else:
-        model = build_model("gpt", "tiny").eval()
-        prompt = torch.randint(0, model.config.vocab_size, (batch, 6))
-    model, prompt = model.cuda(), prompt.cuda()
+    model, prompt = cuda_case(arch, batch)
     eager = model.generate(prompt, 24, decode="eager")
     graphed = model.generate(prompt, 24, decode="graphs")
     report = model.last_decode_report
@@ -245,12 +260,7 @@ def test_fused_decode_kernels_on_cuda_give_the_reference_tokens(arch, decode_con
     if arch == "gpt" and decode_conv == "window_gemm":
         pytest.skip("the GPT has no convs")
     monkeypatch.setattr(OPTIONS, "decode_conv", decode_conv)
-    if arch == "hydra":
-        model, prompt = branching_case(batch, 24)
-    else:
-        model = build_model("gpt", "tiny").eval()
-        prompt = torch.randint(0, model.config.vocab_size, (batch, 6))
-    model, prompt = model.cuda(), prompt.cuda()
+    model, prompt = cuda_case(arch, batch)
     reference = model.generate(prompt, 24, decode="eager")  # the conftest keeps the kernels off
     fallbacks = hydra_kernels.fallback_counts()
     launches = collections.Counter()

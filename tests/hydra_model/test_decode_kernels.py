@@ -20,6 +20,8 @@ from hydra_model.cache import CacheSlot, ModelCache
 from hydra_model.gqa import GQAAttention
 from hydra_model.options import OPTIONS
 
+from .test_decode_graphs import step_in_place
+
 # these run the kernels on CPU tensors under Triton's interpreter (set by tests/conftest.py when
 # there is no GPU); on a GPU machine the CUDA tests of test_decode_graphs.py run them for real
 pytestmark = pytest.mark.skipif(
@@ -106,30 +108,12 @@ def test_a_decode_step_launches_few_kernels(conv, monkeypatch):
     assert counts["ccgqa"] == {**counts["gqa"], **conv_stage}, counts["ccgqa"]
 
 
-def decode_state(cache: ModelCache) -> list[torch.Tensor]:
-    """Every tensor of the cache a decode step changes (the slots' working rows and masks too)."""
-    state = [cache.position, *cache.counts.values()]
-    for slot in cache.slots.values():
-        e = slot.entry
-        state += [e.k, e.v, e.length, e.bias]
-        state += [t for t in (e.window, e.conv_state, e.prev_v) if t is not None]
-    return state
-
-
 @pytest.mark.parametrize("arch", ["gpt", "hydra"])
 def test_fused_decode_steps_change_the_cache_only_in_place(arch):
     hydra_kernels.set_use_triton_kernels(True)
     model = make_model(arch, seed=torch.seed() % 2**31)
     cache = ModelCache(capacity=12)
-    with torch.no_grad():
-        model(torch.randint(0, model.config.vocab_size, (2, 5)), cache=cache)
-        model(torch.randint(0, model.config.vocab_size, (2, 1)), cache=cache)  # makes the position
-        before = [(t, t.data_ptr(), t.clone()) for t in decode_state(cache)]
-        model(torch.randint(0, model.config.vocab_size, (2, 1)), cache=cache)
-    after = decode_state(cache)
-    assert all(a is b for a, (b, _, _) in zip(after, before, strict=True))
-    assert all(t.data_ptr() == ptr for t, ptr, _ in before)
-    assert any(not torch.equal(t, old) for t, _, old in before)  # the step did change state
+    before = step_in_place(model, cache)
     if arch == "gpt":  # every token joins every layer: each mask opened a key, each length advanced
         for t, _, old in before:
             if any(t is s.entry.bias or t is s.entry.length for s in cache.slots.values()):

@@ -249,27 +249,13 @@ class CCGQAMoDBlockWrapper(nn.Module):
                     h.copy_(out)
 
             return [DecodeStage(whole)]
-        flag = torch.zeros((), dtype=torch.bool, device=h.device)
-        held: dict[str, torch.Tensor] = {}  # the decision, in buffers made by the first (eager) call
-        # a rule that writes its decision into the buffers itself (the causal rule: one fused
-        # kernel on a GPU) saves the copies below
-        write_into = getattr(rule, "decode_decide_into", None)
+        taken, weight, flag = decision_buffers(h)  # [B, 1], [B, 1], []: what decide writes
 
         def decide() -> None:
-            if write_into is not None:
-                if not held:
-                    held["taken"], held["weight"], _ = decision_buffers(h)  # [B, 1] each
-                write_into(self, h, pos, ctx, held["taken"], held["weight"], flag)
-                return
-            taken, weight = rule.decode_decide(self, h, pos, ctx)
-            if not held:
-                held["taken"], held["weight"] = torch.empty_like(taken), torch.empty_like(weight)
-            held["taken"].copy_(taken)
-            held["weight"].copy_(weight)
-            flag.copy_(taken.any())
+            rule.decode_decide_into(self, h, pos, ctx, taken, weight, flag)
 
         def apply() -> None:
-            h.copy_(rule.decode_apply(self, h, pos, ctx, held["taken"], held["weight"])[0])
+            h.copy_(rule.decode_apply(self, h, pos, ctx, taken, weight)[0])
 
         return [DecodeStage(decide, flag=flag), DecodeStage(apply, gated=True)]
 

@@ -265,37 +265,39 @@ class StagedDecoder:
             self.report.extra["conditional_nodes"] = "torch"
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
-            flag = None
-            for seg in self.segments:
-                if seg.gated and conditional:
-                    with if_node(flag):
-                        seg.run_stages()
-                    continue
-                seg.run_stages()
-                if seg.flag is not None:
-                    flag = seg.flag
-                    self._taken.add_(flag)
+            for run, gate in self._pieces():
+                if gate is not None and conditional:
+                    with if_node(gate):
+                        run()
+                else:
+                    run()
         return graph
 
     def _compose_step(self) -> ComposedGraph:
-        """Each segment captured on its own (one pool, capture order), then one driver-built
-        graph of them with each gated segment under an IF node on its decide stage's flag."""
+        """Each piece captured on its own (one pool, capture order), then one driver-built graph
+        of them with each gated segment under an IF node on its decide stage's flag."""
         pool = torch.cuda.graph_pool_handle()
-        pieces: list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = []
+        return ComposedGraph([(capture_kept(run, pool), gate) for run, gate in self._pieces()])
+
+    def _pieces(self) -> list[tuple[Callable[[], None], torch.Tensor | None]]:
+        """The step as (run, gate) in order: a gated segment's stages with the flag the segment
+        before it set, a plain segment's (None) counting its decision on the device, if it makes
+        one (read once by :meth:`finish`)."""
+        pieces: list[tuple[Callable[[], None], torch.Tensor | None]] = []
         flag = None
         for seg in self.segments:
             if seg.gated:
-                pieces.append((capture_kept(seg.run_stages, pool), flag))
+                pieces.append((seg.run_stages, flag))
                 continue
 
             def run(seg: _Segment = seg) -> None:
                 seg.run_stages()
                 if seg.flag is not None:
-                    self._taken.add_(seg.flag)  # decisions counted on the device, as above
+                    self._taken.add_(seg.flag)
 
-            pieces.append((capture_kept(run, pool), None))
+            pieces.append((run, None))
             flag = seg.flag if seg.flag is not None else flag
-        return ComposedGraph(pieces)
+        return pieces
 
     def _capture_segments(self) -> None:
         pool = torch.cuda.graph_pool_handle()

@@ -90,16 +90,12 @@ class CausalRouting(RoutingRule):
         return taken, weight
 
     def decode_decide_into(self, wrapper, h, pos, ctx, taken, weight, flag) -> None:
-        """:meth:`decode_decide` written into a staged decoder's buffers (decode_graphs.py): taken
-        [B, 1] bool, weight [B, 1] and flag [] bool = any token taken. Fused, the kernel writes them
-        itself; op by op, the decision is copied in (three copies and an ``any``)."""
+        """Fused, the kernel writes the decision into the buffers itself; op by op, it is copied in
+        (three copies and an ``any``: RoutingRule's)."""
         if self._fused(wrapper, h, pos):
             decide_into(wrapper.causal, wrapper.router, h, pos, ctx.counts, taken, weight, flag)
             return
-        now, w = self.decode_decide(wrapper, h, pos, ctx)
-        taken.copy_(now)
-        weight.copy_(w)
-        flag.copy_(now.any())
+        super().decode_decide_into(wrapper, h, pos, ctx, taken, weight, flag)
 
     @staticmethod
     def _fused(wrapper, h, pos) -> bool:

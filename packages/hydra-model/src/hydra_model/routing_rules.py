@@ -92,6 +92,15 @@ class RoutingRule:
     def decode_decide(self, wrapper, h, pos, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(f"routing rule {self.name!r} has no staged decode step")
 
+    def decode_decide_into(self, wrapper, h, pos, ctx, taken, weight, flag) -> None:
+        """:meth:`decode_decide` written into a staged decoder's buffers (decode_graphs.py): taken
+        [B, 1] bool, weight [B, 1] and flag [] bool = any token taken (a rule may write them
+        itself, as the causal rule's fused kernel does)."""
+        now, w = self.decode_decide(wrapper, h, pos, ctx)
+        taken.copy_(now)
+        weight.copy_(w)
+        flag.copy_(now.any())
+
     def decode_apply(self, wrapper, h, pos, ctx, taken, weight) -> tuple[torch.Tensor, AuxLists]:
         raise NotImplementedError(f"routing rule {self.name!r} has no staged decode step")
 

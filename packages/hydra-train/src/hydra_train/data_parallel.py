@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hydra_train.config import GRAD_SYNC_MODES, TrainConfig
+from hydra_train.distributed import coalesced
 
 __all__ = ["GRAD_SYNC_MODES", "GradAverager", "capture_stream", "graphed_ddp_possible", "why_not_graphed"]
 
@@ -165,10 +166,7 @@ class GradAverager:
         for b in bufs:
             by_dtype.setdefault(b.dtype, []).append(b)
         for group in by_dtype.values():
-            flat = torch.cat([b.reshape(-1) for b in group])
-            dist.broadcast(flat, src=0)
-            parts = flat.split([b.numel() for b in group])
-            torch._foreach_copy_(group, [v.view_as(b) for v, b in zip(parts, group, strict=True)])
+            coalesced(group, lambda flat: dist.broadcast(flat, src=0))
 
 
 def _plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:

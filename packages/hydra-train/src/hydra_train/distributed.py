@@ -16,6 +16,7 @@ of ``no_sync``. Checkpoints always hold *full* state dicts (gathered with
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,15 @@ def all_reduce_sum(info: DistInfo, t: torch.Tensor) -> torch.Tensor:
     if info.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def coalesced(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], object]) -> None:
+    """``collective`` (in place on one flat tensor) over ``tensors`` of one dtype at once: one
+    call instead of one per tensor; the results are copied back into ``tensors``."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    collective(flat)
+    parts = flat.split([t.numel() for t in tensors])
+    torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(parts, tensors, strict=True)])
 
 
 def wrap_model(

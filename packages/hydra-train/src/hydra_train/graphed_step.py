@@ -151,11 +151,10 @@ class GraphedStep:
             graph.capture()
         except Exception as exc:
             failure = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
-        if failure is None and not self._all_ranks_captured(True):
+        all_captured = self._all_ranks_captured(failure is None)  # every rank votes, once
+        if failure is None and not all_captured:
             failure = "capture failed on another rank; every rank runs eagerly"
             graph.release()
-        elif failure is not None:
-            self._all_ranks_captured(False)
         if failure is not None:
             tr.optimizer.zero_grad(set_to_none=True)  # gradients captured but never computed
             self.failure = failure

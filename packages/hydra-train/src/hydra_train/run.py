@@ -214,17 +214,9 @@ def _run(
     finally:
         # a graphed step under DDP holds NCCL collectives: its graph goes before the process group
         # does (destroying the group first left both H100 ranks hanging at exit, 2026-11-25)
-        release_graphs(run.trainer, device)
-
-
-def release_graphs(trainer, device: torch.device) -> None:
-    """Drop the trainer's captured step (if any) once the device has finished with it."""
-    if trainer.cuda_graphs is None:
-        return
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    trainer.cuda_graphs.release()
-    trainer.cuda_graphs = None
+        if run.trainer.cuda_graphs is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)  # the device done with the graph before it goes
+        run.trainer.disable_cuda_graphs()
 
 
 def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):

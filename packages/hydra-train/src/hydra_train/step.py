@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hydra_train.distributed import all_reduce_sum, grad_sync, is_fsdp
+from hydra_train.distributed import all_reduce_sum, coalesced, grad_sync, is_fsdp
 
 if TYPE_CHECKING:
     from hydra_train.data_parallel import GradAverager
@@ -181,9 +181,8 @@ class StepMixin:
 
         if self.cuda_graphs is not None:
             self.cuda_graphs.release()
-        if self.dist.enabled and self.grad_averager is None:
-            self.grad_averager = self.new_grad_averager()
         self.cuda_graphs = GraphedStep(self, warmup)
+        self.sync_grad_averager()
 
     def disable_cuda_graphs(self) -> None:
         """Back to the eager step: the graph released, the optimizer's lr a Python float again;
@@ -194,10 +193,21 @@ class StepMixin:
 
         self.cuda_graphs.release()
         self.cuda_graphs = None
-        if self.cfg.runtime.ddp_grad_sync != "allreduce":
-            self.grad_averager = None
+        self.sync_grad_averager()
         if self.device.type == "cuda":
             make_uncapturable(self.optimizer)
+
+    def sync_grad_averager(self) -> None:
+        """Who averages the gradients under DDP, from the one rule: the hand-rolled averaging
+        (:mod:`hydra_train.data_parallel`) while a CUDA graph is enabled or with
+        ``--ddp_grad_sync allreduce``, else DDP's reducer (no averager)."""
+        wanted = self.dist.enabled and (
+            self.cfg.runtime.ddp_grad_sync == "allreduce" or self.cuda_graphs is not None
+        )
+        if not wanted:
+            self.grad_averager = None
+        elif self.grad_averager is None:
+            self.grad_averager = self.new_grad_averager()
 
     def new_grad_averager(self) -> GradAverager:
         """The hand-rolled gradient averaging for this trainer's DDP model."""
@@ -245,7 +255,5 @@ class StepMixin:
             return
         records = self.model.router_threshold_records()
         if self.dist.enabled and records:
-            flat = torch.cat([r.reshape(-1) for r in records])
-            all_reduce_sum(self.dist, flat)
-            torch._foreach_copy_(records, list(flat.split([r.numel() for r in records])))
+            coalesced(records, lambda flat: all_reduce_sum(self.dist, flat))
         commit(applied)

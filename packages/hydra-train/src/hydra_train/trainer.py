@@ -95,8 +95,7 @@ class Trainer(StepMixin, TrainerStateMixin):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.cuda_graphs: GraphedStep | None = None
         self.grad_averager: GradAverager | None = None  # hydra_train.step: who averages gradients
-        if self.dist.enabled and cfg.runtime.ddp_grad_sync == "allreduce":
-            self.grad_averager = self.new_grad_averager()
+        self.sync_grad_averager()
         self.graph_failures: list[str] = []  # why each CUDA graph was dropped (callbacks report it)
         self.stop_reason: str | None = None
         self.status = "running"

@@ -381,9 +381,7 @@ def kv_decode_step(
     use_kernel = (
         not grads
         and all(t.dtype in KERNEL_DTYPES for t in floats)
-        and controls.use_triton_kernels()
-        and controls.OPTIONS.ops["kv_decode_step"].forward
-        and controls.device_supports_triton(q.device)
+        and controls.triton_path("kv_decode_step", q)
     )
     if not use_kernel:
         return kv_decode_step_ref(*args)

@@ -211,13 +211,7 @@ def router_decide(
     """
     _check(h, w, b, tau, pos, count, taken, weight, flag)
     args = (h, w, b, tau, pos, count, cap_q, capacity_bits, capacity_one, eps, taken, weight, flag)
-    use_kernel = (
-        h.dtype in KERNEL_DTYPES
-        and controls.use_triton_kernels()
-        and controls.OPTIONS.ops["router_decide"].forward
-        and controls.device_supports_triton(h.device)
-    )
-    if not use_kernel:
+    if not (h.dtype in KERNEL_DTYPES and controls.triton_path("router_decide", h)):
         router_decide_ref(*args)
         return
     # a launch fails before the kernel runs (compilation, argument binding), so count is still
