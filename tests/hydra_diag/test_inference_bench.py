@@ -55,4 +55,8 @@ def test_bench_inference_on_the_cpu(runner):
     for r in rows.values():
         assert r["new_tokens"] == 4 and r["tokens_per_s"] > 0 and r["eval_flops_per_token"] > 0
         assert r["decode_report"]["steps"] == 3  # the last timed generation: 3 steps after the prompt
+        assert r["tokens_per_s_new_decoder"] > 0
+        # staged: the timed calls replayed the decoder their predecessor kept; eager keeps none
+        assert r["decode_report"]["reused"] == (r["decode"] == "staged")
+        assert not r["decode_report_new_decoder"]["reused"]
         assert r["tokens_agree_with_first_mode"] == 1.0  # fp32 on the CPU: the same tokens

@@ -216,6 +216,43 @@ def test_graphed_decoding_replays_the_eager_steps_on_cuda(arch, batch):
     assert torch.equal(masked, eager)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("arch", ["hydra", "gpt"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_kept_graphed_decoder_replays_another_prompt_on_cuda(arch, batch):
+    """The graphs captured for one generation replay the next (another prompt and length, the
+    same total; decoder_hold.py): no capture, the eager tokens, and the routed blocks' runs and
+    skips counted on the GPU equal those the staged steps read on the host."""
+    model, prompt = cuda_case(arch, batch)
+    other = torch.randint(0, model.config.vocab_size, (batch, 9), device=prompt.device)
+    want = model.generate(other, 21, decode="eager")
+    model.generate(prompt, 24, decode="graphs")
+    first = model.last_decode_report
+    got = model.generate(other, 21, decode="graphs")
+    report = model.last_decode_report
+    assert not first.reused and report.reused, report
+    assert report.capture == first.capture == "one graph" and report.capture_ms == 0.0
+    assert torch.equal(got, want)
+    staged = model.generate(other, 21, decode="staged")
+    counted = model.last_decode_report
+    assert torch.equal(staged, want)
+    assert (counted.gated_run, counted.gated_skipped) == (report.gated_run, report.gated_skipped)
+    # a prompt length seen before: its prefill is captured, then replayed, for any prompt of it
+    third = torch.randint(0, model.config.vocab_size, (batch, 9), device=prompt.device)
+    want_third = model.generate(third, 21, decode="eager")
+    model.generate(prompt, 24, decode="graphs")  # held again (a new decoder: after staged)
+    runs = ((other, want, "eager"), (third, want_third, "graph captured"), (other, want, "graph"))
+    for ids, expect, how in runs:
+        got = model.generate(ids, 21, decode="graphs")
+        report = model.last_decode_report
+        assert report.reused and report.prefill == how and torch.equal(got, expect), report
+    # a weight changed behind the graphs' back (no version bump): the fingerprint graph sees it
+    with torch.no_grad():
+        model.embed.weight.data[3, 0] += 1.0
+    model.generate(other, 21, decode="graphs")
+    assert not model.last_decode_report.reused and "changed" in model.last_decode_report.not_reused
+
+
 def test_a_decode_step_gathers_its_rotary_tables_in_its_first_stage(monkeypatch):
     """A replayed graph runs only what was captured: rotary tables gathered inside a routed block's
     (skippable) stage would be stale for every block after it whenever that block is skipped. So
@@ -246,7 +283,7 @@ def test_a_decode_step_gathers_its_rotary_tables_in_its_first_stage(monkeypatch)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused decode kernels run on a GPU here")
 @pytest.mark.parametrize("arch", ["hydra", "gpt"])
-@pytest.mark.parametrize("decode_conv", ["headwise", "window_gemm"])
+@pytest.mark.parametrize("decode_conv", ["headwise", "window_gemm", "window_tiles"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_decode_kernels_on_cuda_give_the_reference_tokens(arch, decode_conv, batch, monkeypatch):
     """fp32 on the GPU with hydra_kernels' Triton kernels on: graphed decoding (the one-kernel
@@ -255,16 +292,20 @@ def test_fused_decode_kernels_on_cuda_give_the_reference_tokens(arch, decode_con
     import hydra_kernels
     import hydra_kernels.ops.kv_decode as kv_mod
     import hydra_kernels.ops.router_decide as rd_mod
+    import hydra_kernels.ops.tile_linear as tile_mod
     from hydra_model.options import OPTIONS
 
-    if arch == "gpt" and decode_conv == "window_gemm":
+    if arch == "gpt" and decode_conv != "headwise":
         pytest.skip("the GPT has no convs")
     monkeypatch.setattr(OPTIONS, "decode_conv", decode_conv)
     model, prompt = cuda_case(arch, batch)
     reference = model.generate(prompt, 24, decode="eager")  # the conftest keeps the kernels off
     fallbacks = hydra_kernels.fallback_counts()
     launches = collections.Counter()
-    for mod, name in ((kv_mod, "kv_decode_step_launch"), (rd_mod, "router_decide_launch")):
+    kernels = [(kv_mod, "kv_decode_step_launch"), (rd_mod, "router_decide_launch")]
+    if decode_conv == "window_tiles":
+        kernels.append((tile_mod, "tile_linear_launch"))
+    for mod, name in kernels:
         launch = getattr(mod, name)
 
         def counted(*a, _launch=launch, _name=name, **k):
@@ -280,6 +321,7 @@ def test_fused_decode_kernels_on_cuda_give_the_reference_tokens(arch, decode_con
     assert fallbacks == hydra_kernels.fallback_counts()
     assert launches["kv_decode_step_launch"] > 0  # the fused kernels ran (captured in the warm-up)
     assert launches["router_decide_launch"] > 0 or arch == "gpt"
+    assert launches["tile_linear_launch"] > 0 or decode_conv != "window_tiles"
 
 
 def test_a_generation_that_fails_still_reports_its_routing_decisions(monkeypatch):

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(
 
 ROUTED = dict(n_mor_blocks=5, recursions_per_block=1, mod_capacity=0.5, mod_block_stride=2)
 
+
 def make_model(arch: str, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     if arch == "gpt":
@@ -82,7 +83,7 @@ def _decode_step_kernels(attn, slot, dim, rope, pos) -> collections.Counter:
     return counter.kernels
 
 
-@pytest.mark.parametrize("conv", ["headwise", "window_gemm"])
+@pytest.mark.parametrize("conv", ["headwise", "window_gemm", "window_tiles"])
 def test_a_decode_step_launches_few_kernels(conv, monkeypatch):
     """At batch 1 a graphed step is bound by its launch count. GQA: the projection, the step
     kernel, attention, the output projection. CCGQA adds its conv stage: one GEMM over the window
@@ -104,7 +105,8 @@ def test_a_decode_step_launches_few_kernels(conv, monkeypatch):
     sdpa = "_scaled_dot_product_flash_attention_for_cpu"
     assert counts["gqa"] == {"mm": 2, "triton:_kv_decode_kernel": 1, sdpa: 1}
     headwise = {"clone": 1, "bmm": 1, "add": 4, "mul": 1, "mean": 1}
-    conv_stage = {"addmm": 1} if conv == "window_gemm" else headwise
+    one_kernel = {"window_gemm": {"addmm": 1}, "window_tiles": {"triton:_tile_linear_kernel": 1}}
+    conv_stage = one_kernel.get(conv, headwise)
     assert counts["ccgqa"] == {**counts["gqa"], **conv_stage}, counts["ccgqa"]
 
 

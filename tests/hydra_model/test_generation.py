@@ -30,11 +30,12 @@ def test_greedy_generate_equals_repeated_full_forward(mode):
     assert all(len(set(row[7:].tolist())) >= 3 for row in got)  # a real continuation, not one token
 
 
-@pytest.mark.parametrize("conv", ["window_gemm", "headwise"])
+@pytest.mark.parametrize("conv", ["window_gemm", "window_tiles", "headwise"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_decode_conv_forms_equal_the_full_forward(mode, conv, monkeypatch):
-    """Both forms of CCGQA's decode convs (HYDRA_DECODE_CONV: ``window_gemm``, the default, one GEMM
-    over a decoded token's window with the q-k mean inside; ``headwise``, training's form): each
+    """Every form of CCGQA's decode convs (HYDRA_DECODE_CONV: ``window_gemm``, one GEMM over a
+    decoded token's window with the q-k mean inside; ``window_tiles``, the default, that GEMM from
+    the weight's non-zero tiles; ``headwise``, training's form): each
     decode step's logits equal the full forward's at that position (fp32), and greedy generation
     its tokens."""
     from hydra_model.cache import ModelCache
@@ -53,9 +54,13 @@ def test_decode_conv_forms_equal_the_full_forward(mode, conv, monkeypatch):
         for t in range(7, 15):
             step = model(seq[:, t : t + 1], cache=cache).logits[:, -1]
             torch.testing.assert_close(step, full[:, t], rtol=1e-4, atol=1e-4)
-    windowed = [s for s in cache.slots.values() if "window" in s.conv_weights]
+    form = "window_tiles" if conv == "window_tiles" else "window"
+    windowed = [s for s in cache.slots.values() if form in s.conv_weights]
     if mode == "routing_off" or conv == "headwise":  # no convs (GQA), or no window weight built
         assert not windowed
+    elif conv == "window_tiles":  # [C, K·C], K = 3, as its tiles
+        tiled = [s.conv_weights[form][0] for s in windowed]
+        assert tiled and all(t.in_features == 3 * t.out_features for t in tiled)
     else:
         shapes = [s.conv_weights["window"][0].shape for s in windowed]
         assert shapes and all(cols == 3 * rows for rows, cols in shapes)  # [C, K·C], K = 3
@@ -139,4 +144,4 @@ def test_decode_conv_environment_variable(monkeypatch):
     finally:
         monkeypatch.delenv("HYDRA_DECODE_CONV")
         reload_env()
-    assert OPTIONS.decode_conv == "window_gemm"  # the default
+    assert OPTIONS.decode_conv == "window_tiles"  # the default

@@ -1,14 +1,16 @@
 """A decode step's steady-state time on one GPU, without prefill or capture: the GPT and HYDRA (100M
 presets, bf16, batch 1, random weights), each decode mode's step replayed 200 times after its
 capture (CUDA events), and the GPU kernel time of the same step run eagerly as stages (profiler:
-kernel durations only, no launch gaps), with its 25 costliest kernels. HYDRA with both forms of
+kernel durations only, no launch gaps), with its 25 costliest kernels. HYDRA with each form of
 CCGQA's decode convs (hydra_model.options.decode_conv). Writes $OUT/decode_steady.json.
 
     source tools/gpu_env.sh
     python packages/hydra-diag/bench/decode_steady.py
 
 `hydra-diag bench inference` times whole generations (prefill, warm-up and capture included);
-this isolates the per-token step that a long generation converges to.
+this isolates the per-token step that a long generation converges to. Where the step is a
+composed graph (graph_compose.py), the same pieces are also timed without the routed blocks and
+with them run unconditionally, which brackets what the IF nodes cost.
 """
 
 import collections
@@ -22,6 +24,7 @@ from hydra_diag.race.configs import parse_config_names, resolve_configs
 from hydra_model import build_model
 from hydra_model.cache import ModelCache
 from hydra_model.decode_graphs import StagedDecoder
+from hydra_model.graph_compose import ComposedGraph
 from hydra_model.options import OPTIONS
 
 PROMPT, CAPACITY, REPLAYS, PROFILED = 64, 600, 200, 20
@@ -54,21 +57,42 @@ def step_times(model, dev: torch.device) -> dict:
                 row["staged_kernels_per_step"] = sum(count.values())
                 row["top"] = [(k, round(v, 1), round(count[k], 2)) for k, v in us.most_common(25)]
                 continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(REPLAYS):
-                dec.step(tok)
-            end.record()
-            torch.cuda.synchronize()
-            row[f"{mode}_ms_per_step"] = start.elapsed_time(end) / REPLAYS
+            row[f"{mode}_ms_per_step"] = replay_ms(dec.step, tok)
             row[f"{mode}_capture"] = dec.report.capture
             row[f"{mode}_extra"] = dec.report.extra
+            if isinstance(dec._step_graph, ComposedGraph):
+                row.update(if_node_cost(dec._step_graph))
     return row
+
+
+def replay_ms(fn, *args) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        fn(*args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / REPLAYS
+
+
+def if_node_cost(step: ComposedGraph) -> dict:
+    """What the routing points cost in the composed step: the same captured pieces composed with
+    the routed blocks left out (every block skipped, for free: the floor) and with them as plain
+    children (every block run, no IF node, no flag kernel). Timing only: these replays advance the
+    cache like steps, and their tokens are not read."""
+    pieces = step._pieces
+    floor = ComposedGraph([(g, None) for g, flag in pieces if flag is None])
+    all_run = ComposedGraph([(g, None) for g, _ in pieces])
+    return {
+        "routed_points": sum(flag is not None for _, flag in pieces),
+        "composed_no_routed_ms": replay_ms(floor.replay),
+        "composed_all_run_plain_ms": replay_ms(all_run.replay),
+    }
 
 
 def main() -> None:
     out, dev = {}, torch.device("cuda")
-    for conv in ("window_gemm", "headwise"):
+    for conv in ("window_gemm", "window_tiles", "headwise"):
         OPTIONS.decode_conv = conv
         for cfg in resolve_configs(parse_config_names("gpt,hydra"), [], lr=1.0, compile_default="none"):
             if cfg.arch == "gpt" and conv == "headwise":

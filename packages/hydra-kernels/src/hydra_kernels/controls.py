@@ -45,7 +45,11 @@ OPS: tuple[str, ...] = tuple(spec.name for spec in OP_SPECS)
 #: Decode-step kernels outside the registry (no ``hydra-kernels check`` or bench entry: forward
 #: only, tested in their own test modules): each has a switch (HYDRA_DISABLE_<stem>) and its
 #: run-time failures are counted with the others'. op -> environment stem.
-DECODE_OPS: dict[str, str] = {"router_decide": "ROUTER_DECIDE", "kv_decode_step": "KV_DECODE"}
+DECODE_OPS: dict[str, str] = {
+    "router_decide": "ROUTER_DECIDE",
+    "kv_decode_step": "KV_DECODE",
+    "tile_linear": "TILE_LINEAR",
+}
 
 # op -> (environment stem of the forward switch, stem of the backward switch or None)
 _ENV_STEMS: dict[str, tuple[str, str | None]] = {spec.name: (spec.env, spec.env_bwd) for spec in OP_SPECS}

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hydra_kernels import fused_add_rms_norm
 from hydra_model.cache import ModelCache
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.config import HydraConfig
@@ -40,8 +41,7 @@ class RunContext:
     #: while a decode step is captured as a CUDA graph: the block then runs, its update masked
     host_reads: bool = True
     #: set by a staged decode step's stage for an unrouted block (decode_graphs.py), which owns the
-    #: stream buffer: the block's update is added to it in place (one kernel fewer than a new
-    #: tensor and a copy back)
+    #: stream buffer: the block writes the new stream into it (no new tensor and copy back)
     residual_in_place: bool = False
     #: (positions, cos, sin) last gathered: every unrouted block of a decode step reads the same
     #: positions tensor, so its tables are gathered once a step, not once a block
@@ -113,11 +113,29 @@ class CCGQABlock(nn.Module):
         x = h.to(autocast_dtype_for(h))
         a = self.attn(self.norm1(x), cos, sin, slot=slot, member=member)
         x2 = self.norm2.forward_add(a, x)
-        if isinstance(self.ffn, MoEFFN):
-            m, moe_loss = self.ffn(x2, member)
-        else:
-            m, moe_loss = self.ffn(x2), None
+        m, moe_loss = self._ffn(x2, member)
         return a + m, moe_loss
+
+    def forward_residual(
+        self, h, cos, sin, *, slot=None, member=None, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The new stream (h + a) + m rather than the update a + m, for a stream h already in the
+        matmul dtype (a decode step): the fused norm's sum is the first residual add, so the block
+        ends in one add where :meth:`forward` and its caller need two (the dense GPT's layer sums
+        the same way). ``into``: the buffer written (h itself in a decode stage that owns it)."""
+        a = self.attn(self.norm1(h), cos, sin, slot=slot, member=member)
+        x2, s = fused_add_rms_norm(a, h, self.norm2.weight, self.norm2.eps)  # norm2(h + a), h + a
+        m, moe_loss = self._ffn(x2, member)
+        if into is None:
+            return s + m, moe_loss
+        if torch.result_type(s, m) == into.dtype:
+            return torch.add(s, m, out=into), moe_loss
+        return into.copy_(s + m), moe_loss
+
+    def _ffn(self, x: torch.Tensor, member) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(self.ffn, MoEFFN):
+            return self.ffn(x, member)
+        return self.ffn(x), None
 
 
 class CCGQAMoRBlock(nn.Module):
@@ -161,10 +179,12 @@ class CCGQAMoRBlock(nn.Module):
         slot = ctx.cache.slot(self.block_index, r) if ctx.cache is not None else None
         if view is None:
             cos, sin = ctx.tables(h.shape[1], pos)
+            if gate is None and ctx.decoding and autocast_dtype_for(h) == h.dtype:
+                # eager and staged decoding sum alike; a stage that owns h gets it in place
+                into = h if ctx.residual_in_place else None
+                return self.block.forward_residual(h, cos, sin, slot=slot, member=member, into=into)
             delta, moe_loss = self.block(h, cos, sin, slot=slot, member=member)
             if gate is None:
-                if ctx.residual_in_place and torch.result_type(h, delta) == h.dtype:
-                    return h.add_(delta), moe_loss  # the same sum, written where the stage reads it
                 return h + delta, moe_loss  # promotes to h's dtype in the same pass
             return gated_residual(h, gate, delta), moe_loss
         hs = view.gather(h)
@@ -233,7 +253,6 @@ class CCGQAMoDBlockWrapper(nn.Module):
 
         rule = routing_rule("static" if self.static else self.rule)
         if not (self.routed and rule.staged_decode and self.causal is not None):
-
             # this stage owns h: the update of a block with no routing anywhere (no MoD router,
             # dense recursions) may go into it in place. Not so where a rule reads its input again
             # after the block (a gate mixing in and out, a gathered copy, a gated stage)

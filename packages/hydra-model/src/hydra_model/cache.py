@@ -54,6 +54,9 @@ class CacheSlot:
 
     capacity: int
     entry: AttentionCache | None = None
+    #: the last generation's entry, set aside by :meth:`ModelCache.restart`: the next prefill
+    #: writes into its tensors (:func:`prefill_kv`)
+    spare: AttentionCache | None = None
     #: CCGQA: its conv weights and bias by form (headwise, folded, window), built once per
     #: generation (ccgqa.py)
     conv_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -76,6 +79,8 @@ class ModelCache:
     #: the next token's position [B, 1] long on the model's device, made by the first decode step
     #: (a device tensor, not ``seq_len``, so that a captured step reads the current value)
     position: torch.Tensor | None = None
+    #: the tensors' storage when :meth:`restart` ran (what :meth:`refilled_in_place` compares)
+    _kept: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def decoding(self) -> bool:
@@ -97,6 +102,35 @@ class ModelCache:
                 f"the cache holds {self.capacity} tokens and has {self.seq_len}: no room for {n} more "
                 "(make the cache with a larger capacity, e.g. prompt + max_new_tokens)"
             )
+
+    def restart(self) -> None:
+        """Empty the cache for a new prompt but keep its tensors: the next prefill writes into
+        them in place, so a decode step captured on them replays the new generation
+        (decoder_hold.py). Counters and the position go back to zero as in a new cache."""
+        self.seq_len = 0
+        for slot in self.slots.values():
+            slot.spare, slot.entry = slot.entry or slot.spare, None
+        for count in self.counts.values():
+            count.zero_()
+        if self.position is not None:
+            self.position.zero_()
+        self._kept = self._storage()
+
+    def refilled_in_place(self) -> bool:
+        """After :meth:`restart` and a prefill: every tensor a decode step reads kept its storage."""
+        return self._kept is not None and self._storage() == self._kept
+
+    def _storage(self) -> dict:
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        out: dict = {("position",): ptr(self.position)}
+        out.update({("count", *key): ptr(c) for key, c in self.counts.items()})
+        for key, slot in self.slots.items():
+            e = slot.entry or slot.spare
+            if e is not None:
+                out[("slot", *key)] = tuple(map(ptr, (e.k, e.v, e.length, e.bias, e.window, e.prev_v)))
+        return out
 
     def advance_host(self, n: int) -> None:
         """The host's count alone (a replayed decode graph advanced the device position)."""
@@ -129,18 +163,40 @@ def prefill_kv(
     b, h, n, d = k.shape
     if n > slot.capacity:
         raise ValueError(f"prompt of {n} tokens does not fit a cache of {slot.capacity}")
-    kc = k.new_zeros(b, h, slot.capacity, d)
-    vc = v.new_zeros(b, h, slot.capacity, d)
-    kc[:, :, :n] = k
-    vc[:, :, :n] = v
-    # a copy: decoding advances it in place, and ``count`` may be the caller's tensor
-    length = valid_length(count, b, n, k.device).clone()
+    spare, slot.spare = slot.spare, None
+    if spare is not None and spare.k.shape == (b, h, slot.capacity, d) and spare.k.dtype == k.dtype:
+        entry = spare  # a restarted cache: the same tensors, rewritten (ModelCache.restart)
+        entry.k.zero_()
+        entry.v.zero_()
+        entry.length.copy_(valid_length(count, b, n, k.device))
+        entry.bias.zero_()
+    else:
+        entry = AttentionCache(
+            k.new_zeros(b, h, slot.capacity, d),
+            v.new_zeros(b, h, slot.capacity, d),
+            # a copy: decoding advances it in place, and ``count`` may be the caller's tensor
+            valid_length(count, b, n, k.device).clone(),
+            torch.zeros(b, slot.capacity, dtype=k.dtype, device=k.device),
+        )
+    entry.k[:, :, :n] = k
+    entry.v[:, :, :n] = v
     keys = torch.arange(slot.capacity, device=k.device)
-    bias = torch.zeros(b, slot.capacity, dtype=k.dtype, device=k.device)
-    bias.masked_fill_(keys.view(1, -1) >= length.view(-1, 1), float("-inf"))
-    entry = AttentionCache(kc, vc, length, bias)
+    entry.bias.masked_fill_(keys.view(1, -1) >= entry.length.view(-1, 1), float("-inf"))
     slot.entry = entry
     return entry
+
+
+def refill(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """``new``, or ``old`` with new's values copied in when it has new's shape and dtype: a
+    restarted cache keeps the tensors a captured decode step reads (:meth:`ModelCache.restart`)."""
+    if old is not None and old.shape == new.shape and old.dtype == new.dtype:
+        return old.copy_(new)
+    return new
+
+
+def put_count(counts: dict, key: tuple, value: torch.Tensor) -> None:
+    """``counts[key] = value``, into the counter already there (:func:`refill`)."""
+    counts[key] = refill(counts.get(key), value)
 
 
 def decode_attend(

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hydra_model.cache import put_count
+
 CAPACITY_BITS = 20
 CAPACITY_ONE = 1 << CAPACITY_BITS
 
@@ -237,5 +239,5 @@ class CausalRouter(nn.Module):
             return taken.unsqueeze(1)
         taken = causal_take(passed, budget)
         if counts is not None:
-            counts[self.key] = taken.long().sum(dim=1)
+            put_count(counts, self.key, taken.long().sum(dim=1))
         return taken

@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydra_kernels import qk_norm, rope
+from hydra_kernels.ops.tile_linear import pack_tiles, tile_linear
 from hydra_model.attention_backend import flexible_attention
-from hydra_model.cache import CacheSlot, decode_attend, prefill_kv, valid_length
+from hydra_model.cache import CacheSlot, decode_attend, prefill_kv, refill, valid_length
 from hydra_model.options import OPTIONS
 
 
@@ -202,10 +203,15 @@ class CCGQAAttention(nn.Module):
         reading at batch 1, where a step is bound by launches. → q [B, n_heads, d], k [B, n_kv, d]
         (views of the GEMM's output)."""
         b = window.shape[0]
-        weight, bias = self._folded(slot, "window")
-        q, k = F.linear(window, weight.to(window.dtype), bias.to(window.dtype)).split(
-            [self.q_dim, self.kv_dim], dim=-1
-        )
+        if OPTIONS.decode_conv == "window_tiles":
+            # the same weight as its non-zero 64 × 64 tiles: one kernel reading ~1/10 of it, where
+            # cuBLAS launches a split-K GEMM and its reduction (hydra_kernels.ops.tile_linear)
+            tiles, bias = self._folded(slot, "window_tiles")
+            out = tile_linear(window, tiles, bias)
+        else:
+            weight, bias = self._folded(slot, "window")
+            out = F.linear(window, weight.to(window.dtype), bias.to(window.dtype))
+        q, k = out.split([self.q_dim, self.kv_dim], dim=-1)
         return q.view(b, self.n_heads, self.head_dim), k.view(b, self.n_kv_heads, self.head_dim)
 
     def _folded(
@@ -229,9 +235,11 @@ class CCGQAAttention(nn.Module):
         if form == "headwise":
             return headwise_qk_weight(*params)
         weight, bias = folded_qk_weight(*params, self.qk_mean_mix)  # columns c·K + s
-        if form == "window":
+        if form in ("window", "window_tiles"):
             c, k_total = self.qk_channels, self.conv_context + 1
             weight = weight.view(c, c, k_total).transpose(1, 2).reshape(c, k_total * c)  # columns s·C + c
+        if form == "window_tiles":
+            return pack_tiles(weight, 64, 64), bias
         return weight, bias
 
     def forward(
@@ -302,7 +310,7 @@ class CCGQAAttention(nn.Module):
         proj = row[:, ctx * c :]  # this step's [u | x·W_v1 | x·W_v2]
         self._project_into(x.reshape(b, -1), proj)
         window = row[:, : (ctx + 1) * c]  # [B, K·C]: the conv state, then u
-        if OPTIONS.decode_conv == "window_gemm" and not torch.is_grad_enabled():
+        if OPTIONS.decode_conv != "headwise" and not torch.is_grad_enabled():
             q, k = self._conv_qk_window(window, slot)  # [B, n_heads, d], [B, n_kv_heads, d]
         else:
             q, k = self._conv_qk(window.view(b, ctx + 1, c), slot)
@@ -332,7 +340,11 @@ class CCGQAAttention(nn.Module):
         b, n, c = u.shape
         length = valid_length(count, b, n, u.device)  # [B]
         ctx = self.conv_context
-        row = u.new_zeros(b, (ctx + 1) * c + self.kv_dim)
+        row = entry.window  # a restarted cache's row, rewritten in place (ModelCache.restart)
+        if row is not None and row.shape == (b, (ctx + 1) * c + self.kv_dim) and row.dtype == u.dtype:
+            row.zero_()
+        else:
+            row = u.new_zeros(b, (ctx + 1) * c + self.kv_dim)
         if ctx:
             # last `ctx` real inputs: in the left-padded sequence they sit at length .. length+ctx−1
             padded = F.pad(u, (0, 0, ctx, 0))  # [B, n + ctx, C]
@@ -341,4 +353,5 @@ class CCGQAAttention(nn.Module):
         entry.window = row
         entry.conv_state = row[:, : ctx * c].view(b, ctx, c)
         prev = F.pad(shifted_src, (0, 0, 1, 0))  # [B, n + 1, half]: row j is token j−1
-        entry.prev_v = prev.gather(1, length.view(b, 1, 1).expand(b, 1, prev.shape[-1])).squeeze(1)
+        prev_v = prev.gather(1, length.view(b, 1, 1).expand(b, 1, prev.shape[-1])).squeeze(1)
+        entry.prev_v = refill(entry.prev_v, prev_v)

@@ -77,6 +77,13 @@ class DecodeReport:
     gated_skipped: int = 0  # gated segments skipped (masked: run, update dropped), over all steps
     capture_ms: float = 0.0  # warm-up step and capture
     capture: str | None = None  # graphs: "one graph" (with conditional nodes where gated) or "per segment"
+    #: the decoder (graphs, cache) of an earlier generation, replayed: no warm-up or capture
+    reused: bool = False
+    #: why a decoder held from an earlier generation was not reused (None: reused, or none held)
+    not_reused: str | None = None
+    #: how the prompt was prefilled: eager, or (a reused decoder on CUDA, a prompt length seen
+    #: before) "graph captured" / "graph" (decoder_hold.py)
+    prefill: str = "eager"
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -156,6 +163,19 @@ class StagedDecoder:
         # routing decisions of the steps that never read them on the host (the whole-step graph,
         # masked steps), summed on the device and read once by finish()
         self._taken = torch.zeros((), dtype=torch.long, device=device)
+        self._device_counted = 0
+
+    def reuse(self, requested: str, prefill: str) -> None:
+        """Start another generation on the same graphs, the cache refilled in place by the new
+        prompt's prefill (decoder_hold.py; ``prefill`` says how it ran): a fresh report, no
+        warm-up, no capture."""
+        old = self.report
+        self.report = DecodeReport(
+            mode=old.mode, requested=requested, reason=old.reason, segments=old.segments,
+            gated_segments=old.gated_segments, capture=old.capture,
+            reused=True, prefill=prefill, extra=dict(old.extra),
+        )  # fmt: skip
+        self._taken.zero_()
         self._device_counted = 0
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:

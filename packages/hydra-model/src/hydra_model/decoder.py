@@ -76,15 +76,27 @@ class DecoderMixin:
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
         decode: str = "auto",
+        keep_decoder: bool = True,
     ) -> torch.Tensor:
         """Incremental decoding with the model's cache (keys/values, and CCGQA's conv and
         value-shift state) → [B, S + new]. ``decode``: auto (CUDA graphs on CUDA, else eager),
-        eager, staged or graphs (decode_graphs.py); ``self.last_decode_report`` says what ran."""
+        eager, staged or graphs (decode_graphs.py); ``self.last_decode_report`` says what ran.
+        ``keep_decoder``: keep a staged or graphed decoder for the next call of the same batch
+        size and total length, which then replays its graphs without a warm-up or capture
+        (decoder_hold.py); :meth:`release_decoder` frees it."""
         from hydra_model.generation import generate
 
         return generate(
-            self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, decode
-        )
+            self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator, decode,
+            keep_decoder,
+        )  # fmt: skip
+
+    def release_decoder(self) -> bool:
+        """Free the decoder kept by the last :meth:`generate` (its CUDA graphs and cache); True if
+        one was kept."""
+        from hydra_model.decoder_hold import release
+
+        return release(self)
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` (recording the architecture) and ``model.safetensors`` into

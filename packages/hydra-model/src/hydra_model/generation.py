@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hydra_model import decoder_hold
 from hydra_model.cache import ModelCache
 from hydra_model.decode_graphs import DecodeReport, StagedDecoder, resolve_mode
 
@@ -55,11 +56,14 @@ def generate(
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
     decode: str = "auto",
+    keep_decoder: bool = True,
 ) -> torch.Tensor:
     """Prompt [B, S] (equal lengths, no padding) → [B, S + generated]. Stops early only when every
     sequence has produced ``eos_token_id``; finished sequences are padded with it. ``decode``
     picks how the steps after the prompt run (decode_graphs.py); the model's
-    ``last_decode_report`` records what ran."""
+    ``last_decode_report`` records what ran. ``keep_decoder``: keep the staged or graphed decoder
+    (its graphs and cache) for the next call with the same batch size and S + max_new_tokens,
+    which then skips the warm-up and capture (decoder_hold.py)."""
     mode = resolve_mode(decode, input_ids.device)
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [B, S] with S ≥ 1, got {tuple(input_ids.shape)}")
@@ -71,19 +75,38 @@ def generate(
         total = input_ids.shape[1] + max_new_tokens
         if model.rope is not None:
             model.rope.ensure(total)
-        cache = ModelCache(capacity=total)
         pieces = [input_ids]
         if max_new_tokens == 0:
             return input_ids
-        logits = model(input_ids, cache=cache).logits[:, -1]
+        batch, device = input_ids.shape[0], input_ids.device
+        request = (mode, batch, total, device, model.embed.weight.dtype)
+        held, not_reused, logits = None, None, None
+        if mode != "eager" and keep_decoder:
+            held, not_reused = decoder_hold.take(model, request)
+        else:
+            decoder_hold.release(model)
+        if held is not None:
+            cache = held.decoder.cache
+            logits, in_place = held.prefill(model, input_ids)  # restarts and refills the cache
+            if not in_place:  # a valid prefill, in new tensors: a new decoder on them
+                held, not_reused = None, "the prefill replaced a cache tensor a captured step reads"
+        else:
+            cache = ModelCache(capacity=total)
+            logits = model(input_ids, cache=cache).logits[:, -1]
         decoder = None
         if mode == "eager":
             model.last_decode_report = DecodeReport(mode="eager", requested=decode)
+        elif held is not None:
+            decoder = held.decoder
+            decoder.reuse(decode, prefill=held.last_prefill)
         else:
-            decoder = StagedDecoder(model, cache, input_ids.shape[0], input_ids.device, mode)
+            decoder = StagedDecoder(model, cache, batch, device, mode)
             decoder.report.requested = decode
+        if decoder is not None:
+            decoder.report.not_reused = not_reused
             model.last_decode_report = decoder.report
-        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        done = False
         try:
             for step in range(max_new_tokens):
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
@@ -98,9 +121,12 @@ def generate(
                     model.last_decode_report.steps += 1
                 else:
                     logits = decoder.step(nxt)
+            done = True
         finally:
             if decoder is not None:  # the report counts the steps that ran, a failed one too
                 decoder.finish()
+        if decoder is not None and done and keep_decoder:
+            decoder_hold.keep(model, held, decoder, request, input_ids.shape[1])
         return torch.cat(pieces, dim=1)
     finally:
         model.train(was_training)

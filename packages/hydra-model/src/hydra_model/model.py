@@ -194,7 +194,8 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
             # stage may be skipped, and the blocks after it would read the last step's tables)
             ctx.forget_tables()
             ctx.tables(1, pos)
-            h.copy_(self.embed(tokens))
+            # the lookup written into the stream buffer: one kernel, not a gather and a copy
+            torch.index_select(self.embed.weight, 0, tokens.view(-1), out=h.view(b, -1))
 
         stages = [DecodeStage(embed)]
         for block in self.blocks:

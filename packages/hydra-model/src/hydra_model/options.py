@@ -18,8 +18,9 @@ from dataclasses import dataclass
 #: attention backends (attention_backend.py): ``auto`` measures and picks per shape
 BACKENDS = ("auto", "flash", "xformers", "sdpa")
 #: how a decode step runs CCGQA's convs and q-k mean (ccgqa.py): the head-wise batched GEMM plus
-#: elementwise q-k mean of training, or one GEMM over the token's window with everything inside
-DECODE_CONVS = ("headwise", "window_gemm")
+#: elementwise q-k mean of training, one GEMM over the token's window with everything inside, or
+#: that GEMM reading only its weight's non-zero tiles (hydra_kernels.ops.tile_linear)
+DECODE_CONVS = ("headwise", "window_gemm", "window_tiles")
 _TRUE = {"1", "true", "yes", "on"}
 _OFF = {"0", "false", "no", "off"}
 
@@ -35,9 +36,9 @@ class ModelOptions:
     sdpa_no_flash: bool = False
     #: the routing glue through torch.compile on CUDA during training
     compiled_routing: bool = True
-    #: CCGQA's convolutions in a decode step, one of DECODE_CONVS: the window GEMM, timed faster on
-    #: an H100 (packages/hydra-model/BENCHMARKS.md, 2026-11-25 night)
-    decode_conv: str = "window_gemm"
+    #: CCGQA's convolutions in a decode step, one of DECODE_CONVS: the window GEMM from its weight's
+    #: non-zero tiles, timed fastest on an H100 (packages/hydra-model/BENCHMARKS.md, 2026-11-26)
+    decode_conv: str = "window_tiles"
 
 
 OPTIONS = ModelOptions()
@@ -54,7 +55,7 @@ def reload_env() -> None:
         raise ValueError("HYDRA_SDPA_FLASH_ONLY=1 and HYDRA_SDPA_NO_FLASH=1 contradict each other; set one")
     OPTIONS.attention_backend, OPTIONS.sdpa_flash_only, OPTIONS.sdpa_no_flash = name, flash_only, no_flash
     OPTIONS.compiled_routing = os.environ.get("HYDRA_COMPILED_ROUTING", "1").strip().lower() not in _OFF
-    conv = os.environ.get("HYDRA_DECODE_CONV", "").strip().lower() or "window_gemm"
+    conv = os.environ.get("HYDRA_DECODE_CONV", "").strip().lower() or "window_tiles"
     if conv not in DECODE_CONVS:
         raise ValueError(f"HYDRA_DECODE_CONV={conv!r}; expected one of {', '.join(DECODE_CONVS)}")
     OPTIONS.decode_conv = conv

@@ -1,0 +1,172 @@
+"""A decode step's ``x·Wᵀ + bias`` for a weight that is mostly zeros, reading only its non-zero
+tiles, in one kernel.
+
+Why: CCGQA's decode convs run as one GEMM over a token's window (hydra_model's ccgqa.py,
+``decode_conv="window_gemm"``) with a [C, K·C] weight that is 94% zeros at the 100M preset (each
+head's conv reads its own channels). At batch 1, cuBLAS reads all of it (6 MB) and, with the bias,
+launches a split-K GEMM and a reduction: two kernels, about 7 µs a block on an H100
+(packages/hydra-model/BENCHMARKS.md). The weight is fixed for a whole generation, so its non-zero
+``block_n × block_k`` tiles are packed once (:func:`pack_tiles`) and each step reads only those.
+
+    y[b, n] = Σ_k x[b, k] · W[n, k] + bias[n]        (fp32 accumulation, y in x's dtype)
+
+Faces: :func:`pack_tiles` (dense weight → :class:`TiledWeight`), the PyTorch reference
+:func:`tile_linear_ref` (computed from the packed tiles, independently of the kernel), the Triton
+kernel ``_tile_linear_kernel`` with its launcher :func:`tile_linear_launch`, and
+:func:`tile_linear`, which runs the kernel where hydra_kernels' Triton path is on for x's device
+(CUDA, or the CPU under ``TRITON_INTERPRET=1``) and the reference elsewhere. Nothing is read on the
+host, so a call can be captured in a CUDA graph after one eager call. No autograd (decoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from hydra_kernels import controls
+from hydra_kernels.ops._custom_op import KERNEL_DTYPES, device_guard, run_with_fallback, to_output_dtype
+from hydra_kernels.ops._launch import LaunchPlan, plan_cache
+
+
+@dataclass
+class TiledWeight:
+    """A [out_features, in_features] weight as its non-zero tiles."""
+
+    tiles: torch.Tensor  # [NB, NNZ, block_n, block_k]: block row i's non-zero tiles, zero-padded
+    index: torch.Tensor  # [NB, NNZ] int32: each tile's block column, −1 for padding
+    out_features: int
+    in_features: int
+
+    @property
+    def block_n(self) -> int:
+        return self.tiles.shape[2]
+
+    @property
+    def block_k(self) -> int:
+        return self.tiles.shape[3]
+
+
+def pack_tiles(weight: torch.Tensor, block_n: int = 64, block_k: int = 64) -> TiledWeight:
+    """``weight`` [N, K] → its non-zero ``block_n × block_k`` tiles (edges zero-padded), each block
+    row padded to the densest one's count."""
+    if weight.dim() != 2 or block_n < 1 or block_k < 1:
+        raise ValueError(f"pack_tiles: weight must be [N, K] and blocks ≥ 1, got {tuple(weight.shape)}")
+    n, k = weight.shape
+    nb, kb = -(-n // block_n), -(-k // block_k)
+    padded = F.pad(weight, (0, kb * block_k - k, 0, nb * block_n - n))
+    blocks = padded.view(nb, block_n, kb, block_k).transpose(1, 2)  # [NB, KB, BN, BK]
+    nonzero = blocks.ne(0).any(-1).any(-1)  # [NB, KB]
+    nnz = max(1, int(nonzero.sum(1).max()))
+    # the non-zero block columns first, in order (a stable sort of "is zero"), then padding
+    order = torch.sort(nonzero.logical_not().to(torch.int8), dim=1, stable=True).indices[:, :nnz]
+    present = nonzero.gather(1, order)  # [NB, NNZ]
+    index = torch.where(present, order, torch.full_like(order, -1)).to(torch.int32)
+    rows = torch.arange(nb, device=weight.device).view(-1, 1)
+    tiles = blocks[rows, order] * present.view(nb, nnz, 1, 1).to(weight.dtype)
+    return TiledWeight(tiles.contiguous(), index.contiguous(), n, k)
+
+
+# --- PyTorch reference ---------------------------------------------------------------------------
+
+
+def tile_linear_ref(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, K] → [B, N] from the packed tiles, in fp32 (fp64 for fp64 x), y in x's dtype."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    nb, nnz, bn, bk = weight.tiles.shape
+    b, k = x.shape
+    kb = -(-k // bk)
+    xb = F.pad(x.to(ct), (0, kb * bk - k)).view(b, kb, bk)
+    idx = weight.index.long()
+    xg = xb[:, idx.clamp(min=0)] * (idx >= 0).view(1, nb, nnz, 1).to(ct)  # [B, NB, NNZ, BK]
+    y = torch.einsum("bnjk,njok->bno", xg, weight.tiles.to(ct)).reshape(b, nb * bn)[:, : weight.out_features]
+    if bias is not None:
+        y = y + bias.to(ct)
+    return y.to(x.dtype)
+
+
+# --- Triton kernel -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_linear_kernel(
+    X, TILES, INDEX, BIAS, Y, stride_xb, stride_yb,
+    IN_FEATURES: tl.constexpr, OUT_FEATURES: tl.constexpr, NNZ: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    # One program per (block row, row of x): the block row's few tiles, each a [BLOCK_N, BLOCK_K]
+    # load times a [BLOCK_K] slice of x, summed in fp32. Padding tiles are zeros and their index
+    # −1 masks the x slice too.
+    nb = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    o = tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.range(0, NNZ):
+        kb = tl.load(INDEX + nb * NNZ + j)
+        cols = kb * BLOCK_K + kk
+        xv = tl.load(X + row * stride_xb + cols, mask=(kb >= 0) & (cols < IN_FEATURES), other=0.0)
+        tile = tl.load(TILES + ((nb * NNZ + j) * BLOCK_N + o[:, None]) * BLOCK_K + kk[None, :])
+        acc += tl.sum(tile.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+    outs = nb * BLOCK_N + o
+    out_mask = outs < OUT_FEATURES
+    if HAS_BIAS:
+        acc += tl.load(BIAS + outs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_yb + outs, to_output_dtype(acc, Y.dtype.element_ty), mask=out_mask)
+
+
+# --- host launcher -------------------------------------------------------------------------------
+
+_PLANS = plan_cache()
+
+
+def _check(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"tile_linear: x must be [B, {weight.in_features}], got {tuple(x.shape)}")
+    if bias is not None and bias.shape != (weight.out_features,):
+        raise ValueError(f"tile_linear: bias must be [{weight.out_features}], got {tuple(bias.shape)}")
+
+
+def tile_linear_launch(
+    x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Launch the kernel (arguments as :func:`tile_linear`). x's rows may be strided, each row
+    contiguous; the tiles must be contiguous (:func:`pack_tiles` makes them so)."""
+    if x.stride(1) != 1 or not (weight.tiles.is_contiguous() and weight.index.is_contiguous()):
+        raise ValueError("tile_linear: x's rows and the packed tiles must be contiguous")
+    rows = x.shape[0]
+    y = torch.empty(rows, weight.out_features, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    nb, nnz, bn, bk = weight.tiles.shape
+    key = (rows, x.stride(0), weight.in_features, weight.out_features, nnz, bn, bk, bias is not None,
+           x.dtype, weight.tiles.dtype, None if bias is None else bias.dtype, x.get_device())  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        consts = {"IN_FEATURES": weight.in_features, "OUT_FEATURES": weight.out_features, "NNZ": nnz,
+                  "BLOCK_N": bn, "BLOCK_K": bk, "HAS_BIAS": bias is not None}  # fmt: skip
+        warps = 4 if bn * bk <= 4096 else 8
+        plan = _PLANS[key] = LaunchPlan(_tile_linear_kernel, (nb, rows), consts, warps, 1, x.get_device())
+    bias_arg = weight.index if bias is None else bias  # any pointer when HAS_BIAS is off
+    with device_guard(x):
+        plan(x, weight.tiles, weight.index, bias_arg, y, x.stride(0), y.stride(0))
+    return y
+
+
+# --- public function -----------------------------------------------------------------------------
+
+
+def tile_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x·Wᵀ + bias`` for x [B, K] (bf16/fp16/fp32) and a packed weight (:func:`pack_tiles`),
+    bias [N] or None → [B, N] in x's dtype, accumulated in fp32. The Triton kernel runs where
+    hydra_kernels' Triton path is on for x's device; fp64 x, a switched-off path or another
+    device run :func:`tile_linear_ref`."""
+    _check(x, weight, bias)
+    if not (x.dtype in KERNEL_DTYPES and controls.triton_path("tile_linear", x, weight.tiles)):
+        return tile_linear_ref(x, weight, bias)
+    return run_with_fallback(
+        "tile_linear", lambda: tile_linear_launch(x, weight, bias), lambda: tile_linear_ref(x, weight, bias)
+    )

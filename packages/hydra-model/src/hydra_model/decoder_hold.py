@@ -1,0 +1,246 @@
+"""A model's last decoder, kept for its next ``generate``: the warm-up and capture paid once, and on
+CUDA the prompt's prefill replayed as a graph too.
+
+Building a graphed decoder costs a warm-up step and the capture of its graphs (21–45 ms for
+HYDRA's 100M preset on an H100, more than 50 of its decode steps: see
+packages/hydra-model/BENCHMARKS.md), and an eager prefill costs a host launch per kernel (about a
+thousand for HYDRA's routed forward). A caller that generates again with the same batch size and
+total length (a benchmark, an evaluation loop, sampling during training) gets the same decoder
+back: its cache is emptied and refilled in place by the new prompt's prefill
+(:meth:`ModelCache.restart`), so the captured graphs, which read those tensors, replay the new
+generation. A prompt length seen before is
+prefilled by a graph captured the second time it comes (the first run warmed its kernels up).
+
+A decoder is handed back only when nothing it captured can have changed:
+
+* the request: decode mode, batch size, cache capacity (prompt + new tokens), device and dtype;
+* the process-wide switches a step's kernels depend on (hydra_model's and hydra_kernels' options,
+  the fused decision's mode) and every module's routing rule and static flag;
+* the parameters and buffers (all but the ``stat_*`` statistics, which every forward writes and
+  no decode step reads), by storage, shape and content: each tensor's raw bits summed as integers
+  (a change of any element changes its sum). Content, not ``Tensor._version``: a replayed CUDA
+  graph (hydra-train's training step) or an update through ``.data`` changes weights without a
+  version bump. On CUDA the sums are themselves one captured graph: one launch and one host read.
+
+After an eager prefill, :meth:`ModelCache.refilled_in_place` confirms that every tensor kept its
+storage; if one did not, a new decoder is built and the report says why. Copies and pickles of a
+model hold no decoder (:class:`DecoderHold`); ``model.release_decoder()`` frees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hydra_kernels import kernel_options
+from hydra_model.fused_decide import fused_decide_mode
+from hydra_model.options import OPTIONS
+
+#: integer dtypes of each element size, to read a tensor's raw bits
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: tensors under this many elements are summed together (per element size)
+SMALL_TENSOR = 1 << 18
+#: prefill graphs a held decoder keeps (one per prompt length; the oldest goes first)
+MAX_PREFILL_GRAPHS = 4
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """t's raw bits, flat: as 64-bit words where its bytes divide into them (a quarter of the
+    elements of a bf16 tensor to reduce; the sum wraps, still changed by any one changed word),
+    else as integers of its element size."""
+    flat = t.detach().reshape(-1)
+    if (flat.numel() * t.element_size()) % 8 == 0:
+        try:
+            return flat.view(torch.int64)
+        except RuntimeError:  # a storage offset that is not a whole word
+            pass
+    return flat.view(_BITS[t.element_size()])
+
+
+def _tracked(model: torch.nn.Module) -> list[torch.Tensor]:
+    buffers = [b for name, b in model.named_buffers() if not name.rsplit(".", 1)[-1].startswith("stat_")]
+    return [t for t in (*model.parameters(), *buffers) if t.numel()]
+
+
+def _structure(model: torch.nn.Module, tensors: list[torch.Tensor]) -> tuple:
+    """Everything host-side a captured step depends on: storage, routing rules, switches."""
+    layout = tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in tensors)
+    rules = tuple(
+        (name, getattr(m, "static", None), getattr(m, "rule", None), getattr(m, "mode", None))
+        for name, m in model.named_modules()
+        if hasattr(m, "static") or hasattr(m, "rule") or hasattr(m, "mode")
+    )
+    return layout, rules, (repr(OPTIONS), repr(kernel_options), fused_decide_mode())
+
+
+class Fingerprint:
+    """What a captured decode step depends on in a model (see the module docstring): the
+    host-side :attr:`structure` and :meth:`content`, the raw-bit sums (one host read)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.tensors = _tracked(model)
+        self.structure = _structure(model, self.tensors)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._sums: torch.Tensor | None = None
+        self._calls = 0
+
+    def matches(self, model: torch.nn.Module) -> bool:
+        """The model's tensors and switches are those this fingerprint was taken of (host only)."""
+        tensors = _tracked(model)
+        return len(tensors) == len(self.tensors) and _structure(model, tensors) == self.structure
+
+    def _sum_all(self) -> torch.Tensor:
+        """Each large tensor's raw-bit sum, and one per element size over the small ones (one
+        concatenation instead of a reduction each: on the host every launch costs)."""
+        sums, small = [], {}
+        for t in self.tensors:
+            words = _words(t)
+            if t.numel() < SMALL_TENSOR:
+                small.setdefault(words.dtype, []).append(words)
+            else:
+                sums.append(words.sum(dtype=torch.int64))
+        sums += [torch.cat(group).sum(dtype=torch.int64) for group in small.values()]
+        return torch.stack(sums)
+
+    def content(self) -> tuple:
+        """The sums, read on the host. On CUDA the first call runs them eagerly; the second
+        captures them as one graph, which later calls replay (one launch)."""
+        if not self.tensors:
+            return ()
+        device = self.tensors[0].device
+        self._calls += 1
+        if device.type != "cuda" or self._calls == 1 or any(t.device != device for t in self.tensors):
+            return tuple(self._sum_all().tolist())
+        if self._graph is None:
+            with torch.cuda.device(device):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._sums = self._sum_all()
+            self._graph = graph
+        self._graph.replay()
+        return tuple(self._sums.tolist())
+
+
+class PrefillGraph:
+    """A prompt length's prefill into a held cache, captured: restart, forward, last logits."""
+
+    def __init__(self, model: torch.nn.Module, cache, input_ids: torch.Tensor) -> None:
+        self.ids = input_ids.clone()
+        self.seq_len = input_ids.shape[1]
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # records only: run() replays it
+            cache.restart()
+            self.logits = model(self.ids, cache=cache).logits[:, -1]
+
+    def run(self, cache, input_ids: torch.Tensor) -> torch.Tensor:
+        """The prompt's last logits [B, V] (a buffer the next run overwrites). The host side of
+        a restart and a prefill is its count alone: the slots keep their entries throughout."""
+        self.ids.copy_(input_ids)
+        self.graph.replay()
+        cache.seq_len = self.seq_len
+        return self.logits
+
+
+class HeldDecoder:
+    """A decoder kept between generations, with what it was captured for and its prefill graphs."""
+
+    def __init__(self, decoder: Any, request: tuple, fingerprint: Fingerprint, content: tuple) -> None:
+        self.decoder = decoder
+        self.request = request
+        self.fingerprint = fingerprint
+        self.content = content
+        self.prefills: dict[int, PrefillGraph | None] = {}  # None: seen once, or failed (see failed)
+        self.failed: dict[int, str] = {}
+        self.last_prefill = "eager"
+
+    def prefill(self, model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(the prompt's last logits [B, V], whether the cache was refilled in place) from a
+        prefill into the restarted cache: a graph where this prompt length came before on CUDA,
+        else eager. When an eager prefill replaced a cache tensor, the cache holds a valid prefill
+        in new tensors, for a new decoder."""
+        cache, s = self.decoder.cache, input_ids.shape[1]
+        graph = self.prefills.get(s)
+        if graph is None and s in self.prefills and s not in self.failed and input_ids.is_cuda:
+            try:
+                graph = self.prefills[s] = PrefillGraph(model, cache, input_ids)
+                self.last_prefill = "graph captured"
+            except Exception as err:  # reported; this length prefills eagerly from now on
+                self.failed[s] = f"{type(err).__name__}: {err}"
+        elif graph is not None:
+            self.last_prefill = "graph"
+        if graph is not None:
+            return graph.run(cache, input_ids), True
+        self.last_prefill = "eager" if s not in self.failed else f"eager (capture failed: {self.failed[s]})"
+        cache.restart()
+        logits = model(input_ids, cache=cache).logits[:, -1]
+        in_place = cache.refilled_in_place()
+        if in_place:
+            self.seen(s)
+        return logits, in_place
+
+    def seen(self, seq_len: int) -> None:
+        """An eager prefill of ``seq_len`` tokens ran: the next one is captured."""
+        if seq_len not in self.prefills:
+            while len(self.prefills) >= MAX_PREFILL_GRAPHS:
+                del self.prefills[next(iter(self.prefills))]
+            self.prefills[seq_len] = None
+
+
+class DecoderHold:
+    """The slot on a model that keeps its last decoder (``model._decoder_hold``). A copy or a
+    pickle of the model gets an empty one: captured graphs are not copied."""
+
+    def __init__(self) -> None:
+        self.held: HeldDecoder | None = None
+
+    def __deepcopy__(self, memo) -> DecoderHold:
+        return DecoderHold()
+
+    def __getstate__(self) -> dict:
+        return {"held": None}
+
+
+def hold_of(model: torch.nn.Module) -> DecoderHold:
+    hold = model.__dict__.get("_decoder_hold")
+    if hold is None:
+        hold = model.__dict__["_decoder_hold"] = DecoderHold()
+    return hold
+
+
+def take(model: torch.nn.Module, request: tuple) -> tuple[HeldDecoder | None, str | None]:
+    """(the held decoder if it serves ``request`` on the model as it is now, else None; why a held
+    decoder of the same request was not reused, else None). Either way the model holds none
+    after: the caller keeps it again (:func:`keep`) once its generation has finished."""
+    hold = hold_of(model)
+    held, hold.held = hold.held, None
+    if held is None or held.request != request:  # none, or another request: nothing stale
+        return None, None
+    if not held.fingerprint.matches(model) or held.fingerprint.content() != held.content:
+        return None, "the weights, buffers or switches changed since it was captured"
+    return held, None
+
+
+def keep(
+    model: torch.nn.Module, held: HeldDecoder | None, decoder: Any, request: tuple, prefill_len: int
+) -> None:
+    """Hold ``decoder`` for the next generation of the same ``request``: ``held`` again where the
+    generation reused it (its fingerprint was checked when it was taken), else a new hold."""
+    if held is None or held.decoder is not decoder:
+        fingerprint = Fingerprint(model)
+        held = HeldDecoder(decoder, request, fingerprint, fingerprint.content())
+        held.seen(prefill_len)
+    hold_of(model).held = held
+
+
+def release(model: torch.nn.Module) -> bool:
+    """Drop the held decoder (its graphs and cache); True if there was one."""
+    hold = hold_of(model)
+    had, hold.held = hold.held is not None, None
+    return had
+
+
+def model_fingerprint(model: torch.nn.Module) -> tuple:
+    """The structure and content :func:`take` compares (computed eagerly: for tests and benches)."""
+    fingerprint = Fingerprint(model)
+    return fingerprint.structure, tuple(fingerprint._sum_all().tolist()) if fingerprint.tensors else ()

@@ -1,0 +1,170 @@
+"""A decoder kept from one ``generate`` for the next (decoder_hold.py): reused only when nothing it
+captured changed, its cache refilled in place, and then the tokens of a decoder built afresh."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from hydra_model import build_model
+from hydra_model import cache as cache_mod
+from hydra_model.decoder_hold import model_fingerprint
+from hydra_model.options import OPTIONS
+
+from .conftest import MODES, random_tokens, small_model
+
+CASES = {
+    "hydra_mor": dict(seed=3),  # routed middle block, three causal recursions
+    "hydra_mod": dict(seed=4, n_mor_blocks=5, recursions_per_block=1, mod_capacity=0.5, mod_block_stride=2),
+    "token_choice": dict(seed=5, **MODES["token_choice"]),
+}
+
+
+def case_model(name: str) -> torch.nn.Module:
+    if name == "gpt":
+        torch.manual_seed(0)
+        return build_model("gpt", "tiny").eval()
+    return small_model(**CASES[name]).eval()
+
+
+def storage(cache) -> list[int]:
+    out = [cache.position.data_ptr()] + [c.data_ptr() for c in cache.counts.values()]
+    for slot in cache.slots.values():
+        e = slot.entry
+        out += [t.data_ptr() for t in (e.k, e.v, e.length, e.bias, e.window, e.prev_v) if t is not None]
+    return out
+
+
+@pytest.mark.parametrize("name", [*CASES, "gpt"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_kept_decoder_gives_the_tokens_of_a_new_one_on_the_same_tensors(name, batch):
+    """Three generations of one total length (prompts of 6 and 9 tokens): the second and third
+    reuse the first's decoder, write into the cache tensors it captured, and give the tokens of a
+    decoder built for that prompt alone."""
+    model = case_model(name)
+    vocab = model.config.vocab_size
+    prompts = [random_tokens(batch, 6, vocab, seed=11), random_tokens(batch, 9, vocab, seed=12)]
+    prompts.append(random_tokens(batch, 6, vocab, seed=13))
+    fresh = [model.generate(p, 21 - p.shape[1], decode="staged", keep_decoder=False) for p in prompts]
+    assert model._decoder_hold.held is None  # keep_decoder=False keeps none
+    first = model.generate(prompts[0], 15, decode="staged")
+    decoder = model._decoder_hold.held.decoder
+    kept = storage(decoder.cache)
+    assert not model.last_decode_report.reused
+    for prompt, want in zip(prompts[1:], fresh[1:], strict=True):
+        got = model.generate(prompt, 21 - prompt.shape[1], decode="staged")
+        report = model.last_decode_report
+        assert report.reused and report.not_reused is None and report.capture_ms == 0.0
+        assert report.steps == 21 - prompt.shape[1] - 1
+        assert model._decoder_hold.held.decoder is decoder
+        assert storage(decoder.cache) == kept
+        assert torch.equal(got, want)
+    assert torch.equal(first, fresh[0])
+
+
+def test_a_prefill_that_replaces_a_tensor_builds_a_new_decoder(monkeypatch):
+    """The storage check is what keeps a captured step from reading stale tensors: a restart that
+    drops the spare entries makes the prefill allocate new ones, and the decoder is not reused."""
+    model = case_model("hydra_mod")
+    prompt, other = random_tokens(1, 6, seed=21), random_tokens(1, 6, seed=22)
+    model.generate(prompt, 10, decode="staged")
+    want = model.generate(other, 10, decode="staged", keep_decoder=False)
+    model.generate(prompt, 10, decode="staged")
+    restart = cache_mod.ModelCache.restart
+
+    def restart_dropping_spares(self):
+        restart(self)
+        for slot in self.slots.values():
+            slot.spare = None
+
+    monkeypatch.setattr(cache_mod.ModelCache, "restart", restart_dropping_spares)
+    got = model.generate(other, 10, decode="staged")
+    report = model.last_decode_report
+    assert not report.reused and "replaced a cache tensor" in report.not_reused
+    assert torch.equal(got, want)
+
+
+def test_changed_weights_or_switches_are_not_replayed(monkeypatch):
+    """A weight changed through ``.data`` (no version bump, as under a replayed training graph) or
+    a decode switch flipped: the held decoder is dropped, the report says why, and the tokens
+    are those of the changed model."""
+    model = case_model("hydra_mor")
+    prompt = random_tokens(2, 6, seed=31)
+    model.generate(prompt, 10, decode="staged")
+    with torch.no_grad():
+        model.blocks[1].mor.block.attn.w_o.weight.data.mul_(1.5)
+    want = model.generate(prompt, 10, decode="staged", keep_decoder=False)
+    model.generate(prompt, 10, decode="staged")  # held again, for the changed weights
+    with torch.no_grad():
+        model.blocks[1].mor.block.attn.w_o.weight.data.div_(1.5)
+    model.generate(prompt, 10, decode="staged")
+    assert not model.last_decode_report.reused and "changed" in model.last_decode_report.not_reused
+    with torch.no_grad():
+        model.blocks[1].mor.block.attn.w_o.weight.data.mul_(1.5)
+    got = model.generate(prompt, 10, decode="staged")
+    assert "changed" in model.last_decode_report.not_reused and torch.equal(got, want)
+    model.generate(prompt, 10, decode="staged")
+    assert model.last_decode_report.reused
+    other = "headwise" if OPTIONS.decode_conv != "headwise" else "window_gemm"
+    monkeypatch.setattr(OPTIONS, "decode_conv", other)
+    model.generate(prompt, 10, decode="staged")
+    assert not model.last_decode_report.reused and "switches" in model.last_decode_report.not_reused
+
+
+def test_another_request_is_a_new_decoder_without_a_reason():
+    model = case_model("hydra_mor")
+    prompt = random_tokens(1, 6, seed=41)
+    model.generate(prompt, 10, decode="staged")
+    for kwargs in ({"max_new_tokens": 11}, {"input_ids": random_tokens(2, 6, seed=42)}):
+        args = {"input_ids": prompt, "max_new_tokens": 10, "decode": "staged", **kwargs}
+        model.generate(**args)
+        assert not model.last_decode_report.reused and model.last_decode_report.not_reused is None
+    model.generate(prompt, 10, decode="eager")  # an eager generation keeps no decoder
+    assert model._decoder_hold.held is None
+
+
+def test_copies_and_pickles_hold_no_decoder_and_release_frees_it():
+    model = case_model("hydra_mor")
+    model.generate(random_tokens(1, 6, seed=51), 8, decode="staged")
+    assert model._decoder_hold.held is not None
+    twin = copy.deepcopy(model)
+    assert twin._decoder_hold.held is None
+    thawed = pickle.loads(pickle.dumps(model))
+    assert thawed._decoder_hold.held is None
+    assert torch.equal(thawed.embed.weight, model.embed.weight)
+    assert model.release_decoder() is True and model.release_decoder() is False
+
+
+def test_the_fingerprint_sees_one_bit_of_one_element():
+    model = case_model("hydra_mor")
+    before = model_fingerprint(model)
+    assert model_fingerprint(model) == before
+    flat = model.blocks[1].mor.block.ffn.w_down.weight.data.view(-1)
+    i = torch.randint(0, flat.numel(), ()).item()
+    flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf")))
+    assert model_fingerprint(model) != before
+
+
+def test_the_fingerprint_leaves_out_the_statistics_a_forward_writes():
+    """Every forward writes the ``stat_*`` buffers and no decode step reads them: a generation
+    leaves the fingerprint as it was; a routing threshold (a buffer decoding reads) changes it."""
+    model = case_model("hydra_mor")
+    before = model_fingerprint(model)
+    model.generate(random_tokens(2, 6, seed=61), 6, decode="staged")
+    assert model_fingerprint(model) == before
+    tau = next(b for name, b in model.named_buffers() if name.endswith("tau"))
+    tau.add_(0.5)
+    assert model_fingerprint(model) != before
+
+
+def test_an_eager_prefill_marks_its_length_for_capture_and_the_oldest_goes_first():
+    from hydra_model.decoder_hold import MAX_PREFILL_GRAPHS
+
+    model = case_model("hydra_mor")
+    for n in range(4, 5 + MAX_PREFILL_GRAPHS):
+        model.generate(random_tokens(1, n, seed=n), 20 - n, decode="staged")
+    held = model._decoder_hold.held
+    assert list(held.prefills) == list(range(5, 5 + MAX_PREFILL_GRAPHS))  # 4 was dropped
+    assert all(g is None for g in held.prefills.values())  # CPU: eager prefills, nothing captured
+    assert model.last_decode_report.prefill == "eager"
