@@ -123,3 +123,14 @@ def _compile_for_sm90() -> None:
 def test_kernel_compiles_for_hopper_without_a_gpu():
     """The interpreter skips Triton's compiler: compile for sm_90 so GPU-only errors show here."""
     assert_compiles_for_sm90(__file__)
+
+
+def test_tile_sizes_must_be_powers_of_two_and_a_strided_x_is_accepted(seed):
+    dense = sparse_weight(32, 48, 16, 16, 0.6, torch.float32).to(DEVICE)
+    with pytest.raises(ValueError, match="block_n=24 must be a power of two"):
+        pack_tiles(dense, 24, 16)
+    packed = pack_tiles(dense, 16, 16)
+    x = torch.randn(48, 3, device=DEVICE).t()  # columns strided: copied for the kernel
+    falls = controls.fallback_counts().get("tile_linear", 0)
+    check(x, dense, None, packed, seed)
+    assert controls.fallback_counts().get("tile_linear", 0) == falls

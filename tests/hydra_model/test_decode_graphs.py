@@ -231,7 +231,7 @@ def test_a_kept_graphed_decoder_replays_another_prompt_on_cuda(arch, batch):
     got = model.generate(other, 21, decode="graphs")
     report = model.last_decode_report
     assert not first.reused and report.reused, report
-    assert report.capture == first.capture == "one graph" and report.capture_ms == 0.0
+    assert report.capture == first.capture and report.capture_ms == 0.0
     assert torch.equal(got, want)
     staged = model.generate(other, 21, decode="staged")
     counted = model.last_decode_report

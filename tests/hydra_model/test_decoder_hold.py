@@ -168,3 +168,61 @@ def test_an_eager_prefill_marks_its_length_for_capture_and_the_oldest_goes_first
     assert list(held.prefills) == list(range(5, 5 + MAX_PREFILL_GRAPHS))  # 4 was dropped
     assert all(g is None for g in held.prefills.values())  # CPU: eager prefills, nothing captured
     assert model.last_decode_report.prefill == "eager"
+
+
+def test_a_flipped_conv_weight_is_not_replayed():
+    """A permutation leaves a plain sum as it was; the position-weighted checksum sees it, and the
+    tokens are those of the changed weights (the per-generation folded conv weights rebuilt)."""
+    model = case_model("hydra_mod")
+    prompt = random_tokens(1, 6, seed=71)
+    model.generate(prompt, 10, decode="staged")
+    conv = model.blocks[1].mor.block.attn.conv_seq.weight
+    with torch.no_grad():
+        conv.copy_(conv.flip(0))
+    got = model.generate(prompt, 10, decode="staged")
+    assert not model.last_decode_report.reused and "changed" in model.last_decode_report.not_reused
+    assert torch.equal(got, model.generate(prompt, 10, decode="staged", keep_decoder=False))
+
+
+def test_no_decoder_is_kept_in_training_mode_or_under_a_caching_autocast():
+    model = case_model("hydra_mor")
+    prompt = random_tokens(1, 6, seed=81)
+    model.train()
+    model.generate(prompt, 8, decode="staged")  # sampling during training
+    assert model.training and model._decoder_hold.held is None
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.generate(prompt, 8, decode="staged")
+    assert model._decoder_hold.held is None
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        model.generate(prompt, 8, decode="staged")
+        model.generate(prompt, 8, decode="staged")
+        assert model.last_decode_report.reused
+    model.generate(prompt, 8, decode="staged")  # outside the autocast region: another request
+    assert not model.last_decode_report.reused and model.last_decode_report.not_reused is None
+
+
+def test_inference_mode_and_plain_calls_keep_their_own_decoders():
+    """A cache made under inference_mode holds inference tensors, which a plain call may not
+    write: the two are different requests."""
+    model = case_model("hydra_mor")
+    prompt = random_tokens(1, 6, seed=91)
+    with torch.inference_mode():
+        a = model.generate(prompt, 8, decode="staged")
+    b = model.generate(prompt, 8, decode="staged")
+    assert not model.last_decode_report.reused and torch.equal(a, b)
+
+
+def test_a_slot_the_prefill_left_empty_is_not_a_refill():
+    model = case_model("hydra_mor")
+    prompt = random_tokens(1, 6, seed=95)
+    model.generate(prompt, 8, decode="staged")
+    cache = model._decoder_hold.held.decoder.cache
+    with torch.no_grad():
+        cache.restart()
+        model(prompt, cache=cache)
+        assert cache.refilled_in_place()
+        cache.restart()
+        model(prompt, cache=cache)
+    next(iter(cache.slots.values())).entry = None  # as if the prefill had not reached it
+    assert not cache.refilled_in_place()

@@ -26,6 +26,7 @@ from hydra_kernels.registry import OP_SPECS, Check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+
 @dataclass(frozen=True)
 class CheckCase:
     """One public function under check: its registry entry (:class:`hydra_kernels.registry.Check`:

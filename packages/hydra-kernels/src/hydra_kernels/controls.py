@@ -49,6 +49,7 @@ DECODE_OPS: dict[str, str] = {
     "router_decide": "ROUTER_DECIDE",
     "kv_decode_step": "KV_DECODE",
     "tile_linear": "TILE_LINEAR",
+    "checksum": "CHECKSUM",  # generation's weight fingerprint (hydra_model/decoder_hold.py)
 }
 
 # op -> (environment stem of the forward switch, stem of the backward switch or None)

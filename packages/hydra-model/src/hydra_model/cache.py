@@ -107,6 +107,7 @@ class ModelCache:
         """Empty the cache for a new prompt but keep its tensors: the next prefill writes into
         them in place, so a decode step captured on them replays the new generation
         (decoder_hold.py). Counters and the position go back to zero as in a new cache."""
+        self._kept = self._storage()
         self.seq_len = 0
         for slot in self.slots.values():
             slot.spare, slot.entry = slot.entry or slot.spare, None
@@ -114,7 +115,6 @@ class ModelCache:
             count.zero_()
         if self.position is not None:
             self.position.zero_()
-        self._kept = self._storage()
 
     def refilled_in_place(self) -> bool:
         """After :meth:`restart` and a prefill: every tensor a decode step reads kept its storage."""
@@ -126,10 +126,10 @@ class ModelCache:
 
         out: dict = {("position",): ptr(self.position)}
         out.update({("count", *key): ptr(c) for key, c in self.counts.items()})
-        for key, slot in self.slots.items():
-            e = slot.entry or slot.spare
-            if e is not None:
-                out[("slot", *key)] = tuple(map(ptr, (e.k, e.v, e.length, e.bias, e.window, e.prev_v)))
+        for key, slot in self.slots.items():  # a slot the prefill did not fill shows no entry
+            e = slot.entry
+            held = None if e is None else (e.k, e.v, e.length, e.bias, e.window, e.prev_v)
+            out[("slot", *key)] = None if held is None else tuple(map(ptr, held))
         return out
 
     def advance_host(self, n: int) -> None:

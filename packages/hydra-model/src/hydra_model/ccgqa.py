@@ -116,6 +116,8 @@ def headwise_qk_weight(
 #: how the convs run: "headwise" (a GEMM per head plus an elementwise q-k mean) or "folded"
 #: (one block-diagonal GEMM with the q-k mean inside); see the module docstring
 CONV_IMPLS = ("headwise", "folded")
+#: the window weight's tile (rows, columns) for decode_conv="window_tiles" (hydra_kernels' tile_linear)
+WINDOW_TILE = (64, 64)
 
 
 class CCGQAAttention(nn.Module):
@@ -204,7 +206,7 @@ class CCGQAAttention(nn.Module):
         (views of the GEMM's output)."""
         b = window.shape[0]
         if OPTIONS.decode_conv == "window_tiles":
-            # the same weight as its non-zero 64 × 64 tiles: one kernel reading ~1/10 of it, where
+            # the same weight as its non-zero tiles (WINDOW_TILE): one kernel reading ~1/10 of it, where
             # cuBLAS launches a split-K GEMM and its reduction (hydra_kernels.ops.tile_linear)
             tiles, bias = self._folded(slot, "window_tiles")
             out = tile_linear(window, tiles, bias)
@@ -239,7 +241,7 @@ class CCGQAAttention(nn.Module):
             c, k_total = self.qk_channels, self.conv_context + 1
             weight = weight.view(c, c, k_total).transpose(1, 2).reshape(c, k_total * c)  # columns s·C + c
         if form == "window_tiles":
-            return pack_tiles(weight, 64, 64), bias
+            return pack_tiles(weight, *WINDOW_TILE), bias
         return weight, bias
 
     def forward(

@@ -17,14 +17,24 @@ A decoder is handed back only when nothing it captured can have changed:
 * the process-wide switches a step's kernels depend on (hydra_model's and hydra_kernels' options,
   the fused decision's mode) and every module's routing rule and static flag;
 * the parameters and buffers (all but the ``stat_*`` statistics, which every forward writes and
-  no decode step reads), by storage, shape and content: each tensor's raw bits summed as integers
-  (a change of any element changes its sum). Content, not ``Tensor._version``: a replayed CUDA
-  graph (hydra-train's training step) or an update through ``.data`` changes weights without a
-  version bump. On CUDA the sums are themselves one captured graph: one launch and one host read.
+  no decode step reads), by storage, shape and content: a checksum of each tensor's raw bits,
+  each word weighted by its position (``hydra_kernels.ops.checksum``: a changed element or two
+  swapped ones change it). Content, not ``Tensor._version``: a replayed CUDA graph (hydra-train's
+  training step) or an update through ``.data`` changes weights without a version bump. On CUDA
+  the checksums are themselves one captured graph: one launch and one host read.
 
-After an eager prefill, :meth:`ModelCache.refilled_in_place` confirms that every tensor kept its
-storage; if one did not, a new decoder is built and the report says why. Copies and pickles of a
-model hold no decoder (:class:`DecoderHold`); ``model.release_decoder()`` frees it.
+None is kept for a model in training mode (sampling during training: the weights change between
+calls, and the cache and graphs would only hold memory), under autocast with its weight cache on
+(captured graphs would read cast copies that the autocast region frees), or for a model on several
+devices.
+
+After an eager prefill or a prefill's capture, :meth:`ModelCache.refilled_in_place` confirms that
+every tensor kept its storage; if one did not, a new decoder is built and the report says why.
+A replayed prefill runs no host code: hydra_kernels' and hydra_model's host-side diagnostics
+(fallback and dispatch counters) do not count it. Copies and pickles of a model hold no decoder
+(:class:`DecoderHold`). The decoder refers back to its model, so a model that holds one is freed
+by the garbage collector, not at once on ``del``: ``model.release_decoder()`` frees the cache and
+the graphs' memory right away.
 """
 
 from __future__ import annotations
@@ -34,28 +44,14 @@ from typing import Any
 import torch
 
 from hydra_kernels import kernel_options
+from hydra_kernels.ops.checksum import checksums, words
 from hydra_model.fused_decide import fused_decide_mode
 from hydra_model.options import OPTIONS
 
-#: integer dtypes of each element size, to read a tensor's raw bits
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: tensors under this many elements are summed together (per element size)
 SMALL_TENSOR = 1 << 18
 #: prefill graphs a held decoder keeps (one per prompt length; the oldest goes first)
 MAX_PREFILL_GRAPHS = 4
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """t's raw bits, flat: as 64-bit words where its bytes divide into them (a quarter of the
-    elements of a bf16 tensor to reduce; the sum wraps, still changed by any one changed word),
-    else as integers of its element size."""
-    flat = t.detach().reshape(-1)
-    if (flat.numel() * t.element_size()) % 8 == 0:
-        try:
-            return flat.view(torch.int64)
-        except RuntimeError:  # a storage offset that is not a whole word
-            pass
-    return flat.view(_BITS[t.element_size()])
 
 
 def _tracked(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -91,17 +87,16 @@ class Fingerprint:
         return len(tensors) == len(self.tensors) and _structure(model, tensors) == self.structure
 
     def _sum_all(self) -> torch.Tensor:
-        """Each large tensor's raw-bit sum, and one per element size over the small ones (one
-        concatenation instead of a reduction each: on the host every launch costs)."""
-        sums, small = [], {}
+        """Each large tensor's checksum, and one over the small ones of each word type together
+        (one concatenation instead of a launch each: on the host every launch costs)."""
+        large, small = [], {}
         for t in self.tensors:
-            words = _words(t)
             if t.numel() < SMALL_TENSOR:
-                small.setdefault(words.dtype, []).append(words)
+                w = words(t)  # flat (a copy where t is not contiguous)
+                small.setdefault(w.dtype, []).append(w)
             else:
-                sums.append(words.sum(dtype=torch.int64))
-        sums += [torch.cat(group).sum(dtype=torch.int64) for group in small.values()]
-        return torch.stack(sums)
+                large.append(t if t.is_contiguous() else t.contiguous())
+        return checksums(large + [torch.cat(group) for group in small.values()])
 
     def content(self) -> tuple:
         """The sums, read on the host. On CUDA the first call runs them eagerly; the second
@@ -110,7 +105,7 @@ class Fingerprint:
             return ()
         device = self.tensors[0].device
         self._calls += 1
-        if device.type != "cuda" or self._calls == 1 or any(t.device != device for t in self.tensors):
+        if device.type != "cuda" or self._calls == 1:
             return tuple(self._sum_all().tolist())
         if self._graph is None:
             with torch.cuda.device(device):
@@ -167,6 +162,11 @@ class HeldDecoder:
                 self.last_prefill = "graph captured"
             except Exception as err:  # reported; this length prefills eagerly from now on
                 self.failed[s] = f"{type(err).__name__}: {err}"
+            else:
+                if not cache.refilled_in_place():  # the capture's prefill allocated a new tensor
+                    self.prefills[s] = None
+                    self.failed[s] = "the captured prefill replaced a cache tensor"
+                    graph = None
         elif graph is not None:
             self.last_prefill = "graph"
         if graph is not None:
@@ -208,6 +208,22 @@ def hold_of(model: torch.nn.Module) -> DecoderHold:
     return hold
 
 
+def request_of(model: torch.nn.Module, mode: str, batch: int, total: int, device: torch.device) -> tuple:
+    """What a held decoder must have been built for: decode mode, batch, cache capacity, device,
+    dtype, and the autocast and inference modes around the call."""
+    autocast = torch.is_autocast_enabled(device.type)
+    dtype = torch.get_autocast_dtype(device.type) if autocast else None
+    grad_modes = (autocast, dtype, torch.is_inference_mode_enabled())
+    return mode, batch, total, device, model.embed.weight.dtype, grad_modes
+
+
+def keepable(was_training: bool, device: torch.device) -> bool:
+    """Whether a generation may keep its decoder: not for a model in training mode, not under
+    autocast with its weight cache on (see the module docstring)."""
+    autocast_cache = torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled()
+    return not was_training and not autocast_cache
+
+
 def take(model: torch.nn.Module, request: tuple) -> tuple[HeldDecoder | None, str | None]:
     """(the held decoder if it serves ``request`` on the model as it is now, else None; why a held
     decoder of the same request was not reused, else None). Either way the model holds none
@@ -228,6 +244,8 @@ def keep(
     generation reused it (its fingerprint was checked when it was taken), else a new hold."""
     if held is None or held.decoder is not decoder:
         fingerprint = Fingerprint(model)
+        if len({t.device for t in fingerprint.tensors}) > 1:
+            return  # a model on several devices: not kept
         held = HeldDecoder(decoder, request, fingerprint, fingerprint.content())
         held.seen(prefill_len)
     hold_of(model).held = held

@@ -79,9 +79,10 @@ def generate(
         if max_new_tokens == 0:
             return input_ids
         batch, device = input_ids.shape[0], input_ids.device
-        request = (mode, batch, total, device, model.embed.weight.dtype)
+        request = decoder_hold.request_of(model, mode, batch, total, device)
+        keep = keep_decoder and mode != "eager" and decoder_hold.keepable(was_training, device)
         held, not_reused, logits = None, None, None
-        if mode != "eager" and keep_decoder:
+        if keep:
             held, not_reused = decoder_hold.take(model, request)
         else:
             decoder_hold.release(model)
@@ -125,7 +126,7 @@ def generate(
         finally:
             if decoder is not None:  # the report counts the steps that ran, a failed one too
                 decoder.finish()
-        if decoder is not None and done and keep_decoder:
+        if decoder is not None and done and keep:
             decoder_hold.keep(model, held, decoder, request, input_ids.shape[1])
         return torch.cat(pieces, dim=1)
     finally:

@@ -105,8 +105,10 @@ class CausalRouting(RoutingRule):
         """The MoR block on the decoded token, its update σ(logit)·(out − in) kept where taken (a
         token not taken leaves h and every cache slot of the block unchanged)."""
         h_out, aux = wrapper.mor(h, pos, taken, ctx)
-        gate = torch.where(taken, weight, 0.0).to(h.dtype)  # [B, 1]: σ(logit) where taken, else 0
-        return torch.lerp(h, h_out.to(h.dtype), gate.unsqueeze(-1)), aux  # h + gate·(out − in)
+        # the product in the weight's precision (fp32) as the full forward's, and a row not taken
+        # masked by where (not multiplied by 0: its output is not read, whatever it holds)
+        update = (weight.unsqueeze(-1) * (h_out - h)).to(h.dtype)
+        return h + torch.where(taken.unsqueeze(-1), update, torch.zeros_like(update)), aux
 
     def mor_forward(self, block, h, pos, member, ctx, aux):
         """The candidates of recursion r are the tokens recursion r−1 took; its rows are gathered

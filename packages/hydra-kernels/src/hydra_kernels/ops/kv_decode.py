@@ -336,6 +336,7 @@ def kv_decode_step_launch(
 
 # --- public function -----------------------------------------------------------------------------
 
+
 def kv_decode_step(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -185,6 +185,7 @@ def router_decide_launch(
 
 # --- public function -----------------------------------------------------------------------------
 
+
 def router_decide(
     h: torch.Tensor,
     w: torch.Tensor,

@@ -10,6 +10,9 @@ launches a split-K GEMM and a reduction: two kernels, about 7 µs a block on an 
 
     y[b, n] = Σ_k x[b, k] · W[n, k] + bias[n]        (fp32 accumulation, y in x's dtype)
 
+(over the non-zero tiles only: an inf or NaN of x facing an all-zero tile does not reach y, where
+a dense product would give NaN).
+
 Faces: :func:`pack_tiles` (dense weight → :class:`TiledWeight`), the PyTorch reference
 :func:`tile_linear_ref` (computed from the packed tiles, independently of the kernel), the Triton
 kernel ``_tile_linear_kernel`` with its launcher :func:`tile_linear_launch`, and
@@ -53,8 +56,11 @@ class TiledWeight:
 def pack_tiles(weight: torch.Tensor, block_n: int = 64, block_k: int = 64) -> TiledWeight:
     """``weight`` [N, K] → its non-zero ``block_n × block_k`` tiles (edges zero-padded), each block
     row padded to the densest one's count."""
-    if weight.dim() != 2 or block_n < 1 or block_k < 1:
-        raise ValueError(f"pack_tiles: weight must be [N, K] and blocks ≥ 1, got {tuple(weight.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"pack_tiles: weight must be [N, K], got {tuple(weight.shape)}")
+    for name, size in (("block_n", block_n), ("block_k", block_k)):
+        if size < 1 or size & (size - 1):  # the kernel's tile loads need powers of two
+            raise ValueError(f"pack_tiles: {name}={size} must be a power of two")
     n, k = weight.shape
     nb, kb = -(-n // block_n), -(-k // block_k)
     padded = F.pad(weight, (0, kb * block_k - k, 0, nb * block_n - n))
@@ -99,13 +105,14 @@ def _tile_linear_kernel(
 ):  # fmt: skip
     # One program per (block row, row of x): the block row's few tiles, each a [BLOCK_N, BLOCK_K]
     # load times a [BLOCK_K] slice of x, summed in fp32. Padding tiles are zeros and their index
-    # −1 masks the x slice too.
+    # −1 masks the x slice too. The loop is unrolled (NNZ is small and fixed): every tile's load
+    # is issued before the first sum needs it, one memory latency instead of NNZ in a row.
     nb = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     o = tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.range(0, NNZ):
+    for j in tl.static_range(NNZ):
         kb = tl.load(INDEX + nb * NNZ + j)
         cols = kb * BLOCK_K + kk
         xv = tl.load(X + row * stride_xb + cols, mask=(kb >= 0) & (cols < IN_FEATURES), other=0.0)
@@ -143,7 +150,8 @@ def tile_linear_launch(
         return y
     nb, nnz, bn, bk = weight.tiles.shape
     key = (rows, x.stride(0), weight.in_features, weight.out_features, nnz, bn, bk, bias is not None,
-           x.dtype, weight.tiles.dtype, None if bias is None else bias.dtype, x.get_device())  # fmt: skip
+           x.dtype, weight.tiles.dtype, weight.index.dtype, None if bias is None else bias.dtype,
+           x.get_device())  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         consts = {"IN_FEATURES": weight.in_features, "OUT_FEATURES": weight.out_features, "NNZ": nnz,
@@ -165,6 +173,8 @@ def tile_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None 
     hydra_kernels' Triton path is on for x's device; fp64 x, a switched-off path or another
     device run :func:`tile_linear_ref`."""
     _check(x, weight, bias)
+    if x.dim() == 2 and x.stride(1) != 1:  # the kernel reads rows with unit stride
+        x = x.contiguous()
     if not (x.dtype in KERNEL_DTYPES and controls.triton_path("tile_linear", x, weight.tiles)):
         return tile_linear_ref(x, weight, bias)
     return run_with_fallback(
