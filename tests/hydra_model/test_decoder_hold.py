@@ -226,3 +226,21 @@ def test_a_slot_the_prefill_left_empty_is_not_a_refill():
         model(prompt, cache=cache)
     next(iter(cache.slots.values())).entry = None  # as if the prefill had not reached it
     assert not cache.refilled_in_place()
+
+
+def test_a_fingerprint_that_fails_costs_the_reuse_not_the_tokens(monkeypatch):
+    from hydra_model import decoder_hold
+
+    model = case_model("hydra_mor")
+    prompt = random_tokens(1, 6, seed=97)
+    want = model.generate(prompt, 8, decode="staged", keep_decoder=False)
+    model.generate(prompt, 8, decode="staged")
+
+    def broken(self):
+        raise RuntimeError("no checksum here")
+
+    monkeypatch.setattr(decoder_hold.Fingerprint, "content", broken)
+    with pytest.warns(UserWarning, match="keeps no decoder"):  # the take fails, then the keep
+        got = model.generate(prompt, 8, decode="staged")
+    assert torch.equal(got, want) and "fingerprint failed" in model.last_decode_report.not_reused
+    assert model._decoder_hold.held is None

@@ -39,6 +39,7 @@ the graphs' memory right away.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -232,7 +233,11 @@ def take(model: torch.nn.Module, request: tuple) -> tuple[HeldDecoder | None, st
     held, hold.held = hold.held, None
     if held is None or held.request != request:  # none, or another request: nothing stale
         return None, None
-    if not held.fingerprint.matches(model) or held.fingerprint.content() != held.content:
+    try:
+        same = held.fingerprint.matches(model) and held.fingerprint.content() == held.content
+    except Exception as err:  # a fingerprint that cannot be taken: no reuse, and the report says so
+        return None, f"the weights' fingerprint failed ({type(err).__name__}: {err})"
+    if not same:
         return None, "the weights, buffers or switches changed since it was captured"
     return held, None
 
@@ -246,7 +251,12 @@ def keep(
         fingerprint = Fingerprint(model)
         if len({t.device for t in fingerprint.tensors}) > 1:
             return  # a model on several devices: not kept
-        held = HeldDecoder(decoder, request, fingerprint, fingerprint.content())
+        try:
+            content = fingerprint.content()
+        except Exception as err:  # the generation's tokens stand; this decoder is not kept
+            warnings.warn(f"generate keeps no decoder: its fingerprint failed ({err})", stacklevel=3)
+            return
+        held = HeldDecoder(decoder, request, fingerprint, content)
         held.seen(prefill_len)
     hold_of(model).held = held
 
