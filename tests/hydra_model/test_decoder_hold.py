@@ -244,3 +244,21 @@ def test_a_fingerprint_that_fails_costs_the_reuse_not_the_tokens(monkeypatch):
         got = model.generate(prompt, 8, decode="staged")
     assert torch.equal(got, want) and "fingerprint failed" in model.last_decode_report.not_reused
     assert model._decoder_hold.held is None
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "expert_choice", "static"])
+def test_a_generation_leaves_the_routing_statistics_of_the_last_forward(mode):
+    """Prefill and decode steps record no MoD/MoR statistics: sampling during training must not
+    overwrite what the training step's forward recorded."""
+    model = small_model(seed=7, **MODES[mode]).eval()
+    with torch.no_grad():
+        model(random_tokens(2, 12, seed=101))
+    before = [
+        (name, b.clone()) for name, b in model.named_buffers() if ".stat_mod" in name or "stat_depth" in name
+    ]
+    assert before
+    model.generate(random_tokens(1, 6, seed=102), 6, decode="staged")
+    model.generate(random_tokens(1, 6, seed=103), 6, decode="eager")
+    after = dict(model.named_buffers())
+    for name, old in before:
+        assert torch.equal(after[name], old), name

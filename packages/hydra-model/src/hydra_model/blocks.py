@@ -52,6 +52,13 @@ class RunContext:
         return self.cache is not None and self.cache.decoding
 
     @property
+    def generating(self) -> bool:
+        """A forward with a cache (a prompt's prefill or a decode step): it records no routing
+        statistics and computes no auxiliary losses, which only a forward without one (training,
+        evaluation) reports; the statistics stay that forward's."""
+        return self.cache is not None
+
+    @property
     def counts(self) -> dict | None:
         return None if self.cache is None else self.cache.counts
 
@@ -200,10 +207,10 @@ class CCGQAMoRBlock(nn.Module):
         aux: AuxLists = {}
         big_r = self.recursions
         h, depth, expected = routing_rule(self.mode).mor_forward(self, h, pos, member, ctx, aux)
+        if ctx.generating:  # statistics and the ponder loss: a dozen kernels a block, read by no one
+            return h, aux
         if self.ponder and self.mode != "dense":
             add_aux(aux, "ponder", masked_mean(expected, member) / big_r)
-        if ctx.decoding:  # statistics of one decoded token: a dozen kernels a step, read by no one
-            return h, aux
         with torch.no_grad():
             hist = F.one_hot(depth.detach().round().long().clamp(0, big_r), big_r + 1).float()
             both = torch.stack([depth.detach(), expected.detach()], -1)  # [B, n, 2]

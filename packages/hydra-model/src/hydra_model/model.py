@@ -211,7 +211,8 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
     # --- introspection --------------------------------------------------------------------------
     def routing_stats(self) -> dict[str, list[dict[str, Any]]]:
         """Per-layer routing statistics of the last forward, as detached tensors (no host sync). A
-        decode step under causal routing leaves the MoD and MoR ones of the prompt's forward."""
+        forward with a cache (generation: the prompt's prefill and each decode step) records no
+        MoD or MoR statistics: they stay those of the last forward without one."""
         out: dict[str, list[dict[str, Any]]] = {"mod": [], "mor": [], "moe": []}
         for i, blk in enumerate(self.blocks):
             if blk.routed:

@@ -54,7 +54,7 @@ class CausalRouting(RoutingRule):
             return self.decode_apply(wrapper, h, pos, ctx, taken, weight)
         logit = router_logits(h, wrapper.router.weight[0], wrapper.router.bias[0], with_detached=False)[0]
         weight = torch.sigmoid(logit)
-        aux = {"router_z": [logit.pow(2).mean()]}
+        aux = {} if ctx.generating else {"router_z": [logit.pow(2).mean()]}
         all_pos = positions_or_arange(pos, b, s, h.device)
         taken = wrapper.causal.decide(logit, all_pos, None, ctx.counts, ctx.decoding)
         idx, rows = take_first_k(taken, wrapper.causal.rows(s, ctx.seq_len or s))
@@ -63,7 +63,8 @@ class CausalRouting(RoutingRule):
         hs_out, inner = wrapper.mor(hs, view.pos, view.member, ctx)
         merge_aux(aux, inner)
         new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
-        self._record(wrapper, logit, taken, weight)
+        if not ctx.generating:
+            self._record(wrapper, logit, taken, weight)
         return new_h, aux
 
     @staticmethod
@@ -124,7 +125,8 @@ class CausalRouting(RoutingRule):
             logit = block.logits(h, r, bce=False)[0]
             prob = torch.sigmoid(logit)
             gate = block.alpha * prob
-            add_aux(aux, "router_z", masked_mean(logit.pow(2), active))
+            if not ctx.generating:
+                add_aux(aux, "router_z", masked_mean(logit.pow(2), active))
             router = block.causal[str(r)] if str(r) in block.causal else None  # noqa: SIM401
             if router is None:  # capacity 1: every candidate goes
                 h, moe_loss = block.run_block(h, r, ctx, pos, gate, member=active)

@@ -44,8 +44,9 @@ class ExpertChoiceRouting(RoutingRule):
             new_h = gated_scatter(h, view.flat, view.idx, weight, hs_out, hs)
         else:
             new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
-        frac = selected.float().mean()
-        wrapper.record_stats(frac, weight, frac)
+        if not ctx.generating:
+            frac = selected.float().mean()
+            wrapper.record_stats(frac, weight, frac)
         return new_h, aux
 
     def mor_forward(self, block, h, pos, member, ctx, aux):

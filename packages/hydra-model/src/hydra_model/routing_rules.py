@@ -145,8 +145,9 @@ def soft_mod(wrapper: CCGQAMoDBlockWrapper, h: torch.Tensor, pos, ctx) -> tuple[
     logit = router_logits(h, wrapper.router.weight[0], wrapper.router.bias[0], with_detached=False)[0]
     weight = torch.sigmoid(logit)
     h_out, aux = wrapper.mor(h, pos, None, ctx)
-    one = torch.ones((), device=h.device)
-    wrapper.record_stats(one, weight, one)
+    if not ctx.generating:
+        one = torch.ones((), device=h.device)
+        wrapper.record_stats(one, weight, one)
     return gated_mix(h, weight, h_out), aux
 
 
