@@ -9,6 +9,7 @@ import torch
 
 from hydra_model import build_model
 from hydra_model import cache as cache_mod
+from hydra_model.cache import ModelCache
 from hydra_model.decoder_hold import model_fingerprint
 from hydra_model.options import OPTIONS
 
@@ -249,7 +250,8 @@ def test_a_fingerprint_that_fails_costs_the_reuse_not_the_tokens(monkeypatch):
 @pytest.mark.parametrize("mode", ["dynamic", "expert_choice", "static"])
 def test_a_generation_leaves_the_routing_statistics_of_the_last_forward(mode):
     """Prefill and decode steps record no MoD/MoR statistics: sampling during training must not
-    overwrite what the training step's forward recorded."""
+    overwrite what the training step's forward recorded (MoE layers still record theirs). Such a
+    forward takes no targets."""
     model = small_model(seed=7, **MODES[mode]).eval()
     with torch.no_grad():
         model(random_tokens(2, 12, seed=101))
@@ -262,3 +264,6 @@ def test_a_generation_leaves_the_routing_statistics_of_the_last_forward(mode):
     after = dict(model.named_buffers())
     for name, old in before:
         assert torch.equal(after[name], old), name
+    with pytest.raises(ValueError, match="takes no targets"):
+        ids = random_tokens(1, 6, seed=104)
+        model(ids, targets=ids, cache=ModelCache(capacity=8))

@@ -53,9 +53,10 @@ class RunContext:
 
     @property
     def generating(self) -> bool:
-        """A forward with a cache (a prompt's prefill or a decode step): it records no routing
-        statistics and computes no auxiliary losses, which only a forward without one (training,
-        evaluation) reports; the statistics stay that forward's."""
+        """A forward with a cache (a prompt's prefill or a decode step): it records no MoD or MoR
+        statistics and skips the causal rule's auxiliary losses, which only a forward without one
+        (training, evaluation) reports; those statistics stay that forward's (MoE layers still
+        record theirs). Such a forward takes no targets (model.py)."""
         return self.cache is not None
 
     @property

@@ -141,6 +141,10 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         if cache is not None:
             if self.training:
                 raise RuntimeError("decoding with a cache needs model.eval() (threshold routing)")
+            if targets is not None:  # a generating forward skips the auxiliary losses (blocks.py)
+                raise ValueError(
+                    "a forward with a cache generates and takes no targets; compute the loss without one"
+                )
             if cache.seq_len:
                 if s != 1:
                     raise ValueError(f"a filled cache decodes one token at a time, got {s}")

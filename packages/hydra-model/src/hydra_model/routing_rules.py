@@ -165,7 +165,7 @@ class DenseRouting(RoutingRule):
         for r in range(block.recursions):
             h, moe_loss = block.run_block(h, r, ctx, pos, None, member=member)
             add_aux(aux, "moe_balance", moe_loss)
-        if ctx.decoding:  # depths feed only statistics, which a decode step does not record
+        if ctx.generating:  # depths feed only statistics, which a generation does not record
             return h, None, None
         full = ones_like_rows(h) * block.recursions
         return h, full, full
