@@ -354,3 +354,24 @@ def test_staged_decoding_with_one_recursion_gives_the_eager_tokens(mode):
     eager = model.generate(prompt, 12, decode="eager")
     staged = model.generate(prompt, 12, decode="staged")
     assert torch.equal(eager, staged)
+
+
+def test_the_decision_flags_are_slots_of_one_vector_tallied_once_a_step():
+    """Each routed block's flag is a slot of the decoder's flag vector, so a step tallies all its
+    decisions with one kernel; the tally per slot equals the host's reading of each flag."""
+    model = routed_model(seed=torch.seed() % 2**31)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 6))
+    cache = ModelCache(capacity=30)
+    with torch.no_grad():
+        model(prompt, cache=cache)
+        decoder = StagedDecoder(model, cache, 1, prompt.device, "masked")
+        flags = [seg.flag for seg in decoder.segments if seg.flag is not None]
+        assert decoder._pooled and len(flags) == 2
+        assert [f.data_ptr() for f in flags] == [decoder._flags[i].data_ptr() for i in range(2)]
+        host = torch.zeros(2, dtype=torch.long)
+        for _ in range(12):
+            decoder.step(torch.randint(0, model.config.vocab_size, (1,)))
+            host += torch.stack([f.long() for f in flags])  # this step's decisions, read after it
+    assert torch.equal(decoder._taken[:2], host) and not decoder._taken[2:].any()
+    report = decoder.finish()
+    assert report.gated_run == int(host.sum()) and report.gated_skipped == 2 * 12 - int(host.sum())

@@ -46,6 +46,10 @@ class RunContext:
     #: (positions, cos, sin) last gathered: every unrouted block of a decode step reads the same
     #: positions tensor, so its tables are gathered once a step, not once a block
     _tables: tuple | None = field(default=None, repr=False)
+    #: a staged decoder's flag vector [n] bool: each routed block's decision flag is one of its
+    #: slots, so that one kernel a step tallies them all (decode_graphs.py)
+    flag_pool: torch.Tensor | None = None
+    _flags_taken: int = field(default=0, repr=False)
 
     @property
     def decoding(self) -> bool:
@@ -71,6 +75,13 @@ class RunContext:
         if self._tables is None or self._tables[0] is not pos:
             self._tables = (pos, *self.rope.tables(positions=pos))
         return self._tables[1], self._tables[2]
+
+    def take_flag(self) -> torch.Tensor | None:
+        """The next free slot of :attr:`flag_pool` (a 0-d view), or None when there is none."""
+        if self.flag_pool is None or self._flags_taken >= self.flag_pool.numel():
+            return None
+        self._flags_taken += 1
+        return self.flag_pool[self._flags_taken - 1]
 
     def forget_tables(self) -> None:
         """A context that outlives a decode step (decode_graphs.py) whose positions tensor then
@@ -276,7 +287,7 @@ class CCGQAMoDBlockWrapper(nn.Module):
                     h.copy_(out)
 
             return [DecodeStage(whole)]
-        taken, weight, flag = decision_buffers(h)  # [B, 1], [B, 1], []: what decide writes
+        taken, weight, flag = decision_buffers(h, ctx.take_flag())  # [B, 1], [B, 1], []: decide writes
 
         def decide() -> None:
             rule.decode_decide_into(self, h, pos, ctx, taken, weight, flag)

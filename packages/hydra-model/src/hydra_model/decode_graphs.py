@@ -151,7 +151,9 @@ class StagedDecoder:
         self.cache = cache
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1]
         self.logits = torch.empty(batch, model.config.vocab_size, dtype=weight.dtype, device=device)
-        self.segments = segments_of(model.decode_stages(cache, self.tokens, self.logits))
+        # the routed blocks' decision flags as slots of one vector (a block decides once at most)
+        self._flags = torch.zeros(len(getattr(model, "blocks", ())), dtype=torch.bool, device=device)
+        self.segments = segments_of(model.decode_stages(cache, self.tokens, self.logits, flags=self._flags))
         self.report = DecodeReport(
             mode=mode,
             requested=mode,
@@ -161,8 +163,12 @@ class StagedDecoder:
         self._ready = mode != "graphs" and not (mode == "masked" and device.type == "cuda")
         self._step_graph: torch.cuda.CUDAGraph | ComposedGraph | None = None  # the whole step, one graph
         # routing decisions of the steps that never read them on the host (the whole-step graph,
-        # masked steps), summed on the device and read once by finish()
-        self._taken = torch.zeros((), dtype=torch.long, device=device)
+        # masked steps), summed on the device and read once by finish(): with every flag a slot of
+        # one vector, one kernel a step adds the vector (a tally per slot), else one per flag
+        flags = [seg.flag for seg in self.segments if seg.flag is not None]
+        self._pooled = bool(flags) and all(f._base is self._flags for f in flags)
+        shape = self._flags.shape if self._pooled else ()
+        self._taken = torch.zeros(shape, dtype=torch.long, device=device)
         self._device_counted = 0
 
     def reuse(self, requested: str, prefill: str) -> None:
@@ -198,7 +204,7 @@ class StagedDecoder:
         """The report with the routing decisions counted on the device (one host read, after the
         last step)."""
         if self._device_counted:
-            ran = int(self._taken)
+            ran = int(self._taken.sum())
             self.report.gated_run += ran
             self.report.gated_skipped += self._device_counted * self.report.gated_segments - ran
             self._taken.zero_()
@@ -208,9 +214,19 @@ class StagedDecoder:
     def _run_masked(self) -> None:
         for seg in self.segments:
             seg.run()
-            if seg.flag is not None:
-                self._taken.add_(seg.flag)
+            self._count(seg)
+        self._count_step()
         self._device_counted += 1
+
+    def _count(self, seg: _Segment) -> None:
+        """Tally one segment's decision on the device (where the flags are not one vector)."""
+        if seg.flag is not None and not self._pooled:
+            self._taken.add_(seg.flag)
+
+    def _count_step(self) -> None:
+        """Tally every decision of the step at once, after the last (where they are one vector)."""
+        if self._pooled:
+            self._taken.add_(self._flags)
 
     def _run(self, graphs: bool) -> None:
         take_next = True
@@ -305,15 +321,17 @@ class StagedDecoder:
         one (read once by :meth:`finish`)."""
         pieces: list[tuple[Callable[[], None], torch.Tensor | None]] = []
         flag = None
-        for seg in self.segments:
+        last_plain = max(i for i, seg in enumerate(self.segments) if not seg.gated)
+        for i, seg in enumerate(self.segments):
             if seg.gated:
                 pieces.append((seg.run_stages, flag))
                 continue
 
-            def run(seg: _Segment = seg) -> None:
+            def run(seg: _Segment = seg, last: bool = i == last_plain) -> None:
                 seg.run_stages()
-                if seg.flag is not None:
-                    self._taken.add_(seg.flag)
+                self._count(seg)
+                if last:
+                    self._count_step()
 
             pieces.append((run, None))
             flag = seg.flag if seg.flag is not None else flag

@@ -55,10 +55,11 @@ class DecoderMixin:
 
         return flops_per_token(self.config, seq_len, executed=executed)
 
-    def decode_stages(self, cache, tokens: torch.Tensor, logits: torch.Tensor) -> list:
+    def decode_stages(self, cache, tokens: torch.Tensor, logits: torch.Tensor, flags=None) -> list:
         """One decode step as stages for decode_graphs.py: by default the whole forward, one stage
         (a model with routed blocks splits it so that a graphed step can skip them). ``tokens``
-        [B, 1] and ``logits`` [B, V] are the step's persistent input and output buffers."""
+        [B, 1] and ``logits`` [B, V] are the step's persistent input and output buffers; ``flags``
+        (a bool vector for the routed blocks' decision flags) is unused here."""
         from hydra_model.decode_graphs import DecodeStage
 
         def step() -> None:

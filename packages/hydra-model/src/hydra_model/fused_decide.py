@@ -95,15 +95,18 @@ def fused_decide_applies(
     return True
 
 
-def decision_buffers(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decision_buffers(
+    h: torch.Tensor, flag: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fresh, unset (taken [B, 1] bool, weight [B, 1], flag [] bool) for a decision on h [B, 1, E]
     to be written into (empty, not zeroed: a fill is a kernel launch too); weight has
-    router_logits' dtype (fp32 for half and fp32 streams)."""
+    router_logits' dtype (fp32 for half and fp32 streams). ``flag``: a 0-d bool to use instead of
+    a new one (a slot of the decoder's flag vector, decode_graphs.py)."""
     b, dev = h.shape[0], h.device
     return (
         torch.empty(b, 1, dtype=torch.bool, device=dev),
         torch.empty(b, 1, dtype=torch.promote_types(h.dtype, torch.float32), device=dev),
-        torch.empty((), dtype=torch.bool, device=dev),
+        torch.empty((), dtype=torch.bool, device=dev) if flag is None else flag,
     )
 
 

@@ -181,16 +181,19 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
                 loss = loss + weights[name] * value
         return HydraOutput(logits=logits, loss=loss, ce_loss=ce, aux_losses=aux_losses)
 
-    def decode_stages(self, cache: ModelCache, tokens: torch.Tensor, logits: torch.Tensor) -> list:
+    def decode_stages(
+        self, cache: ModelCache, tokens: torch.Tensor, logits: torch.Tensor, flags: torch.Tensor | None = None
+    ) -> list:
         """One decode step as stages (decode_graphs.py): the embedding, each block's stages (a
         routed block: its decision, then the block gated on it), the head. The residual stream
-        lives in one buffer the stages update in place."""
+        lives in one buffer the stages update in place. ``flags``: a bool vector whose slots the
+        routed blocks' decision flags take, in order (a slot per block at most)."""
         from hydra_model.decode_graphs import DecodeStage
 
         b = tokens.shape[0]
         h = torch.empty(b, 1, self.config.dim, dtype=self.embed.weight.dtype, device=tokens.device)
         pos = cache.positions(b, tokens.device)  # [B, 1], advanced in place by the head stage
-        ctx = RunContext(self.rope, cache, seq_len=1, host_reads=False)
+        ctx = RunContext(self.rope, cache, seq_len=1, host_reads=False, flag_pool=flags)
 
         def embed() -> None:
             # the positions advanced in place since the last step: gather this step's rotary tables
