@@ -13,6 +13,7 @@ import json
 import os
 
 import torch
+from decode_steady import replay_ms  # this folder's script (on sys.path when run as one)
 
 from hydra_diag.race.configs import parse_config_names, resolve_configs
 from hydra_model import build_model
@@ -20,7 +21,7 @@ from hydra_model.cache import ModelCache
 from hydra_model.decode_graphs import StagedDecoder
 from hydra_model.graph_compose import driver_conditional_fail
 
-PROMPT, CAPACITY, REPLAYS = 64, 2048, 200
+PROMPT, CAPACITY = 64, 2048  # room for 11 + 5 × 200 steps after the prompt
 
 
 def decoder(model, dev):
@@ -36,14 +37,7 @@ def decoder(model, dev):
 
 
 def step_ms(dec, tok) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.no_grad():
-        start.record()
-        for _ in range(REPLAYS):
-            dec.step(tok)
-        end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / REPLAYS
+    return replay_ms(dec.step, tok)  # decode_steady.py's timing: REPLAYS steps, CUDA events
 
 
 def main() -> None:

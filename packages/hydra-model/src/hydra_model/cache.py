@@ -163,27 +163,33 @@ def prefill_kv(
     b, h, n, d = k.shape
     if n > slot.capacity:
         raise ValueError(f"prompt of {n} tokens does not fit a cache of {slot.capacity}")
-    spare, slot.spare = slot.spare, None
-    if spare is not None and spare.k.shape == (b, h, slot.capacity, d) and spare.k.dtype == k.dtype:
-        entry = spare  # a restarted cache: the same tensors, rewritten (ModelCache.restart)
-        entry.k.zero_()
-        entry.v.zero_()
-        entry.length.copy_(valid_length(count, b, n, k.device))
-        entry.bias.zero_()
-    else:
-        entry = AttentionCache(
-            k.new_zeros(b, h, slot.capacity, d),
-            v.new_zeros(b, h, slot.capacity, d),
-            # a copy: decoding advances it in place, and ``count`` may be the caller's tensor
-            valid_length(count, b, n, k.device).clone(),
-            torch.zeros(b, slot.capacity, dtype=k.dtype, device=k.device),
-        )
+    old, slot.spare = slot.spare, None  # a restarted cache's entry: its tensors are rewritten
+    valid = valid_length(count, b, n, k.device)
+    # new, a copy: decoding advances it in place, and ``count`` may be the caller's tensor
+    length = old.length.copy_(valid) if old is not None and old.length.shape == valid.shape else valid.clone()
+    entry = AttentionCache(
+        zeroed(None if old is None else old.k, k, (b, h, slot.capacity, d)),
+        zeroed(None if old is None else old.v, v, (b, h, slot.capacity, d)),
+        length,
+        zeroed(None if old is None else old.bias, k, (b, slot.capacity)),
+    )
+    if old is not None:  # CCGQA's conv and value-shift state, rewritten by its prefill (ccgqa.py)
+        entry.window, entry.conv_state, entry.prev_v = old.window, old.conv_state, old.prev_v
     entry.k[:, :, :n] = k
     entry.v[:, :, :n] = v
     keys = torch.arange(slot.capacity, device=k.device)
     entry.bias.masked_fill_(keys.view(1, -1) >= entry.length.view(-1, 1), float("-inf"))
     slot.entry = entry
     return entry
+
+
+def zeroed(old: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zeros of ``shape`` in like's dtype and device: ``old`` zeroed in place where it is such a
+    tensor (a restarted cache's, which a captured decode step reads: :meth:`ModelCache.restart`),
+    else new."""
+    if old is not None and old.shape == shape and old.dtype == like.dtype and old.device == like.device:
+        return old.zero_()
+    return like.new_zeros(shape)
 
 
 def refill(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from torch import nn
 from hydra_kernels import qk_norm, rope
 from hydra_kernels.ops.tile_linear import pack_tiles, tile_linear
 from hydra_model.attention_backend import flexible_attention
-from hydra_model.cache import CacheSlot, decode_attend, prefill_kv, refill, valid_length
+from hydra_model.cache import CacheSlot, decode_attend, prefill_kv, refill, zeroed
 from hydra_model.options import OPTIONS
 
 
@@ -339,14 +339,10 @@ class CCGQAAttention(nn.Module):
 
     def _fill_slot(self, slot, kt, vt, u, shifted_src, count) -> None:
         entry = prefill_kv(slot, kt, vt, count)
-        b, n, c = u.shape
-        length = valid_length(count, b, n, u.device)  # [B]
+        b, _, c = u.shape
+        length = entry.length  # [B]: the real tokens, as prefill_kv counted them
         ctx = self.conv_context
-        row = entry.window  # a restarted cache's row, rewritten in place (ModelCache.restart)
-        if row is not None and row.shape == (b, (ctx + 1) * c + self.kv_dim) and row.dtype == u.dtype:
-            row.zero_()
-        else:
-            row = u.new_zeros(b, (ctx + 1) * c + self.kv_dim)
+        row = zeroed(entry.window, u, (b, (ctx + 1) * c + self.kv_dim))  # a restarted cache's, in place
         if ctx:
             # last `ctx` real inputs: in the left-padded sequence they sit at length .. length+ctx−1
             padded = F.pad(u, (0, 0, ctx, 0))  # [B, n + ctx, C]

@@ -81,7 +81,7 @@ def generate(
         batch, device = input_ids.shape[0], input_ids.device
         request = decoder_hold.request_of(model, mode, batch, total, device)
         keep = keep_decoder and mode != "eager" and decoder_hold.keepable(was_training, device)
-        held, not_reused, logits = None, None, None
+        held, not_reused = None, None
         if keep:
             held, not_reused = decoder_hold.take(model, request)
         else:
