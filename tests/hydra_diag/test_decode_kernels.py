@@ -60,6 +60,6 @@ def test_a_decode_step_adds_the_same_kernels_per_layer():
     assert all(c["routed_blocks"] == [] for c in counts.values())
     one, two, three = (counts[n]["plain"] for n in (1, 2, 3))
     assert two - one == three - two > 0
-    assert hydra["plain"] > 0 and hydra["routed_blocks"]
+    assert hydra["plain"] > 0 and hydra["routed_blocks"] and hydra["prefill"] > hydra["plain"]
     assert len(set(hydra["routed_blocks"])) == 1  # every routed block launches the same kernels
     assert hydra["all_blocks_run"] == hydra["plain"] + sum(hydra["routed_blocks"])

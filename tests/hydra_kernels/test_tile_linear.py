@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hydra_kernels import controls
 from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
 from hydra_kernels.ops import tile_linear as tl_mod
-from hydra_kernels.ops.tile_linear import pack_tiles, tile_linear, tile_linear_ref
+from hydra_kernels.ops.tile_linear import pack_tiles, pack_tiles_many, tile_linear, tile_linear_ref
 
 from .conftest import DEVICE, NEEDS_TRITON, assert_compiles_for_sm90, build_sm90
 
@@ -90,6 +90,29 @@ def test_packing_keeps_exactly_the_non_zero_tiles(seed):
         assert not packed.tiles[i, len(cols) :].any()  # padding tiles are zeros
     assert torch.equal(rebuilt[:70, :90], dense), f"seed {seed}"
     assert nnz == max(1, max(int((packed.index[i] >= 0).sum()) for i in range(nb)))
+
+
+def test_packing_many_shares_the_union_of_their_tiles_and_each_multiplies_as_alone(seed):
+    """Three weights of different zero patterns packed together: one index (the tiles non-zero in
+    any), each weight's tiles its own (zeros where it has none), and each product bitwise the
+    product from its own packing (the kernel adds exact zeros for the extra tiles)."""
+    dense = torch.stack([sparse_weight(48, 80, 16, 16, 0.4, torch.bfloat16) for _ in range(3)]).to(DEVICE)
+    many = pack_tiles_many(dense, 16, 16)
+    alone = [pack_tiles(w, 16, 16) for w in dense]
+    union = torch.zeros(3, 5, dtype=torch.bool)
+    for one in alone:
+        for i in range(3):
+            union[i, [int(c) for c in one.index[i] if c >= 0]] = True
+    x = torch.randn(2, 80, dtype=torch.bfloat16, device=DEVICE)
+    for packed, own, w in zip(many, alone, dense, strict=True):
+        assert packed.index is many[0].index  # one shared index
+        for i in range(3):
+            cols = [int(c) for c in packed.index[i] if c >= 0]
+            assert cols == sorted(cols) and cols == union[i].nonzero().flatten().tolist(), f"seed {seed}"
+        assert torch.equal(tile_linear(x, packed), tile_linear(x, own)), f"seed {seed}"
+        check(x, w, None, packed, seed)
+    with pytest.raises(ValueError, match=r"must be \[L, N, K\]"):
+        pack_tiles_many(dense[0], 16, 16)
 
 
 def test_the_reference_alone_equals_the_dense_product(seed):

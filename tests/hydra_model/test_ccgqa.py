@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hydra_model.ccgqa as ccgqa_mod
+import hydra_model.ccgqa_fold as ccgqa_fold
 from hydra_model import CCGQAAttention, RotaryEmbedding
 from hydra_model.cache import CacheSlot
 
@@ -239,7 +240,7 @@ def test_folded_conv_weight_equals_the_two_convolutions(heads, d, k_seq, k_ch):
     zero, on unpadded windows; gradients of the conv parameters flow through the folding."""
     params, win, ref, grad = conv_case(heads, d, k_seq, k_ch, seed=heads * 10 + d)
     c, k_total = heads * d, k_seq + k_ch - 1
-    weight, bias = ccgqa_mod.folded_qk_weight(*params, torch.zeros(c, c, dtype=torch.float64))
+    weight, bias = ccgqa_fold.folded_qk_weight(*params, torch.zeros(c, c, dtype=torch.float64))
     taps = win.unfold(1, k_total, 1).reshape(2, 9, c * k_total)
     got = torch.nn.functional.linear(taps, weight, bias)
     assert_same_function_and_gradients(got, ref, grad, params)
@@ -253,7 +254,7 @@ def test_headwise_conv_weight_equals_the_two_convolutions(heads, d, k_seq, k_ch)
     in fp64 on unpadded windows; gradients of the conv parameters flow through the folding."""
     params, win, ref, grad = conv_case(heads, d, k_seq, k_ch, seed=heads * 7 + d)
     c, k_total = heads * d, k_seq + k_ch - 1
-    weight, bias = ccgqa_mod.headwise_qk_weight(*params)
+    weight, bias = ccgqa_fold.headwise_qk_weight(*params)
     assert weight.shape == (heads, d, d * k_total)
     taps = win.unfold(1, k_total, 1).reshape(2, 9, heads, d * k_total)
     got = (torch.einsum("bngk,gok->bngo", taps, weight) + bias.view(heads, d)).reshape(2, 9, c)
@@ -293,20 +294,23 @@ def test_qk_mean_matrix_matches_the_head_formula():
 
 
 def test_folded_weight_is_built_once_per_decoding_slot_and_per_call_elsewhere(monkeypatch):
+    """Without a slot the head-wise weight is built each call; a decoding slot's prefill builds
+    the decode steps' window tiles once (its short prompt's convs use them too) and no decode
+    step builds anything."""
     torch.manual_seed(7)
     attn = CCGQAAttention(24, 4, 2, 6, 4)
     rope = RotaryEmbedding(4, 16)
     x = torch.randn(2, 9, 24)
     built = []
-    real = ccgqa_mod.headwise_qk_weight
-    monkeypatch.setattr(ccgqa_mod, "headwise_qk_weight", lambda *a: built.append(1) or real(*a))
+    real = ccgqa_fold.fold_many
+    monkeypatch.setattr(ccgqa_fold, "fold_many", lambda mods, form: built.append(form) or real(mods, form))
     with torch.no_grad():
         attn(x, *rope.tables(9))
         attn(x, *rope.tables(9))
-        assert len(built) == 2  # no slot: built per call (weights may change between calls)
+        assert built == ["headwise", "headwise"]  # no slot: built per call (weights may change)
         slot = CacheSlot(16)
         attn(x[:, :5], *rope.tables(5), slot=slot)  # prefill
         for t in range(5, 9):
             cos, sin = rope.tables(positions=torch.full((2, 1), t))
             attn(x[:, t : t + 1], cos, sin, slot=slot)
-        assert len(built) == 3  # one build for the prefill and every decode step after it
+        assert built == ["headwise", "headwise", "window_tiles"]  # once for the whole generation

@@ -240,7 +240,7 @@ def test_a_fingerprint_that_fails_costs_the_reuse_not_the_tokens(monkeypatch):
     def broken(self):
         raise RuntimeError("no checksum here")
 
-    monkeypatch.setattr(decoder_hold.Fingerprint, "content", broken)
+    monkeypatch.setattr(decoder_hold.Fingerprint, "sums", broken)
     with pytest.warns(UserWarning, match="keeps no decoder"):  # the take fails, then the keep
         got = model.generate(prompt, 8, decode="staged")
     assert torch.equal(got, want) and "fingerprint failed" in model.last_decode_report.not_reused

@@ -159,5 +159,23 @@ def test_compiled_path_keeps_a_cache_per_name_and_leaves_no_grad_calls_op_by_op(
     assert not [k for k in counts if k.endswith(":failed")], counts
     assert counts["router_logits:compiled"] == 3 and counts["router_logit:compiled"] == 3
     assert counts["gated_residual:compiled"] == 3 and counts["gated_residual:eager"] == 3
-    assert counts["router_logits:eager"] == 3  # the no-grad router calls
+    assert counts["router_logits:no_grad"] == 3  # the no-grad router calls: hydra_kernels' op
+    assert "router_logits:eager" not in counts
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("triton_path", [False, True])
+def test_a_no_grad_router_call_takes_one_kernel_and_gives_the_eager_logits(triton_path):
+    """Evaluation and prefill: hydra_kernels' router_logit (the kernel under the interpreter, or
+    its reference) against the op-by-op eager form, on a strided [B, n, E] stream."""
+    import hydra_kernels
+
+    hydra_kernels.set_use_triton_kernels(triton_path)
+    g = _gen(int.from_bytes(__import__("os").urandom(2), "little"))
+    h = torch.randn(2, 9, 40, generator=g)[:, :, 4:36]  # rows strided by the wider buffer
+    w, b = torch.randn(32, generator=g), torch.randn((), generator=g)
+    with torch.no_grad():
+        got, none = fr.router_logits(h, w, b, with_detached=False)
+    want, _ = fr._router_logits_eager(h, w, b, 1e-6, False)
+    assert none is None and got.shape == (2, 9)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -55,15 +55,13 @@ def test_decode_conv_forms_equal_the_full_forward(mode, conv, monkeypatch):
             step = model(seq[:, t : t + 1], cache=cache).logits[:, -1]
             torch.testing.assert_close(step, full[:, t], rtol=1e-4, atol=1e-4)
     form = "window_tiles" if conv == "window_tiles" else "window"
-    windowed = [s for s in cache.slots.values() if form in s.conv_weights]
+    windowed = [w for (_, f), (w, _) in cache.conv_bank.weights.items() if f == form]
     if mode == "routing_off" or conv == "headwise":  # no convs (GQA), or no window weight built
         assert not windowed
     elif conv == "window_tiles":  # [C, K·C], K = 3, as its tiles
-        tiled = [s.conv_weights[form][0] for s in windowed]
-        assert tiled and all(t.in_features == 3 * t.out_features for t in tiled)
+        assert windowed and all(t.in_features == 3 * t.out_features for t in windowed)
     else:
-        shapes = [s.conv_weights["window"][0].shape for s in windowed]
-        assert shapes and all(cols == 3 * rows for rows, cols in shapes)  # [C, K·C], K = 3
+        assert windowed and all(cols == 3 * rows for rows, cols in (w.shape for w in windowed))  # [C, K·C]
 
 
 def test_generate_restores_training_mode_and_handles_edge_cases():

@@ -12,6 +12,8 @@ model would not need are kernels too). Counted as a GPU would launch them:
 hydra_kernels' Triton ops (run by Triton's interpreter) one launch each, the aten operators that
 launch a kernel one each; views, metadata and host-side work none. The routed blocks are counted
 apart: a step runs the plain stages always and a routed block only for a token it takes.
+``prefill``: the kernels of the prompt's eager prefill into a fresh cache (a single generate
+call's: its conv weights built), at ``--prompt_len`` tokens.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def count_decode_step(
     routed = []
     with torch.no_grad(), fused_decide(decide):
         cache = ModelCache(capacity=capacity)
-        model(prompt, cache=cache)
+        with KernelCount() as prefill:  # a single call's prefill: eager, its conv weights built
+            model(prompt, cache=cache)
         decoder = StagedDecoder(model, cache, 1, prompt.device, "staged")
         decoder.step(torch.tensor([1]))  # the first step builds the per-generation constants
         for segment in decoder.segments:  # of every block: a staged step skips the routed ones
@@ -70,6 +73,7 @@ def count_decode_step(
             else:
                 plain.update(counter.kernels)
     return {
+        "prefill": sum(prefill.kernels.values()),
         "plain": sum(plain.values()),
         "routed_blocks": routed,
         "all_blocks_run": sum(plain.values()) + sum(routed),
@@ -82,6 +86,7 @@ def main() -> None:
     ap.add_argument("--configs", default="gpt,hydra", help="race configurations, comma-separated")
     ap.add_argument("--model_size", default="100M")
     ap.add_argument("--take", type=float, default=0.125, help="share of tokens a routed block takes")
+    ap.add_argument("--prompt_len", type=int, default=8, help="prompt tokens the prefill runs")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--decode_conv", default=None, help="CCGQA's decode convs (hydra_model.options)")
     ap.add_argument(
@@ -108,16 +113,16 @@ def main() -> None:
         row = {
             "config": cfg.name,
             **count_decode_step(
-                cfg.arch, args.model_size, cfg.overrides, dtype=dtype, decide=args.fused_decide
+                cfg.arch, args.model_size, cfg.overrides, args.prompt_len, dtype, args.fused_decide
             ),
         }
         row["expected_per_step"] = row["plain"] + args.take * sum(row["routed_blocks"])
         rows.append(row)
-    print(f"{'config':<16} {'plain':>6} {'routed blocks':>16} {'all run':>8} {'expected':>9}")
+    print(f"{'config':<16} {'prefill':>7} {'plain':>6} {'routed blocks':>14} {'all run':>8} {'expected':>9}")
     for r in rows:
         routed = f"{len(r['routed_blocks'])} x {r['routed_blocks'][0]}" if r["routed_blocks"] else "-"
         print(
-            f"{r['config']:<16} {r['plain']:>6} {routed:>16} {r['all_blocks_run']:>8} "
+            f"{r['config']:<16} {r['prefill']:>7} {r['plain']:>6} {routed:>14} {r['all_blocks_run']:>8} "
             f"{r['expected_per_step']:>9.1f}"
         )
     if args.out:

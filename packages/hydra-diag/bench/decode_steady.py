@@ -11,7 +11,7 @@ CCGQA's decode convs (hydra_model.options.decode_conv). Writes $OUT/decode_stead
 this isolates the per-token step that a long generation converges to. Where the step is a
 composed graph (graph_compose.py), the same pieces are also timed without the routed blocks and
 with them run unconditionally, which brackets what the IF nodes cost. ``TILE=bn,bk`` sets the
-window weight's tile for ``window_tiles`` (hydra_model.ccgqa.WINDOW_TILE); ``CONVS`` (comma-
+window weight's tile for ``window_tiles`` (hydra_model.ccgqa_fold.WINDOW_TILE); ``CONVS`` (comma-
 separated) limits the conv forms timed.
 """
 
@@ -95,10 +95,10 @@ def if_node_cost(step: ComposedGraph) -> dict:
 def main() -> None:
     out, dev = {}, torch.device("cuda")
     if os.environ.get("TILE"):  # the window weight's tile for window_tiles, e.g. TILE=32,64
-        import hydra_model.ccgqa as ccgqa
+        import hydra_model.ccgqa_fold as ccgqa_fold
 
-        ccgqa.WINDOW_TILE = tuple(int(v) for v in os.environ["TILE"].split(","))
-        out["window_tile"] = list(ccgqa.WINDOW_TILE)
+        ccgqa_fold.WINDOW_TILE = tuple(int(v) for v in os.environ["TILE"].split(","))
+        out["window_tile"] = list(ccgqa_fold.WINDOW_TILE)
     for conv in os.environ.get("CONVS", "window_gemm,window_tiles,headwise").split(","):
         OPTIONS.decode_conv = conv
         for cfg in resolve_configs(parse_config_names("gpt,hydra"), [], lr=1.0, compile_default="none"):

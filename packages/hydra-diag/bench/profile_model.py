@@ -116,7 +116,8 @@ def _graph_ms(fn, reps: int = 20) -> float:
 def micro_benchmarks() -> list[str]:
     import torch.nn.functional as F
 
-    from hydra_model.ccgqa import folded_qk_weight, qk_mean_matrix
+    from hydra_model.ccgqa import qk_mean_matrix
+    from hydra_model.ccgqa_fold import folded_qk_weight
 
     out = []
     dev, dt = torch.device("cuda"), torch.bfloat16

@@ -42,14 +42,16 @@ from hydra_kernels.registry import OP_SPECS
 #: The ops, in the order status tables list them (hydra_kernels.registry, one entry each).
 OPS: tuple[str, ...] = tuple(spec.name for spec in OP_SPECS)
 
-#: Decode-step kernels outside the registry (no ``hydra-kernels check`` or bench entry: forward
-#: only, tested in their own test modules): each has a switch (HYDRA_DISABLE_<stem>) and its
-#: run-time failures are counted with the others'. op -> environment stem.
+#: Generation and no-grad forward kernels outside the registry (no ``hydra-kernels check`` or
+#: bench entry: forward only, tested in their own test modules): each has a switch
+#: (HYDRA_DISABLE_<stem>) and its run-time failures are counted with the others'. op -> stem.
 DECODE_OPS: dict[str, str] = {
     "router_decide": "ROUTER_DECIDE",
     "kv_decode_step": "KV_DECODE",
     "tile_linear": "TILE_LINEAR",
     "checksum": "CHECKSUM",  # generation's weight fingerprint (hydra_model/decoder_hold.py)
+    "causal_select": "CAUSAL_SELECT",  # a whole sequence's routing selection (no-grad forwards)
+    "router_logit": "ROUTER_LOGIT",  # a whole sequence's router logits (no-grad forwards)
 }
 
 # op -> (environment stem of the forward switch, stem of the backward switch or None)

@@ -48,6 +48,18 @@ class AttentionCache:
     window: torch.Tensor | None = None
 
 
+@dataclass(eq=False)
+class ConvBank:
+    """CCGQA's conv weights of one cache by (module, form), built once per generation (the
+    weights cannot change while decoding) and shared by all its slots (a MoR block's recursions
+    share their module). ``modules``: the model's CCGQA modules, which the model's forward lists
+    at the prefill so that the first module's request builds the form for all of them together
+    (ccgqa_fold.py); empty, each module builds its own."""
+
+    modules: list = field(default_factory=list)
+    weights: dict = field(default_factory=dict)
+
+
 @dataclass
 class CacheSlot:
     """One block application's cache; empty until the prefill pass fills it."""
@@ -57,9 +69,8 @@ class CacheSlot:
     #: the last generation's entry, set aside by :meth:`ModelCache.restart`: the next prefill
     #: writes into its tensors (:func:`prefill_kv`)
     spare: AttentionCache | None = None
-    #: CCGQA: its conv weights and bias by form (headwise, folded, window), built once per
-    #: generation (ccgqa.py)
-    conv_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: CCGQA: the conv weights (its cache's bank; a slot made on its own has one of its own)
+    bank: ConvBank = field(default_factory=ConvBank)
 
 
 @dataclass
@@ -79,6 +90,8 @@ class ModelCache:
     #: the next token's position [B, 1] long on the model's device, made by the first decode step
     #: (a device tensor, not ``seq_len``, so that a captured step reads the current value)
     position: torch.Tensor | None = None
+    #: CCGQA's conv weights, shared by the slots (:class:`ConvBank`); kept by :meth:`restart`
+    conv_bank: ConvBank = field(default_factory=ConvBank, repr=False, compare=False)
     #: the tensors' storage when :meth:`restart` ran (what :meth:`refilled_in_place` compares)
     _kept: dict | None = field(default=None, repr=False, compare=False)
 
@@ -132,6 +145,38 @@ class ModelCache:
             out[("slot", *key)] = None if held is None else tuple(map(ptr, held))
         return out
 
+    def snapshot(self) -> tuple:
+        """The cache's host-side references: its position, counters, slot entries and conv
+        weights (not their values). :meth:`rollback` restores them: a decode step captured
+        before it ever ran (decode_graphs.py) that made one of these made it inside the graph,
+        where its values are never computed, and is undone."""
+        slots = {key: (slot.entry, slot.spare) for key, slot in self.slots.items()}
+        return self.position, dict(self.counts), slots, dict(self.conv_bank.weights), self.seq_len
+
+    def rollback(self, snapshot: tuple) -> None:
+        """Back to ``snapshot``'s references (:meth:`snapshot`)."""
+        self.position, counts, slots, weights, self.seq_len = snapshot
+        self.counts.clear()
+        self.counts.update(counts)
+        for key in [k for k in self.slots if k not in slots]:
+            del self.slots[key]
+        for key, (entry, spare) in slots.items():
+            self.slots[key].entry, self.slots[key].spare = entry, spare
+        self.conv_bank.weights.clear()
+        self.conv_bank.weights.update(weights)
+
+    @staticmethod
+    def same_references(a: tuple, b: tuple) -> bool:
+        """Two snapshots hold the same objects (compared by identity; the host's count aside)."""
+
+        def ids(snap: tuple) -> tuple:
+            position, counts, slots, weights, _ = snap
+            entries = tuple((k, id(e), id(sp)) for k, (e, sp) in slots.items())
+            counters = tuple((k, id(v)) for k, v in counts.items())
+            return id(position), counters, entries, tuple(map(id, weights.values()))
+
+        return ids(a) == ids(b)
+
     def advance_host(self, n: int) -> None:
         """The host's count alone (a replayed decode graph advanced the device position)."""
         self.seq_len += n
@@ -145,7 +190,7 @@ class ModelCache:
     def slot(self, block: int, recursion: int) -> CacheSlot:
         key = (block, recursion)
         if key not in self.slots:
-            self.slots[key] = CacheSlot(self.capacity)
+            self.slots[key] = CacheSlot(self.capacity, bank=self.conv_bank)
         return self.slots[key]
 
 

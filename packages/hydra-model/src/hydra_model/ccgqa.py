@@ -14,10 +14,10 @@ The two convolutions are linear in the packed pre-conv inputs u of the last K = 
 tokens, and the head-wise conv never mixes heads, so they run as ONE batched matmul, one small
 GEMM per head: the window of the inputs per head [B, n, heads, d·K] (a strided unfold of the
 left-padded u, copied once) times a per-head folded weight [heads, d, d·K] built from the conv
-weights each call (``headwise_qk_weight``: the depthwise conv scales its columns). The q-k mean
+weights each call (ccgqa_fold.py's ``headwise`` form: the depthwise conv scales its columns). The q-k mean
 reads only the current token's inputs and is added elementwise. This replaces two cuDNN
 depthwise/grouped conv1d calls (and their slow weight-gradient kernels) and two layout transposes.
-An earlier form (``folded_qk_weight``, kept for ``conv_impl = "folded"``) ran convs and q-k mean
+An earlier form (``folded``, kept for ``conv_impl = "folded"``) ran convs and q-k mean
 as one [C, C·K] GEMM whose block-diagonal weight spends (heads − 1)/heads of its work on zeros:
 at the dense GPT's head layout (C = 1024, 16 heads) that GEMM cost more than the MLP's up
 projection, which made the ``gpt-ccgqa`` race entrant 22% slower than ``gpt``
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydra_kernels import qk_norm, rope
-from hydra_kernels.ops.tile_linear import pack_tiles, tile_linear
+from hydra_kernels.ops.tile_linear import tile_linear
+from hydra_model import ccgqa_fold
 from hydra_model.attention_backend import flexible_attention
 from hydra_model.cache import CacheSlot, decode_attend, prefill_kv, refill, zeroed
 from hydra_model.options import OPTIONS
@@ -57,67 +58,26 @@ def qk_mean_matrix(n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor
     return m
 
 
-def folded_qk_weight(
-    seq_weight: torch.Tensor,
-    seq_bias: torch.Tensor,
-    ch_weight: torch.Tensor,
-    ch_bias: torch.Tensor,
-    mean_mix: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight [C, C·K], bias [C]) such that ``taps @ weight.T + bias`` equals depthwise conv
-    (``seq_weight`` [C, 1, k_seq]) → head-wise grouped conv (``ch_weight`` [C, d, k_ch], C/d
-    groups) → + q-k mean (``mean_mix`` applied to the newest input), where ``taps[c·K + s]`` is the
-    input at window offset s (s = K−1 is the current token, K = k_seq + k_ch − 1).
-
-    Built with elementwise ops only (no matmul), so autocast leaves it in the parameters' dtype;
-    differentiable, so the conv parameters get their gradients through it.
-    """
-    c, d, k_ch = ch_weight.shape
-    k_seq = seq_weight.shape[-1]
-    heads = c // d
-    k_total = k_seq + k_ch - 1
-    w_seq = seq_weight[:, 0, :]  # [C, k_seq]
-    eye = torch.eye(heads, device=ch_weight.device, dtype=ch_weight.dtype).view(heads, 1, heads, 1, 1)
-    # block diagonal [C_out, C_in, k_ch]: out channel (g, o) reads in channels (g, i) only
-    diag = (eye * ch_weight.view(heads, d, 1, d, k_ch)).reshape(c, c, k_ch)  # [g·o, h·i, tap]
-    # tap i of the grouped conv over tap j of the depthwise conv reads input offset s = i + j
-    per_pair = diag.unsqueeze(-1) * w_seq.view(1, c, 1, k_seq)  # [C_out, C_in, k_ch, k_seq]
-    folded = sum(F.pad(per_pair[:, :, i, :], (i, k_total - k_seq - i)) for i in range(k_ch))
-    newest = F.pad(mean_mix.to(folded.dtype).unsqueeze(-1), (k_total - 1, 0))  # [C, C, K]
-    weight = (folded + newest).reshape(c, c * k_total)
-    bias = ch_bias + (diag.sum(-1) * seq_bias.view(1, c)).sum(-1)
-    return weight, bias
+def list_conv_modules(model: nn.Module, cache) -> None:
+    """Before a prefill into ``cache`` (a ModelCache or None): list ``model``'s CCGQA modules in
+    the cache's conv bank, once, so that the first module's conv weights are built together with
+    every other's (ccgqa_fold.py)."""
+    if cache is not None and not cache.seq_len and not cache.conv_bank.modules:
+        # listed once per model (a walk of every module costs a prefill about a millisecond);
+        # a module swapped in later is still built, on its own request (ccgqa_fold.py)
+        listed = model.__dict__.get("_ccgqa_modules")
+        if listed is None:
+            listed = [m for m in model.modules() if isinstance(m, CCGQAAttention)]
+            model.__dict__["_ccgqa_modules"] = listed
+        cache.conv_bank.modules = listed
 
 
-def headwise_qk_weight(
-    seq_weight: torch.Tensor,
-    seq_bias: torch.Tensor,
-    ch_weight: torch.Tensor,
-    ch_bias: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight [heads, d, d·K], bias [C]) such that, per head g, ``taps_g @ weight[g].T`` plus
-    bias equals depthwise conv (``seq_weight`` [C, 1, k_seq], ``seq_bias``) → head-wise grouped
-    conv (``ch_weight`` [C, d, k_ch], ``ch_bias``, C/d groups), where ``taps_g[i·K + s]`` is input
-    channel i of head g at window offset s (s = K−1 is the current token). The q-k mean is not
-    included (it crosses heads; the caller adds it). Elementwise ops only, differentiable."""
-    c, d, k_ch = ch_weight.shape
-    k_seq = seq_weight.shape[-1]
-    heads = c // d
-    k_total = k_seq + k_ch - 1
-    w_seq = seq_weight[:, 0, :].view(heads, 1, d, 1, k_seq)  # [g, ·, i, ·, seq tap]
-    w_ch = ch_weight.view(heads, d, d, k_ch)  # [g, o, i, ch tap]
-    per_pair = w_ch.unsqueeze(-1) * w_seq  # [g, o, i, ch tap, seq tap]
-    # ch tap a over seq tap b reads input offset s = a + b
-    folded = sum(F.pad(per_pair[:, :, :, a, :], (a, k_total - k_seq - a)) for a in range(k_ch))
-    bias = ch_bias + (w_ch.sum(-1) * seq_bias.view(heads, 1, d)).sum(-1).reshape(c)
-    return folded.reshape(heads, d, d * k_total), bias
-
-
+#: a prefill of at most this many tokens (batch × prompt) runs its convs with the decode steps'
+#: window weight (``CCGQAAttention._conv_qk_prefill``), longer ones head-wise
+PREFILL_WINDOW_ROWS = 256
 #: how the convs run: "headwise" (a GEMM per head plus an elementwise q-k mean) or "folded"
 #: (one block-diagonal GEMM with the q-k mean inside); see the module docstring
 CONV_IMPLS = ("headwise", "folded")
-#: the window weight's tile (rows, columns) for decode_conv="window_tiles" (hydra_kernels' tile_linear)
-WINDOW_TILE = (64, 64)
 
 
 class CCGQAAttention(nn.Module):
@@ -205,44 +165,49 @@ class CCGQAAttention(nn.Module):
         reading at batch 1, where a step is bound by launches. → q [B, n_heads, d], k [B, n_kv, d]
         (views of the GEMM's output)."""
         b = window.shape[0]
-        if OPTIONS.decode_conv == "window_tiles":
-            # the same weight as its non-zero tiles (WINDOW_TILE): one kernel reading ~1/10 of it, where
-            # cuBLAS launches a split-K GEMM and its reduction (hydra_kernels.ops.tile_linear)
-            tiles, bias = self._folded(slot, "window_tiles")
-            out = tile_linear(window, tiles, bias)
-        else:
-            weight, bias = self._folded(slot, "window")
-            out = F.linear(window, weight.to(window.dtype), bias.to(window.dtype))
-        q, k = out.split([self.q_dim, self.kv_dim], dim=-1)
+        q, k = self._window_product(window, slot).split([self.q_dim, self.kv_dim], dim=-1)
         return q.view(b, self.n_heads, self.head_dim), k.view(b, self.n_kv_heads, self.head_dim)
+
+    def _window_product(self, taps: torch.Tensor, slot: CacheSlot) -> torch.Tensor:
+        """[R, K·C] windows (columns s·C + c) → [R, C]: the convs and the q-k mean."""
+        if OPTIONS.decode_conv == "window_tiles":
+            # the same weight as its non-zero tiles (ccgqa_fold.WINDOW_TILE): one kernel reading
+            # ~1/10 of it, where cuBLAS launches a split-K GEMM and its reduction (tile_linear)
+            tiles, bias = self._folded(slot, "window_tiles")
+            return tile_linear(taps, tiles, bias)
+        weight, bias = self._folded(slot, "window")
+        return F.linear(taps, weight.to(taps.dtype), bias.to(taps.dtype))
+
+    def _conv_qk_prefill(self, window: torch.Tensor, slot: CacheSlot) -> tuple[torch.Tensor, torch.Tensor]:
+        """A short prompt's steps 2–3 with the decode steps' window weight: each token's window
+        copied out in a decode step's memory order, one product (two launches where the
+        head-wise form takes eight; at batch 1 a prefill is bound by its launches).
+        window [B, n + K−1, C] → q [B, n, n_heads, d], k [B, n, n_kv_heads, d]."""
+        b, length, c = window.shape
+        k_total = self.conv_context + 1
+        n = length - self.conv_context
+        taps = window.unfold(1, k_total, 1).transpose(2, 3).reshape(b * n, k_total * c)  # [B·n, s·C + c]
+        q, k = self._window_product(taps, slot).split([self.q_dim, self.kv_dim], dim=-1)
+        return q.view(b, n, self.n_heads, self.head_dim), k.view(b, n, self.n_kv_heads, self.head_dim)
 
     def _folded(
         self, slot: CacheSlot | None = None, form: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The conv weight and bias in ``form`` (``conv_impl``'s by default; ``window``: the
-        folded weight with its columns in a decode window's memory order). A decoding slot keeps
-        it for the whole generation (the weights cannot change while decoding): rebuilding it
-        every token was most of a decode step's time. Anywhere else it is built per call (a cache
-        keyed on the parameters would go stale under optimizers that update them in place without
-        a version bump)."""
+        """The conv weight and bias in ``form`` (``conv_impl``'s by default; see ccgqa_fold.py). A
+        decoding slot's bank keeps it for the whole generation (the weights cannot change while
+        decoding: rebuilding it every token was most of a decode step's time), built together
+        with the model's other CCGQA modules (:class:`~hydra_model.cache.ConvBank`). Anywhere
+        else it is built per call (a cache keyed on the parameters would go stale under
+        optimizers that update them in place without a version bump)."""
         form = form or self.conv_impl
         if slot is None or torch.is_grad_enabled():
             return self._build_folded(form)
-        if form not in slot.conv_weights:
-            slot.conv_weights[form] = self._build_folded(form)
-        return slot.conv_weights[form]
+        if (self, form) not in slot.bank.weights:
+            ccgqa_fold.fold_into_bank(slot.bank, self, form)
+        return slot.bank.weights[(self, form)]
 
     def _build_folded(self, form: str) -> tuple[torch.Tensor, torch.Tensor]:
-        params = (self.conv_seq.weight, self.conv_seq.bias, self.conv_ch.weight, self.conv_ch.bias)
-        if form == "headwise":
-            return headwise_qk_weight(*params)
-        weight, bias = folded_qk_weight(*params, self.qk_mean_mix)  # columns c·K + s
-        if form in ("window", "window_tiles"):
-            c, k_total = self.qk_channels, self.conv_context + 1
-            weight = weight.view(c, c, k_total).transpose(1, 2).reshape(c, k_total * c)  # columns s·C + c
-        if form == "window_tiles":
-            return pack_tiles(weight, *WINDOW_TILE), bias
-        return weight, bias
+        return ccgqa_fold.fold_many([self], form)[0]
 
     def forward(
         self,
@@ -273,7 +238,13 @@ class CCGQAAttention(nn.Module):
 
         # 2.–3. causal convs over the sequence (left context: zeros) and the q-k mean
         window = F.pad(u, (0, 0, self.conv_context, 0))  # [B, n + K−1, C]
-        q, k = self._conv_qk(window, slot)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
+        if slot is not None and OPTIONS.decode_conv != "headwise" and not torch.is_grad_enabled():
+            # the decode steps' weight, built now: a captured step must find it (decode_graphs.py)
+            self._folded(slot, "window_tiles" if OPTIONS.decode_conv == "window_tiles" else "window")
+            short = b * n <= PREFILL_WINDOW_ROWS
+            q, k = self._conv_qk_prefill(window, slot) if short else self._conv_qk(window, slot)
+        else:
+            q, k = self._conv_qk(window, slot)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
 
         # 4. value shift: channels [0, half) from x_t, [half, kv_dim) from x_{t−1} (zero at t=0)
         v_prev = F.pad(shifted_src[:, : n - 1], (0, 0, 1, 0))  # [B, n, half], row t = x_{t−1}·W_v2
@@ -339,17 +310,32 @@ class CCGQAAttention(nn.Module):
 
     def _fill_slot(self, slot, kt, vt, u, shifted_src, count) -> None:
         entry = prefill_kv(slot, kt, vt, count)
-        b, _, c = u.shape
-        length = entry.length  # [B]: the real tokens, as prefill_kv counted them
+        b, n, c = u.shape
         ctx = self.conv_context
-        row = zeroed(entry.window, u, (b, (ctx + 1) * c + self.kv_dim))  # a restarted cache's, in place
-        if ctx:
-            # last `ctx` real inputs: in the left-padded sequence they sit at length .. length+ctx−1
-            padded = F.pad(u, (0, 0, ctx, 0))  # [B, n + ctx, C]
-            idx = length.view(b, 1) + torch.arange(ctx, device=u.device).view(1, -1)  # [B, ctx]
-            row[:, : ctx * c] = padded.gather(1, idx.unsqueeze(-1).expand(b, ctx, c)).reshape(b, ctx * c)
+        shape = (b, (ctx + 1) * c + self.kv_dim)
+        if count is None and n >= ctx:
+            # every token real, at least ctx of them: the conv state is the last ctx inputs and the
+            # value shift's source the last token's, slices (two copies where the general case
+            # below gathers: at batch 1 a prefill is bound by its launches). The row's columns
+            # after the state are written by each decode step's projection before it reads them.
+            old = entry.window
+            same = old is not None and old.shape == shape and old.dtype == u.dtype and old.device == u.device
+            row = old if same else u.new_empty(shape)  # a restarted cache's, in place
+            if ctx:
+                row[:, : ctx * c].view(b, ctx, c).copy_(u[:, n - ctx :])
+            prev_v = shifted_src[:, n - 1]  # [B, half], a view of the projection
+            kept = refill(entry.prev_v, prev_v)
+            entry.prev_v = kept if kept is not prev_v else prev_v.clone()
+        else:
+            length = entry.length  # [B]: the real tokens, as prefill_kv counted them
+            row = zeroed(entry.window, u, shape)  # a restarted cache's, in place
+            if ctx:
+                # last `ctx` real inputs: in the left-padded sequence they sit at length .. length+ctx−1
+                padded = F.pad(u, (0, 0, ctx, 0))  # [B, n + ctx, C]
+                idx = length.view(b, 1) + torch.arange(ctx, device=u.device).view(1, -1)  # [B, ctx]
+                row[:, : ctx * c] = padded.gather(1, idx.unsqueeze(-1).expand(b, ctx, c)).reshape(b, ctx * c)
+            prev = F.pad(shifted_src, (0, 0, 1, 0))  # [B, n + 1, half]: row j is token j−1
+            prev_v = prev.gather(1, length.view(b, 1, 1).expand(b, 1, prev.shape[-1])).squeeze(1)
+            entry.prev_v = refill(entry.prev_v, prev_v)
         entry.window = row
         entry.conv_state = row[:, : ctx * c].view(b, ctx, c)
-        prev = F.pad(shifted_src, (0, 0, 1, 0))  # [B, n + 1, half]: row j is token j−1
-        prev_v = prev.gather(1, length.view(b, 1, 1).expand(b, 1, prev.shape[-1])).squeeze(1)
-        entry.prev_v = refill(entry.prev_v, prev_v)

@@ -24,8 +24,13 @@ Every stage reads and writes persistent buffers (the token, the residual stream,
 the cache, which a decode step changes in place (cache.py), so a replay advances the same state
 the capture saw. The first step runs the stages eagerly (gated stages unconditionally: a block
 whose token is not taken leaves the stream and the cache unchanged): that warms up every kernel
-(autotuning, Triton compilation, the attention backend's choice) and builds the per-generation
-constants (the folded conv weights), so nothing is allocated or compiled during capture.
+(autotuning, Triton compilation, the attention backend's choice), so nothing is compiled during
+capture; the per-generation constants (CCGQA's folded conv weights) are built by the prefill.
+A decoder whose step already warmed up in this process (the same model class, tensor shapes,
+routing rules, switches, mode, batch and cache capacity: ``decoder_hold.warm_signature``)
+captures first and runs its first step as the graph's first replay, skipping the eager step; a
+capture that made anything the step reads (a counter, a position: :meth:`ModelCache.snapshot`)
+is rolled back and the step warms up as usual.
 
 Modes (``generate(..., decode=...)``): ``eager`` (the model's forward, host reads skip routed
 blocks), ``staged`` (the stages, run eagerly: the same arithmetic as ``graphs``, testable on a
@@ -47,7 +52,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hydra_model.conditional_graphs import conditional_nodes_fail, if_node
-from hydra_model.graph_compose import ComposedGraph, capture_kept, driver_conditional_fail
+from hydra_model.decoder_hold import is_warm, mark_warm, warm_signature
+from hydra_model.graph_compose import ComposedGraph, capture_all_kept, driver_conditional_fail
 
 DECODE_MODES = ("auto", "eager", "staged", "graphs", "masked")
 
@@ -170,6 +176,8 @@ class StagedDecoder:
         shape = self._flags.shape if self._pooled else ()
         self._taken = torch.zeros(shape, dtype=torch.long, device=device)
         self._device_counted = 0
+        # a step whose kernels all ran before in this process is captured with no warm-up step
+        self._signature = None if self._ready else warm_signature(model, mode, batch, cache.capacity)
 
     def reuse(self, requested: str, prefill: str) -> None:
         """Start another generation on the same graphs, the cache refilled in place by the new
@@ -188,8 +196,15 @@ class StagedDecoder:
         self.cache.check_room(1)
         self.tokens.copy_(tokens.view(-1, 1))
         if not self._ready:
-            self._warm_up_and_capture()
-        elif self._step_graph is not None:
+            self._warm_up_and_capture()  # and this step
+        else:
+            self._run_ready()
+        self.report.steps += 1
+        return self.logits
+
+    def _run_ready(self) -> None:
+        """One step on the captured graphs (or the stages, where capture failed)."""
+        if self._step_graph is not None:
             self._step_graph.replay()
             self.cache.advance_host(1)  # the graph advanced the device position
             self._device_counted += 1
@@ -197,8 +212,6 @@ class StagedDecoder:
             self._run_masked()
         else:
             self._run(graphs=self.report.mode == "graphs")
-        self.report.steps += 1
-        return self.logits
 
     def finish(self) -> DecodeReport:
         """The report with the routing decisions counted on the device (one host read, after the
@@ -244,7 +257,21 @@ class StagedDecoder:
             self.cache.advance_host(1)  # the graph advanced the device position
 
     def _warm_up_and_capture(self) -> None:
+        """This step eagerly (the warm-up), then the capture. Where a decoder of the same
+        signature warmed up before in this process (``decoder_hold.warm_signature``: its kernels
+        compiled and tuned; the per-generation constants are built by the prefill), the capture
+        comes first and this step is its first replay (:meth:`_capture_warm`)."""
         start = time.perf_counter()
+        warm = self._signature is not None and is_warm(self._signature) and self._capture_warm()
+        self.report.extra["warm_up_step"] = not warm
+        if not warm:
+            self._warm_up()
+            self._capture()
+            if self._step_graph is not None and self._signature is not None:
+                mark_warm(self._signature)
+        self.report.capture_ms = 1000.0 * (time.perf_counter() - start)
+
+    def _warm_up(self) -> None:
         taken = 0
         for seg in self.segments:  # every stage once, eagerly: this step's real work (a gated
             seg.run_stages()  # stage runs whatever its flag: its update is masked)
@@ -252,6 +279,32 @@ class StagedDecoder:
                 taken += bool(seg.flag)  # host reads, once per generation
         self.report.gated_run += taken
         self.report.gated_skipped += self.report.gated_segments - taken
+
+    def _capture_warm(self) -> bool:
+        """Capture the step before running it, then run it as the graph's first replay. A step
+        that created what it reads while being captured (a counter, a conv weight: a warm-up
+        would have made it) would replay that creation every step: such a capture, or one that
+        fails, is dropped (False), and the step warms up and is captured as usual."""
+        before, failed = self.cache.snapshot(), None
+        try:
+            graph = self._capture_step(conditional=self.report.mode == "graphs")
+        except Exception as err:  # reported; the usual path below reports again if it fails too
+            graph, failed = None, f"{type(err).__name__}: {err}"
+        finally:
+            torch.cuda.synchronize(self.tokens.device)
+        made_state = not self.cache.same_references(before, self.cache.snapshot())
+        self.cache.rollback(before)  # the host bookkeeping the capture recorded, and what it made
+        if graph is None or made_state:
+            why = failed or "the step made state it reads (a counter, a position, a conv weight)"
+            self.report.extra["capture_first_dropped"] = why
+            return False
+        self._step_graph, self._ready = graph, True
+        self.report.capture = "one graph"
+        self._run_ready()
+        return True
+
+    def _capture(self) -> None:
+        """The one-graph capture, else a graph per segment, else eager stages (each reported)."""
         self._ready = True
         seq_len = self.cache.seq_len  # capture records the stages' host bookkeeping: undo it
         try:
@@ -280,7 +333,6 @@ class StagedDecoder:
         finally:
             self.cache.seq_len = seq_len
             torch.cuda.synchronize(self.tokens.device)
-        self.report.capture_ms = 1000.0 * (time.perf_counter() - start)
 
     def _capture_step(self, conditional: bool) -> torch.cuda.CUDAGraph | ComposedGraph:
         """The whole step as one graph; each gated segment under an IF node on the flag the
@@ -312,8 +364,9 @@ class StagedDecoder:
     def _compose_step(self) -> ComposedGraph:
         """Each piece captured on its own (one pool, capture order), then one driver-built graph
         of them with each gated segment under an IF node on its decide stage's flag."""
-        pool = torch.cuda.graph_pool_handle()
-        return ComposedGraph([(capture_kept(run, pool), gate) for run, gate in self._pieces()])
+        pieces = self._pieces()
+        graphs = capture_all_kept([run for run, _ in pieces], torch.cuda.graph_pool_handle())
+        return ComposedGraph([(graph, gate) for graph, (_, gate) in zip(graphs, pieces, strict=True)])
 
     def _pieces(self) -> list[tuple[Callable[[], None], torch.Tensor | None]]:
         """The step as (run, gate) in order: a gated segment's stages with the flag the segment

@@ -62,6 +62,10 @@ class DecoderMixin:
         (a bool vector for the routed blocks' decision flags) is unused here."""
         from hydra_model.decode_graphs import DecodeStage
 
+        # the step's position tensor made now, not by its first forward: a step captured before
+        # it ever ran (decode_graphs.py) must find everything it reads
+        cache.positions(tokens.shape[0], tokens.device)
+
         def step() -> None:
             logits.copy_(self(tokens, cache=cache).logits[:, -1])
 

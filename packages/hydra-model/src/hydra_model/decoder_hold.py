@@ -21,7 +21,10 @@ A decoder is handed back only when nothing it captured can have changed:
   each word weighted by its position (``hydra_kernels.ops.checksum``: a changed element or two
   swapped ones change it). Content, not ``Tensor._version``: a replayed CUDA graph (hydra-train's
   training step) or an update through ``.data`` changes weights without a version bump. On CUDA
-  the checksums are themselves one captured graph: one launch and one host read.
+  the checksums are themselves one captured graph: one launch and one host read. A new hold's
+checksums are launched right after the generation's last step is queued
+(:func:`start_keep`) and read after its last sync, so the GPU runs them behind the steps and
+the host does not wait for them.
 
 None is kept for a model in training mode (sampling during training: the weights change between
 calls, and the cache and graphs would only hold memory), under autocast with its weight cache on
@@ -71,6 +74,28 @@ def _structure(model: torch.nn.Module, tensors: list[torch.Tensor]) -> tuple:
     return layout, rules, (repr(OPTIONS), repr(kernel_options), fused_decide_mode())
 
 
+#: decode steps whose every kernel ran in this process (:func:`warm_signature`)
+_WARM: set[tuple] = set()
+
+
+def warm_signature(model: torch.nn.Module, mode: str, batch: int, capacity: int) -> tuple:
+    """What decides which kernels a decode step launches and at which shapes: the model's class,
+    its tensors' shapes, dtypes and devices, its routing rules and the switches, the decode mode,
+    batch and cache capacity. A decoder whose signature already ran its warm-up step in this
+    process captures its step at once (decode_graphs.py): its kernels are compiled and tuned."""
+    layout, rules, switches = _structure(model, _tracked(model))
+    shapes = tuple(entry[1:] for entry in layout)  # not the storage: a kernel is warm for a shape
+    return type(model), mode, batch, capacity, shapes, rules, switches
+
+
+def is_warm(signature: tuple) -> bool:
+    return signature in _WARM
+
+
+def mark_warm(signature: tuple) -> None:
+    _WARM.add(signature)
+
+
 class Fingerprint:
     """What a captured decode step depends on in a model (see the module docstring): the
     host-side :attr:`structure` and :meth:`content`, the raw-bit sums (one host read)."""
@@ -99,14 +124,16 @@ class Fingerprint:
         return checksums(large + [torch.cat(group) for group in small.values()])
 
     def content(self) -> tuple:
-        """The sums, read on the host. On CUDA the first call runs them eagerly; the second
-        captures them as one graph, which later calls replay (one launch)."""
-        if not self.tensors:
-            return ()
+        """The sums, read on the host (see :meth:`sums`)."""
+        return tuple(self.sums().tolist()) if self.tensors else ()
+
+    def sums(self) -> torch.Tensor:
+        """The sums on the device, launched and not read. On CUDA the first call runs them
+        eagerly; the second captures them as one graph, which later calls replay (one launch)."""
         device = self.tensors[0].device
         self._calls += 1
         if device.type != "cuda" or self._calls == 1:
-            return tuple(self._sum_all().tolist())
+            return self._sum_all()
         if self._graph is None:
             with torch.cuda.device(device):
                 graph = torch.cuda.CUDAGraph()
@@ -114,7 +141,7 @@ class Fingerprint:
                     self._sums = self._sum_all()
             self._graph = graph
         self._graph.replay()
-        return tuple(self._sums.tolist())
+        return self._sums
 
 
 class PrefillGraph:
@@ -227,7 +254,7 @@ def keepable(was_training: bool, device: torch.device) -> bool:
 def take(model: torch.nn.Module, request: tuple) -> tuple[HeldDecoder | None, str | None]:
     """(the held decoder if it serves ``request`` on the model as it is now, else None; why a held
     decoder of the same request was not reused, else None). Either way the model holds none
-    after: the caller keeps it again (:func:`keep`) once its generation has finished."""
+    after: the caller keeps it again (:func:`start_keep`) once its generation has finished."""
     hold = hold_of(model)
     held, hold.held = hold.held, None
     if held is None or held.request != request:  # none, or another request: nothing stale
@@ -241,23 +268,46 @@ def take(model: torch.nn.Module, request: tuple) -> tuple[HeldDecoder | None, st
     return held, None
 
 
-def keep(
+class PendingKeep:
+    """Keeping a generation's decoder (:func:`start_keep`) in two halves: the fingerprint's
+    kernels launched while the GPU still runs the generation's queued decode steps (the host,
+    done queuing them, would otherwise wait), read by :meth:`finish` after the generation's
+    last sync, which stores the hold."""
+
+    def __init__(self, model: torch.nn.Module, held: HeldDecoder | None, pending=None) -> None:
+        self.model, self.held, self._pending = model, held, pending
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            decoder, request, fingerprint, sums, prefill_len = self._pending
+            try:
+                content = tuple(sums.tolist()) if fingerprint.tensors else ()
+            except Exception as err:  # the generation's tokens stand; this decoder is not kept
+                warnings.warn(f"generate keeps no decoder: its fingerprint failed ({err})", stacklevel=3)
+                return
+            self.held = HeldDecoder(decoder, request, fingerprint, content)
+            self.held.seen(prefill_len)
+        if self.held is not None:
+            hold_of(self.model).held = self.held
+
+
+def start_keep(
     model: torch.nn.Module, held: HeldDecoder | None, decoder: Any, request: tuple, prefill_len: int
-) -> None:
-    """Hold ``decoder`` for the next generation of the same ``request``: ``held`` again where the
-    generation reused it (its fingerprint was checked when it was taken), else a new hold."""
-    if held is None or held.decoder is not decoder:
-        fingerprint = Fingerprint(model)
-        if len({t.device for t in fingerprint.tensors}) > 1:
-            return  # a model on several devices: not kept
-        try:
-            content = fingerprint.content()
-        except Exception as err:  # the generation's tokens stand; this decoder is not kept
-            warnings.warn(f"generate keeps no decoder: its fingerprint failed ({err})", stacklevel=3)
-            return
-        held = HeldDecoder(decoder, request, fingerprint, content)
-        held.seen(prefill_len)
-    hold_of(model).held = held
+) -> PendingKeep:
+    """Start holding ``decoder`` for the next generation of the same ``request``: ``held`` again
+    where the generation reused it (its fingerprint was checked when it was taken), else a new
+    hold whose fingerprint is launched now and read by :meth:`PendingKeep.finish`."""
+    if held is not None and held.decoder is decoder:
+        return PendingKeep(model, held)
+    fingerprint = Fingerprint(model)
+    if len({t.device for t in fingerprint.tensors}) > 1:
+        return PendingKeep(model, None)  # a model on several devices: not kept
+    try:
+        sums = fingerprint.sums() if fingerprint.tensors else None
+    except Exception as err:  # the generation's tokens stand; this decoder is not kept
+        warnings.warn(f"generate keeps no decoder: its fingerprint failed ({err})", stacklevel=3)
+        return PendingKeep(model, None)
+    return PendingKeep(model, None, (decoder, request, fingerprint, sums, prefill_len))
 
 
 def release(model: torch.nn.Module) -> bool:

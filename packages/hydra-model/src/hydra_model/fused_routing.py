@@ -19,10 +19,11 @@ counted (:func:`compiled_routing_counts`). Inside an outer ``torch.compile`` the
 are traced into the caller's graph instead.
 
 Only calls with gradients enabled (training) take the compiled path; no-grad calls (validation,
-generation) run op by op. Each dispatch name compiles its own copy of the function's code:
-torch.compile keeps its graphs, and its limit of 8 recompiles, per code object, and on the H100
-a training run's mix of grad modes, routed lengths and ``with_detached`` variants on the one
-shared ``_router_logits`` reached that limit (counted as a failure, and op by op from then on).
+generation) run op by op, but for the router logits: one hydra_kernels kernel (``router_logit``).
+Each dispatch name compiles its own copy of the function's code: torch.compile keeps its graphs,
+and its limit of 8 recompiles, per code object, and on the H100 a training run's mix of grad
+modes, routed lengths and ``with_detached`` variants on the one shared ``_router_logits``
+reached that limit (counted as a failure, and op by op from then on).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from hydra_kernels.ops.router_logit import router_logit
 from hydra_model.options import OPTIONS
 
 _lock = threading.Lock()
@@ -160,6 +162,10 @@ def router_logits(
     if _wants_compiled(h):
         name = "router_logits" if with_detached else "router_logit"
         return _dispatch(name, _router_logits, h, weight, bias, eps, with_detached)
+    if not (with_detached or torch.is_grad_enabled()):
+        # evaluation, a prompt's prefill: one kernel (hydra_kernels' router_logit), not nine
+        _counts["router_logits:no_grad"] += 1
+        return router_logit(h.reshape(-1, h.shape[-1]), weight, bias, eps).view(h.shape[:-1]), None
     _counts["router_logits:eager"] += 1
     return _router_logits_eager(h, weight, bias, eps, with_detached)
 

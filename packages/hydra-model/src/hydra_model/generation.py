@@ -107,7 +107,7 @@ def generate(
             decoder.report.not_reused = not_reused
             model.last_decode_report = decoder.report
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        done = False
+        pending = None
         try:
             for step in range(max_new_tokens):
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
@@ -122,12 +122,13 @@ def generate(
                     model.last_decode_report.steps += 1
                 else:
                     logits = decoder.step(nxt)
-            done = True
+            if decoder is not None and keep:  # its fingerprint runs behind the queued steps
+                pending = decoder_hold.start_keep(model, held, decoder, request, input_ids.shape[1])
         finally:
             if decoder is not None:  # the report counts the steps that ran, a failed one too
                 decoder.finish()
-        if decoder is not None and done and keep:
-            decoder_hold.keep(model, held, decoder, request, input_ids.shape[1])
+        if pending is not None:
+            pending.finish()
         return torch.cat(pieces, dim=1)
     finally:
         model.train(was_training)

@@ -47,7 +47,7 @@ from torch import nn
 
 from hydra_kernels import fused_add_rms_norm
 from hydra_model.cache import CacheSlot, ModelCache
-from hydra_model.ccgqa import CCGQAAttention
+from hydra_model.ccgqa import CCGQAAttention, list_conv_modules
 from hydra_model.checkpointing import GradientCheckpointMixin
 from hydra_model.decoder import DecoderMixin
 from hydra_model.gpt_config import GPTConfig, gpt_config
@@ -132,6 +132,7 @@ class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
                 raise ValueError(f"sequence length {s} exceeds max_seq_len={cfg.max_seq_len}")
             cos, sin = self.rope.tables(s)
 
+        list_conv_modules(self, cache)
         h = self.embed(input_ids)  # [B, S, E]
         for i, layer in enumerate(self.layers):
             slot = cache.slot(i, 0) if cache is not None else None

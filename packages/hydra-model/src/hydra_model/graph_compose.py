@@ -26,6 +26,7 @@ flag set and cleared, compare with eager results) before a decoder relies on it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_ulonglong, c_void_p
 
@@ -290,10 +291,33 @@ class ComposedGraph:
 
 def capture_kept(fn, pool) -> torch.cuda.CUDAGraph:
     """``fn`` captured into a graph kept un-instantiated (for :class:`ComposedGraph`)."""
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
-    return graph
+    return capture_all_kept([fn], pool)[0]
+
+
+def capture_all_kept(fns: list, pool) -> list[torch.cuda.CUDAGraph]:
+    """Each of ``fns`` captured into a graph of its own kept un-instantiated, one after the other
+    in one memory pool, on torch's capture stream. ``torch.cuda.graph`` synchronizes the device
+    and trims the allocator's cache before every capture; here that is done once for all of them
+    (a decode step is eleven pieces at HYDRA's 100M preset, packages/hydra-model/BENCHMARKS.md)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if torch.cuda.graph.default_capture_stream is None:  # the stream torch.cuda.graph captures on
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    graphs = []
+    with torch.cuda.stream(torch.cuda.graph.default_capture_stream):
+        for fn in fns:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            graph.capture_begin(pool)
+            try:
+                fn()
+            except BaseException:
+                # end the capture so that the stream is usable again; the error to report is fn's
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+            graphs.append(graph)
+    return graphs
 
 
 _checked: dict[torch.device, str | None] = {}

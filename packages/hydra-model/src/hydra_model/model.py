@@ -13,7 +13,7 @@ from torch import nn
 from hydra_model.blocks import CCGQAMoDBlockWrapper, RunContext
 from hydra_model.cache import ModelCache
 from hydra_model.causal_routing import RouterThreshold
-from hydra_model.ccgqa import CCGQAAttention
+from hydra_model.ccgqa import CCGQAAttention, list_conv_modules
 from hydra_model.checkpointing import GradientCheckpointMixin
 from hydra_model.config import HydraConfig, preset_config
 from hydra_model.decoder import DecoderMixin
@@ -160,6 +160,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
                 moe.apply_bias_update()  # from the previous forward's load, outside any checkpoint
             moe.reset_stats()
 
+        list_conv_modules(self, cache)
         h = self.embed(input_ids)  # [B, S, E]
         ctx = RunContext(self.rope, cache, seq_len=s)
         aux_lists: AuxLists = {}

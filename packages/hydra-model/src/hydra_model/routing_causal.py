@@ -7,11 +7,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hydra_model.causal_routing import CausalRouter, take_first_k
+from hydra_kernels.ops.causal_select import causal_select
+from hydra_model.causal_routing import CAPACITY_BITS, CAPACITY_ONE, CausalRouter, take_first_k
 from hydra_model.fused_decide import decide_into, decision_buffers, fused_decide_applies
 from hydra_model.fused_routing import router_logits
 from hydra_model.routing import SubSequence, flat_index, masked_mean, positions_or_arange
 from hydra_model.routing_rules import RoutingRule, add_aux, merge_aux, register_routing, soft_mod
+
+
+def select_tokens(
+    router: CausalRouter, logit: torch.Tensor, pos: torch.Tensor | None, candidates, ctx
+) -> tuple[torch.Tensor, SubSequence]:
+    """A whole sequence's decision at one routing point: (taken [B, n] bool, the view of its
+    first ⌈c·S⌉ tokens, taken first). A forward without gradients (evaluation, a prompt's
+    prefill) makes it in one kernel (hydra_kernels' ``causal_select``: at batch 1 a prefill is
+    bound by its launches); training op by op, recording its threshold statistics. The same
+    integers either way (tests/hydra_model/test_routing_causal_select.py)."""
+    b, n = logit.shape
+    k = router.rows(n, ctx.seq_len or n)
+    counts = ctx.counts
+    if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        held = None if counts is None else counts.get(router.key)
+        fits = held is not None and held.shape == (b,) and held.dtype == torch.long
+        taken, idx, member, pos_k, flat, count = causal_select(
+            logit, router.threshold.tau, candidates, pos, router.cap_q, CAPACITY_BITS, CAPACITY_ONE, k,
+            count_out=held if fits else None,
+        )  # fmt: skip
+        if counts is not None and not fits:
+            counts[router.key] = count
+        return taken, SubSequence(idx, pos_k, member, flat)
+    all_pos = positions_or_arange(pos, b, n, logit.device)
+    taken = router.decide(logit, all_pos, candidates, counts, False)
+    idx, member = take_first_k(taken, k)
+    return taken, SubSequence(idx, all_pos.gather(1, idx), member, flat_index(idx, n))
 
 
 @register_routing
@@ -46,7 +74,7 @@ class CausalRouting(RoutingRule):
         block when it is not taken."""
         if wrapper.causal is None:  # capacity 1: nothing to decide
             return soft_mod(wrapper, h, pos, ctx)
-        b, s, _ = h.shape
+        b = h.shape[0]
         if ctx.decoding:
             taken, weight = self.decode_decide(wrapper, h, pos, ctx)
             if b == 1 and ctx.host_reads and not bool(taken):  # one host sync: the block is skipped
@@ -55,10 +83,7 @@ class CausalRouting(RoutingRule):
         logit = router_logits(h, wrapper.router.weight[0], wrapper.router.bias[0], with_detached=False)[0]
         weight = torch.sigmoid(logit)
         aux = {} if ctx.generating else {"router_z": [logit.pow(2).mean()]}
-        all_pos = positions_or_arange(pos, b, s, h.device)
-        taken = wrapper.causal.decide(logit, all_pos, None, ctx.counts, ctx.decoding)
-        idx, rows = take_first_k(taken, wrapper.causal.rows(s, ctx.seq_len or s))
-        view = SubSequence(idx, all_pos.gather(1, idx), rows, flat_index(idx, s))
+        taken, view = select_tokens(wrapper.causal, logit, pos, None, ctx)
         hs = view.gather(h)  # [B, ⌈c·S⌉, E]
         hs_out, inner = wrapper.mor(hs, view.pos, view.member, ctx)
         merge_aux(aux, inner)
@@ -117,7 +142,6 @@ class CausalRouting(RoutingRule):
         into."""
         b, n, _ = h.shape
         active = member  # None: every row is a candidate
-        all_pos = positions_or_arange(pos, b, n, h.device)
         depth = torch.zeros(b, n, device=h.device)
         expected = torch.zeros(b, n, device=h.device)
         reach = torch.ones(b, n, device=h.device)
@@ -133,15 +157,15 @@ class CausalRouting(RoutingRule):
                 taken = active
             else:
                 reach = reach * prob
-                taken = router.decide(logit, all_pos, active, ctx.counts, ctx.decoding)
                 if ctx.decoding:
+                    pos_all = positions_or_arange(pos, b, n, h.device)
+                    taken = router.decide(logit, pos_all, active, ctx.counts, True)
                     if b == 1 and ctx.host_reads and not bool(taken):  # one host sync: skip the rest
                         break
                     stepped, moe_loss = block.run_block(h, r, ctx, pos, gate, member=taken)
                     h = torch.where(taken.unsqueeze(-1), stepped, h)
                 else:
-                    idx, rows = take_first_k(taken, router.rows(n, ctx.seq_len or n))
-                    view = SubSequence(idx, all_pos.gather(1, idx), rows, flat_index(idx, n))
+                    taken, view = select_tokens(router, logit, pos, active, ctx)
                     h, moe_loss = block.run_block(h, r, ctx, pos, gate, view=view)
             add_aux(aux, "moe_balance", moe_loss)
             depth = depth + (1.0 if taken is None else taken.float())

@@ -58,22 +58,33 @@ def pack_tiles(weight: torch.Tensor, block_n: int = 64, block_k: int = 64) -> Ti
     row padded to the densest one's count."""
     if weight.dim() != 2:
         raise ValueError(f"pack_tiles: weight must be [N, K], got {tuple(weight.shape)}")
+    return pack_tiles_many(weight.unsqueeze(0), block_n, block_k)[0]
+
+
+def pack_tiles_many(weights: torch.Tensor, block_n: int = 64, block_k: int = 64) -> list[TiledWeight]:
+    """``weights`` [L, N, K] → L packed weights sharing one tile index: the tiles non-zero in any
+    of them, so that packing L weights costs the launches (and the one host read) of packing one.
+    A tile zero in one weight and not in another is kept, zeros, for both: y is unchanged (the
+    kernel adds exact zeros)."""
+    if weights.dim() != 3:
+        raise ValueError(f"pack_tiles_many: weights must be [L, N, K], got {tuple(weights.shape)}")
     for name, size in (("block_n", block_n), ("block_k", block_k)):
         if size < 1 or size & (size - 1):  # the kernel's tile loads need powers of two
             raise ValueError(f"pack_tiles: {name}={size} must be a power of two")
-    n, k = weight.shape
+    count, n, k = weights.shape
     nb, kb = -(-n // block_n), -(-k // block_k)
-    padded = F.pad(weight, (0, kb * block_k - k, 0, nb * block_n - n))
-    blocks = padded.view(nb, block_n, kb, block_k).transpose(1, 2)  # [NB, KB, BN, BK]
-    nonzero = blocks.ne(0).any(-1).any(-1)  # [NB, KB]
+    padded = F.pad(weights, (0, kb * block_k - k, 0, nb * block_n - n))
+    blocks = padded.view(count, nb, block_n, kb, block_k).transpose(2, 3)  # [L, NB, KB, BN, BK]
+    nonzero = blocks.ne(0).any(dim=(0, 3, 4))  # [NB, KB]
     nnz = max(1, int(nonzero.sum(1).max()))
     # the non-zero block columns first, in order (a stable sort of "is zero"), then padding
     order = torch.sort(nonzero.logical_not().to(torch.int8), dim=1, stable=True).indices[:, :nnz]
     present = nonzero.gather(1, order)  # [NB, NNZ]
-    index = torch.where(present, order, torch.full_like(order, -1)).to(torch.int32)
-    rows = torch.arange(nb, device=weight.device).view(-1, 1)
-    tiles = blocks[rows, order] * present.view(nb, nnz, 1, 1).to(weight.dtype)
-    return TiledWeight(tiles.contiguous(), index.contiguous(), n, k)
+    index = torch.where(present, order, torch.full_like(order, -1)).to(torch.int32).contiguous()
+    rows = torch.arange(nb, device=weights.device).view(-1, 1)
+    tiles = blocks[:, rows, order] * present.view(1, nb, nnz, 1, 1).to(weights.dtype)  # [L, NB, NNZ, BN, BK]
+    tiles = tiles.contiguous()
+    return [TiledWeight(tiles[i], index, n, k) for i in range(count)]
 
 
 # --- PyTorch reference ---------------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""CCGQA's two convs and q-k mean folded into GEMM weights, for one module or many at once.
+
+The depthwise conv along the sequence, then the head-wise grouped conv, are linear in the packed
+pre-conv inputs of the last K = k_seq + k_ch − 1 tokens, so they fold into one weight (ccgqa.py
+says how each form is used):
+
+* ``headwise``: [heads, d, d·K], one small GEMM per head (the q-k mean added apart);
+* ``folded``: [C, C·K], block diagonal, with the q-k mean inside (columns c·K + s);
+* ``window``: the folded weight with its columns in a decode window's memory order (s·C + c);
+* ``window_tiles``: the window weight as its non-zero tiles (hydra_kernels' ``tile_linear``).
+
+Why many at once: a generation builds these once (the weights cannot change while decoding), and
+at batch 1 the build is bound by kernel launches, not arithmetic: about ten launches per module
+for the head-wise weight of a prefill and thirty for the tiles of the first decode step, which
+for the twelve blocks of HYDRA's 100M preset was more launches than a whole decode step.
+:func:`fold_many` builds one form for a list of same-shaped modules with the same launches as for
+one (their parameters stacked first), and a cache's :class:`~hydra_model.cache.ConvBank` asks for
+every CCGQA module of the model at the first module's request (:func:`fold_into_bank`). Every
+element is computed by the same elementwise ops either way: the results are bitwise those of
+one module alone
+(the bias's sums over a head's channels may be ordered differently by a batched reduction).
+
+The builders take any leading batch dimensions and use elementwise ops only (no matmul), so
+autocast leaves them in the parameters' dtype; they are differentiable, so a training forward's
+conv parameters get their gradients through them.
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+
+import torch
+import torch.nn.functional as F
+
+from hydra_kernels.ops.tile_linear import TiledWeight, pack_tiles_many
+
+#: the forms a module's conv weights come in (see the module docstring)
+FOLD_FORMS = ("headwise", "folded", "window", "window_tiles")
+#: the window weight's tile (rows, columns) for decode_conv="window_tiles" (hydra_kernels' tile_linear)
+WINDOW_TILE = (64, 64)
+
+
+def _tap_sum(per_pair: torch.Tensor, k_seq: int, k_total: int) -> torch.Tensor:
+    """[..., k_ch, k_seq] products of conv taps → [..., K]: ch tap a over seq tap b reads the
+    input at window offset a + b."""
+    k_ch = per_pair.shape[-2]
+    return reduce(torch.add, (F.pad(per_pair[..., a, :], (a, k_total - k_seq - a)) for a in range(k_ch)))
+
+
+def folded_qk_weight(
+    seq_weight: torch.Tensor,
+    seq_bias: torch.Tensor,
+    ch_weight: torch.Tensor,
+    ch_bias: torch.Tensor,
+    mean_mix: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight [..., C, C·K], bias [..., C]) such that ``taps @ weight.T + bias`` equals depthwise
+    conv (``seq_weight`` [..., C, 1, k_seq]) → head-wise grouped conv (``ch_weight`` [..., C, d,
+    k_ch], C/d groups) → + q-k mean (``mean_mix`` [..., C, C] applied to the newest input), where
+    ``taps[c·K + s]`` is the input at window offset s (s = K−1 is the current token)."""
+    *lead, c, d, k_ch = ch_weight.shape
+    k_seq = seq_weight.shape[-1]
+    heads = c // d
+    k_total = k_seq + k_ch - 1
+    w_seq = seq_weight[..., 0, :]  # [..., C, k_seq]
+    eye = torch.eye(heads, device=ch_weight.device, dtype=ch_weight.dtype).view(heads, 1, heads, 1, 1)
+    # block diagonal [..., C_out, C_in, k_ch]: out channel (g, o) reads in channels (g, i) only
+    diag = (eye * ch_weight.reshape(*lead, heads, d, 1, d, k_ch)).reshape(*lead, c, c, k_ch)
+    per_pair = diag.unsqueeze(-1) * w_seq.reshape(*lead, 1, c, 1, k_seq)  # [..., C_out, C_in, k_ch, k_seq]
+    newest = F.pad(mean_mix.to(diag.dtype).unsqueeze(-1), (k_total - 1, 0))  # [..., C, C, K]
+    weight = (_tap_sum(per_pair, k_seq, k_total) + newest).reshape(*lead, c, c * k_total)
+    return weight, _conv_bias(seq_bias, ch_weight, ch_bias)
+
+
+def _conv_bias(seq_bias: torch.Tensor, ch_weight: torch.Tensor, ch_bias: torch.Tensor) -> torch.Tensor:
+    """[..., C]: the grouped conv's bias plus the depthwise conv's bias carried through it (each
+    output channel sums its head's d input channels)."""
+    *lead, c, d, _ = ch_weight.shape
+    w_ch = ch_weight.reshape(*lead, c // d, d, d, -1)  # [..., g, o, i, ch tap]
+    return ch_bias + (w_ch.sum(-1) * seq_bias.reshape(*lead, c // d, 1, d)).sum(-1).reshape(*lead, c)
+
+
+def headwise_qk_weight(
+    seq_weight: torch.Tensor,
+    seq_bias: torch.Tensor,
+    ch_weight: torch.Tensor,
+    ch_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight [..., heads, d, d·K], bias [..., C]) such that, per head g, ``taps_g @ weight[g].T``
+    plus bias equals depthwise conv (``seq_weight`` [..., C, 1, k_seq], ``seq_bias``) → head-wise
+    grouped conv (``ch_weight`` [..., C, d, k_ch], ``ch_bias``, C/d groups), where ``taps_g[i·K + s]``
+    is input channel i of head g at window offset s (s = K−1 is the current token). The q-k mean is
+    not included (it crosses heads; the caller adds it)."""
+    *lead, c, d, k_ch = ch_weight.shape
+    k_seq = seq_weight.shape[-1]
+    heads = c // d
+    k_total = k_seq + k_ch - 1
+    w_seq = seq_weight[..., 0, :].reshape(*lead, heads, 1, d, 1, k_seq)  # [..., g, ·, i, ·, seq tap]
+    w_ch = ch_weight.reshape(*lead, heads, d, d, k_ch)  # [..., g, o, i, ch tap]
+    per_pair = w_ch.unsqueeze(-1) * w_seq  # [..., g, o, i, ch tap, seq tap]
+    weight = _tap_sum(per_pair, k_seq, k_total).reshape(*lead, heads, d, d * k_total)
+    return weight, _conv_bias(seq_bias, ch_weight, ch_bias)
+
+
+def _params(modules: list) -> tuple[torch.Tensor, ...]:
+    """The modules' conv parameters, each stacked along a new first dimension (a view of the
+    module's own tensor, no copy, for one module)."""
+    names = ("conv_seq.weight", "conv_seq.bias", "conv_ch.weight", "conv_ch.bias")
+    tensors = [[m.get_parameter(name) for m in modules] for name in names]
+    return tuple(ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts) for ts in tensors)
+
+
+def _mean_mix(modules: list) -> torch.Tensor:
+    mixes = [m.qk_mean_mix for m in modules]
+    return mixes[0].unsqueeze(0) if len(mixes) == 1 else torch.stack(mixes)
+
+
+def fold_many(modules: list, form: str) -> list[tuple[torch.Tensor | TiledWeight, torch.Tensor]]:
+    """(weight, bias) in ``form`` for each of ``modules`` (CCGQA modules of one shape, dtype and
+    device), built together: the launches of one module's build, not one build each."""
+    if form not in FOLD_FORMS:
+        raise ValueError(f"conv weight form {form!r}; expected one of {', '.join(FOLD_FORMS)}")
+    params = _params(modules)
+    if form == "headwise":
+        weight, bias = headwise_qk_weight(*params)
+    else:
+        weight, bias = folded_qk_weight(*params, _mean_mix(modules))  # [L, C, C·K], columns c·K + s
+    if form in ("window", "window_tiles"):
+        n, c = len(modules), modules[0].qk_channels
+        k_total = weight.shape[-1] // c
+        weight = weight.view(n, c, c, k_total).transpose(2, 3).reshape(n, c, k_total * c)  # columns s·C + c
+    if form == "window_tiles":
+        return list(zip(pack_tiles_many(weight, *WINDOW_TILE), bias.unbind(0), strict=True))
+    return list(zip(weight.unbind(0), bias.unbind(0), strict=True))
+
+
+def fold_signature(module) -> tuple:
+    """What modules built together must share: their conv parameters' shapes, dtype and device."""
+    seq, ch = module.conv_seq.weight, module.conv_ch.weight
+    return tuple(seq.shape), tuple(ch.shape), seq.dtype, seq.device, module.qk_mean_mix.dtype
+
+
+def fold_into_bank(bank, module, form: str) -> None:
+    """Build ``form`` for ``module`` and, together with it, for every module of the bank's model
+    that shares its signature and lacks the form (:class:`~hydra_model.cache.ConvBank`)."""
+    sig = fold_signature(module)
+    peers = [m for m in bank.modules if m is not module and (m, form) not in bank.weights]
+    group = [module, *(m for m in peers if fold_signature(m) == sig)]
+    for m, built in zip(group, fold_many(group, form), strict=True):
+        bank.weights[(m, form)] = built

@@ -1,0 +1,113 @@
+"""ccgqa_fold: CCGQA's conv weights built for many modules at once equal each module's own build,
+and a generation builds each form once, for every CCGQA module of the model together."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import hydra_model.ccgqa as ccgqa_mod
+import hydra_model.ccgqa_fold as ccgqa_fold
+from hydra_model import CCGQAAttention
+from hydra_model.cache import ConvBank, ModelCache
+from hydra_model.ccgqa_fold import FOLD_FORMS, fold_into_bank, fold_many
+
+from .conftest import random_tokens, small_model
+
+
+def random_modules(count: int, seed: int, dtype=torch.float32) -> list[CCGQAAttention]:
+    """CCGQA modules (4 query heads of 16, 2 kv heads: 64-wide tiles of the window weight) with
+    every conv parameter fresh random (a zero would hide a mixed-up index)."""
+    torch.manual_seed(seed)
+    mods = [CCGQAAttention(64, 4, 2, 16, 8).to(dtype) for _ in range(count)]
+    with torch.no_grad():
+        for m in mods:
+            for p in (m.conv_seq.weight, m.conv_seq.bias, m.conv_ch.weight, m.conv_ch.bias):
+                p.normal_()
+    return mods
+
+
+def spy_fold_many(monkeypatch, record) -> list:
+    """Record ``record(group, form)`` for each call of ccgqa_fold.fold_many."""
+    calls, real = [], ccgqa_fold.fold_many
+
+    def spy(group, form):
+        calls.append(record(group, form))
+        return real(group, form)
+
+    monkeypatch.setattr(ccgqa_fold, "fold_many", spy)
+    return calls
+
+
+@pytest.mark.parametrize("form", FOLD_FORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folding_many_equals_folding_each_alone(form, dtype):
+    seed = int.from_bytes(os.urandom(4), "little")
+    mods = random_modules(3, seed, dtype)
+    together = fold_many(mods, form)
+    for m, (weight, bias) in zip(mods, together, strict=True):
+        own_weight, own_bias = fold_many([m], form)[0]
+        if form == "window_tiles":
+            assert torch.equal(weight.index, own_weight.index), f"seed {seed}"  # one pattern: the heads'
+            weight, own_weight = weight.tiles, own_weight.tiles
+        assert torch.equal(weight, own_weight), f"seed {seed}"  # elementwise: bitwise the same
+        torch.testing.assert_close(bias, own_bias, msg=f"seed {seed}")
+
+
+def test_the_batched_builders_equal_a_loop_over_the_leading_dimension():
+    seed = int.from_bytes(os.urandom(4), "little")
+    mods = random_modules(2, seed, torch.float64)
+    stacked = [torch.stack([m.get_parameter(n) for m in mods]) for n in
+               ("conv_seq.weight", "conv_seq.bias", "conv_ch.weight", "conv_ch.bias")]  # fmt: skip
+    mix = torch.stack([m.qk_mean_mix.double() for m in mods])
+    for build, extra in ((ccgqa_fold.headwise_qk_weight, ()), (ccgqa_fold.folded_qk_weight, (mix,))):
+        weights, biases = build(*stacked, *extra)
+        for i in range(2):
+            w, b = build(*(t[i] for t in stacked), *(e[i] for e in extra))
+            torch.testing.assert_close(weights[i], w, rtol=0, atol=1e-12, msg=f"seed {seed}")
+            torch.testing.assert_close(biases[i], b, rtol=0, atol=1e-12, msg=f"seed {seed}")
+
+
+def test_a_bank_builds_a_form_for_all_its_same_shaped_modules_at_the_first_request(monkeypatch):
+    mods = random_modules(3, 0)
+    odd = CCGQAAttention(32, 2, 1, 16, 8)  # another shape: built in a group of its own
+    calls = spy_fold_many(monkeypatch, lambda group, form: len(group))
+    bank = ConvBank(modules=[*mods, odd])
+    with torch.no_grad():
+        fold_into_bank(bank, mods[1], "window_tiles")
+        assert calls == [3] and all((m, "window_tiles") in bank.weights for m in mods)
+        assert (odd, "window_tiles") not in bank.weights
+        fold_into_bank(bank, odd, "window_tiles")
+        fold_into_bank(bank, mods[0], "headwise")
+    assert calls == [3, 1, 3]
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "routing_off", "long_prompt"])
+def test_a_generation_builds_each_form_once_for_the_whole_model(mode, monkeypatch):
+    """The decode steps' tiles (which a short prompt's prefill uses too) and, for a prompt past
+    PREFILL_WINDOW_ROWS, the prefill's head-wise weight: one batched build each for the model's
+    CCGQA modules (three blocks × three recursions share three modules), none for a model
+    without CCGQA; a restarted cache builds nothing again."""
+    if mode == "long_prompt":
+        monkeypatch.setattr(ccgqa_mod, "PREFILL_WINDOW_ROWS", 0)
+    overrides = {"routing_off": True} if mode == "routing_off" else {}
+    model = small_model(**overrides).eval()
+    calls = spy_fold_many(monkeypatch, lambda group, form: (len(group), form))
+    prompt = random_tokens(2, 7)
+    cache = ModelCache(capacity=16)
+    with torch.no_grad():
+        model(prompt, cache=cache)
+        for t in range(3):
+            model(prompt[:, t : t + 1], cache=cache)
+        n_ccgqa = sum(isinstance(m, CCGQAAttention) for m in model.modules())
+        if mode == "routing_off":
+            assert n_ccgqa == 0 and calls == []
+            return
+        forms = ["window_tiles", "headwise"] if mode == "long_prompt" else ["window_tiles"]
+        assert calls == [(n_ccgqa, form) for form in forms]
+        cache.restart()
+        model(prompt, cache=cache)
+        model(prompt[:, :1], cache=cache)
+    assert len(calls) == len(forms)
