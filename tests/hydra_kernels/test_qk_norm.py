@@ -186,7 +186,8 @@ def test_custom_ops_pass_opcheck():
     x, temp = _inputs((2, 3, 2, 16), torch.float32, True)
     torch.library.opcheck(qk_mod._qk_norm_fwd_op, (x, 4.0, temp))
     torch.library.opcheck(qk_mod._qk_norm_fwd_op, (x, 4.0, None))
-    torch.library.opcheck(qk_mod._qk_norm_bwd_op, (torch.randn(x.shape), x.detach(), 4.0, temp.detach()))
+    dy = torch.randn(x.shape, device=x.device)  # on x's device: the GPU run's inputs too
+    torch.library.opcheck(qk_mod._qk_norm_bwd_op, (dy, x.detach(), 4.0, temp.detach()))
 
 
 def test_compile_fullgraph_no_graph_break(seed):

@@ -336,7 +336,8 @@ def test_custom_ops_pass_opcheck():
     x, w = _randn(5, 40), _weight(40)
     torch.library.opcheck(rms_mod._rms_norm_fwd_op, (x, w, 1e-6))
     torch.library.opcheck(rms_mod._fused_add_fwd_op, (x, _randn(5, 40), w, 1e-6))
-    torch.library.opcheck(rms_mod._rms_norm_bwd_op, (torch.randn(5, 40), x.detach(), w.detach(), 1e-6, None))
+    dy = torch.randn(5, 40, device=x.device)  # on x's device: the GPU run's inputs too
+    torch.library.opcheck(rms_mod._rms_norm_bwd_op, (dy, x.detach(), w.detach(), 1e-6, None))
 
 
 def test_compile_fullgraph_no_graph_break(monkeypatch, seed):

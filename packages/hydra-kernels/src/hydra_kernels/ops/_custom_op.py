@@ -13,6 +13,8 @@ the public function picks it when :func:`compiling` is false.
 - :func:`eager_autograd_function` — the eager twin of a custom op's autograd registration. Its
   ``ctx.eager`` is True, so a shared ``backward`` can call the raw backward implementation
   instead of the (traceable, slower) backward custom op.
+- :func:`eager_apply` — such a function's ``apply``, or its bare forward where nothing will be
+  differentiated (evaluation, generation): ``apply`` alone costs tens of µs of host time a call.
 - :func:`compiling` — whether Dynamo is tracing right now.
 - :func:`multiprocessor_count` — streaming multiprocessors of a CUDA device (a small fixed number
   on the CPU, where only the interpreter runs kernels), for sizing persistent-style grids.
@@ -186,5 +188,20 @@ def eager_autograd_function(
     return type(
         name,
         (torch.autograd.Function,),
-        {"forward": staticmethod(_forward), "backward": staticmethod(_backward)},
+        {
+            "forward": staticmethod(_forward),
+            "backward": staticmethod(_backward),
+            "raw_forward": staticmethod(forward),
+        },
     )
+
+
+def eager_apply(function: type[torch.autograd.Function], *inputs: Any) -> Any:
+    """``function.apply(*inputs)`` for a function from :func:`eager_autograd_function`, or, where
+    nothing will be differentiated (grad mode off, or no input that requires grad), its forward
+    alone: ``apply`` costs tens of microseconds of host time per call even then (measured in an
+    eager prefill on an H200 host: 30–70 µs a call; packages/hydra-model/BENCHMARKS.md), as long
+    as a small kernel takes on the GPU."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return function.apply(*inputs)
+    return function.raw_forward(*inputs)

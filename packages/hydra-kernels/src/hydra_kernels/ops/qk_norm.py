@@ -32,6 +32,7 @@ from hydra_kernels.ops._custom_op import (
     cdiv,
     compiling,
     device_guard,
+    eager_apply,
     eager_autograd_function,
     launch_config_for,
     next_power_of_2,
@@ -387,4 +388,4 @@ def qk_norm(x: torch.Tensor, scale: float, temperature: torch.Tensor | None = No
         return qk_norm_ref(x, scale, temperature)
     if compiling():
         return _qk_norm_fwd_op(x, scale, temperature)
-    return _QKNormFunction.apply(x, scale, temperature)
+    return eager_apply(_QKNormFunction, x, scale, temperature)

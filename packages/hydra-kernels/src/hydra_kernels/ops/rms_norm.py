@@ -43,6 +43,7 @@ from hydra_kernels.ops._custom_op import (
     cdiv,
     compiling,
     device_guard,
+    eager_apply,
     eager_autograd_function,
     launch_config_for,
     next_power_of_2,
@@ -459,7 +460,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         return rms_norm_ref(x, weight, eps)
     if compiling():
         return _rms_norm_fwd_op(x, weight, eps)
-    return _RMSNormFunction.apply(x, weight, eps)
+    return eager_apply(_RMSNormFunction, x, weight, eps)
 
 
 def fused_add_rms_norm(
@@ -477,4 +478,4 @@ def fused_add_rms_norm(
         return fused_add_rms_norm_ref(x, residual, weight, eps)
     if compiling():
         return _fused_add_fwd_op(x, residual, weight, eps)
-    return _FusedAddRMSNormFunction.apply(x, residual, weight, eps)
+    return eager_apply(_FusedAddRMSNormFunction, x, residual, weight, eps)

@@ -23,6 +23,7 @@ from hydra_kernels.ops._custom_op import (
     cdiv,
     compiling,
     device_guard,
+    eager_apply,
     eager_autograd_function,
     next_power_of_2,
     run_with_fallback,
@@ -240,5 +241,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         and not (cos.requires_grad or sin.requires_grad)
         and triton_path("rope", x, cos, sin)
     ):
-        return _rope_op(x, cos, sin, False) if compiling() else _RopeEager.apply(x, cos, sin, False)
+        return _rope_op(x, cos, sin, False) if compiling() else eager_apply(_RopeEager, x, cos, sin, False)
     return rope_ref(x, cos, sin)

@@ -27,6 +27,7 @@ from hydra_kernels.ops._custom_op import (
     cdiv,
     compiling,
     device_guard,
+    eager_apply,
     eager_autograd_function,
     next_power_of_2,
     run_with_fallback,
@@ -400,7 +401,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate is {gate.dtype} and up is {up.dtype}; cast them to one dtype first")
     if _kernel_ok(gate, up):
-        return _swiglu_fwd_op(gate, up) if compiling() else _SwiGLUEager.apply(gate, up)
+        return _swiglu_fwd_op(gate, up) if compiling() else eager_apply(_SwiGLUEager, gate, up)
     return swiglu_ref(gate, up)
 
 
@@ -418,5 +419,5 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     if _kernel_ok(gate_up):
         if compiling():
             return _swiglu_packed_fwd_op(gate_up)
-        return _SwiGLUPackedEager.apply(gate_up)
+        return eager_apply(_SwiGLUPackedEager, gate_up)
     return _swiglu_packed_ref(gate_up)
