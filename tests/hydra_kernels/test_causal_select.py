@@ -70,17 +70,32 @@ def test_causal_select_equals_the_token_by_token_rule_and_the_reference(seed, b,
         assert torch.equal(g.cpu(), w), f"seed {seed}: kernel {name}"
 
 
-def test_a_bf16_strided_logit_and_a_counter_written_in_place(seed):
-    """Logits as a strided bf16 view (compared in fp32), the count written into a given counter."""
+def test_a_strided_logit_and_a_counter_written_in_place(seed):
+    """Logits as a strided view of a wider buffer, the count written into a given counter."""
     logit, tau, cand, _, cap_q, k = random_case(2, 40, True, False, seed)
-    wide = torch.randn(2, 50).to(torch.bfloat16)
-    wide[:, :40] = logit.to(torch.bfloat16)
+    wide = torch.randn(2, 50)
+    wide[:, :40] = logit
     view = wide[:, :40].to(DEVICE)
     counter = torch.full((2,), -5, dtype=torch.long, device=DEVICE)
+    falls = controls.fallback_counts().get("causal_select", 0)
     got = causal_select(view, tau.to(DEVICE), cand.to(DEVICE), None, cap_q, BITS, ONE, k, count_out=counter)
-    want = loop_select(view.float().cpu(), tau, cand, None, cap_q, k)
+    assert controls.fallback_counts().get("causal_select", 0) == falls
+    want = loop_select(view.cpu(), tau, cand, None, cap_q, k)
     assert got[-1] is counter and torch.equal(counter.cpu(), want[-1]), f"seed {seed}"
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_logits_not_in_fp32_compare_in_their_own_dtype(dtype, monkeypatch):
+    """The kernel compares in fp32; fp64 or half-precision logits take the reference, which
+    compares as PyTorch does (a logit just above tau in fp64 is taken; a bf16 logit against an
+    fp32 tau compares in bf16), as hydra_model's op-by-op rule would."""
+    monkeypatch.setattr(cs_mod, "causal_select_launch", lambda *a, **k: pytest.fail("the kernel ran"))
+    tau = torch.tensor(0.1, dtype=torch.float32, device=DEVICE)
+    logit = torch.full((1, 4), 0.1, dtype=dtype, device=DEVICE)
+    logit[0, ::2] = (0.1 + 1e-12) if dtype == torch.float64 else 0.1
+    got = causal_select(logit, tau, None, None, ONE, BITS, ONE, 4)
+    assert torch.equal(got[0], logit > tau)
 
 
 def test_switched_off_it_runs_the_reference_and_bad_inputs_raise():

@@ -179,3 +179,15 @@ def test_a_no_grad_router_call_takes_one_kernel_and_gives_the_eager_logits(trito
     want, _ = fr._router_logits_eager(h, w, b, 1e-6, False)
     assert none is None and got.shape == (2, 9)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_no_grad_router_call_under_autocast_keeps_fp32():
+    """Autocast must not run the router's product in half precision (the eager form switches it
+    off; so does hydra_kernels' router_logit and its reference)."""
+    g = _gen(3)
+    h = 1 + torch.randn(1, 5, 512, generator=g)
+    w, b = torch.randn(512, generator=g), torch.zeros(())
+    want = ((h.double() @ w.double()) / torch.sqrt(h.double().pow(2).mean(-1) + 1e-6)).float()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = fr.router_logits(h, w, b, with_detached=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -38,13 +38,19 @@ def test_a_rollback_restores_the_references_a_snapshot_took():
 
 
 def test_the_warm_signature_follows_shapes_switches_and_the_request_not_the_storage():
-    model = small_model().eval()
-    sig = warm_signature(model, "graphs", 2, 16)
-    assert sig == warm_signature(model, "graphs", 2, 16)
-    assert sig != warm_signature(model, "graphs", 3, 16) and sig != warm_signature(model, "graphs", 2, 17)
+    model, cpu = small_model().eval(), torch.device("cpu")
+    sig = warm_signature(model, "graphs", 2, 16, cpu)
+    assert sig == warm_signature(model, "graphs", 2, 16, cpu)
+    assert sig != warm_signature(model, "graphs", 3, 16, cpu) and sig != warm_signature(
+        model, "graphs", 2, 17, cpu
+    )
     twin = small_model(seed=5).eval()  # other weights, other storage, the same shapes
-    assert warm_signature(twin, "graphs", 2, 16) == sig
-    assert warm_signature(twin.double(), "graphs", 2, 16) != sig
+    assert warm_signature(twin, "graphs", 2, 16, cpu) == sig
+    assert warm_signature(twin.double(), "graphs", 2, 16, cpu) != sig
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a half-precision cache and stream
+        assert warm_signature(model, "graphs", 2, 16, cpu) != sig
+    with torch.inference_mode():
+        assert warm_signature(model, "graphs", 2, 16, cpu) != sig
 
 
 @pytest.mark.parametrize("name", ["gpt", *MODES])

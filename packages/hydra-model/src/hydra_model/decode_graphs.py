@@ -177,7 +177,7 @@ class StagedDecoder:
         self._taken = torch.zeros(shape, dtype=torch.long, device=device)
         self._device_counted = 0
         # a step whose kernels all ran before in this process is captured with no warm-up step
-        self._signature = None if self._ready else warm_signature(model, mode, batch, cache.capacity)
+        self._signature = None if self._ready else warm_signature(model, mode, batch, cache.capacity, device)
 
     def reuse(self, requested: str, prefill: str) -> None:
         """Start another generation on the same graphs, the cache refilled in place by the new

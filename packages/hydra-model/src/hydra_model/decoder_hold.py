@@ -78,14 +78,19 @@ def _structure(model: torch.nn.Module, tensors: list[torch.Tensor]) -> tuple:
 _WARM: set[tuple] = set()
 
 
-def warm_signature(model: torch.nn.Module, mode: str, batch: int, capacity: int) -> tuple:
+def warm_signature(
+    model: torch.nn.Module, mode: str, batch: int, capacity: int, device: torch.device
+) -> tuple:
     """What decides which kernels a decode step launches and at which shapes: the model's class,
     its tensors' shapes, dtypes and devices, its routing rules and the switches, the decode mode,
-    batch and cache capacity. A decoder whose signature already ran its warm-up step in this
-    process captures its step at once (decode_graphs.py): its kernels are compiled and tuned."""
+    batch and cache capacity, and the autocast and inference modes around the call (autocast
+    makes the cache and the stream half precision). A decoder whose signature already ran its
+    warm-up step in this process captures its step at once (decode_graphs.py): its kernels are
+    compiled and tuned."""
     layout, rules, switches = _structure(model, _tracked(model))
     shapes = tuple(entry[1:] for entry in layout)  # not the storage: a kernel is warm for a shape
-    return type(model), mode, batch, capacity, shapes, rules, switches
+    grad_modes = request_of(model, mode, batch, capacity, device)[-1]
+    return type(model), mode, batch, capacity, shapes, rules, switches, grad_modes
 
 
 def is_warm(signature: tuple) -> bool:

@@ -221,14 +221,14 @@ def causal_select(
     k: int,
     count_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """One routing point's causal selection for router logits [B, n] (any float dtype, compared
-    with ``tau`` [] in fp32), ``candidates`` [B, n] bool (None: all), ``pos`` [B, n] int64 (None:
-    0..n−1), the point's fixed-point capacity ``cap_q`` out of ``capacity_one`` =
+    """One routing point's causal selection for router logits [B, n] (compared with ``tau`` []
+    as PyTorch compares them), ``candidates`` [B, n] bool (None: all), ``pos`` [B, n] int64
+    (None: 0..n−1), the point's fixed-point capacity ``cap_q`` out of ``capacity_one`` =
     2**``capacity_bits``, and the gather size ``k`` (1 ≤ k ≤ n). Returns (taken [B, n] bool,
     idx [B, k], member [B, k] bool, pos_k [B, k], flat [B·k], count [B]) as the module docstring
     defines them; ``count_out`` [B] int64, when given, receives count in place (a decoding
-    cache's counter). The Triton kernel runs where hydra_kernels' Triton path is on for the
-    logits' device and n ≤ MAX_ROW; else :func:`causal_select_ref`.
+    cache's counter). The Triton kernel runs for fp32 logits where hydra_kernels' Triton path is
+    on for their device and n ≤ MAX_ROW; else :func:`causal_select_ref`.
     """
     _check(logit, tau, candidates, pos, k, count_out)
     args = (logit, tau, candidates, pos, cap_q, capacity_bits, capacity_one, k)
@@ -240,6 +240,9 @@ def causal_select(
         count_out.copy_(out[-1])
         return (*out[:-1], count_out)
 
-    if logit.shape[1] > MAX_ROW or not controls.triton_path("causal_select", logit):
+    # the kernel compares in fp32: exactly PyTorch's comparison for fp32 logits and a tau of at
+    # most fp32 precision; other logits (fp64, half precision) compare in their own dtype there
+    exact = logit.dtype == torch.float32 and tau.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if not exact or logit.shape[1] > MAX_ROW or not controls.triton_path("causal_select", logit):
         return reference()
     return run_with_fallback("causal_select", lambda: causal_select_launch(*args, count_out), reference)

@@ -36,11 +36,13 @@ BLOCK_R = 16
 
 
 def router_logit_ref(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
-    """[R] logits in fp32 (fp64 for fp64 h), op by op (see the module docstring)."""
+    """[R] logits in fp32 (fp64 for fp64 h), op by op (see the module docstring); outside any
+    autocast region, whose matmul would run the product in half precision."""
     ct = torch.promote_types(h.dtype, torch.float32)
-    hf = h.to(ct)
-    inv = torch.rsqrt(hf.pow(2).mean(-1) + eps)
-    return torch.addcmul(b.to(ct), hf @ w.to(ct), inv)
+    with torch.autocast(h.device.type, enabled=False):
+        hf = h.to(ct)
+        inv = torch.rsqrt(hf.pow(2).mean(-1) + eps)
+        return torch.addcmul(b.to(ct), hf @ w.to(ct), inv)
 
 
 # --- Triton kernel -------------------------------------------------------------------------------
