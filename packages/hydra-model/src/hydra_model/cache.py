@@ -228,13 +228,21 @@ def prefill_kv(
     return entry
 
 
+def kept_or_new(
+    old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``old`` where it is a tensor of ``shape``, ``dtype`` and ``device`` (a restarted cache's,
+    which a captured decode step reads: :meth:`ModelCache.restart`), else a new uninitialised
+    one: the caller writes it whole."""
+    if old is not None and old.shape == shape and old.dtype == dtype and old.device == device:
+        return old
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def zeroed(old: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Zeros of ``shape`` in like's dtype and device: ``old`` zeroed in place where it is such a
-    tensor (a restarted cache's, which a captured decode step reads: :meth:`ModelCache.restart`),
-    else new."""
-    if old is not None and old.shape == shape and old.dtype == like.dtype and old.device == like.device:
-        return old.zero_()
-    return like.new_zeros(shape)
+    tensor (:func:`kept_or_new`), else new."""
+    return kept_or_new(old, shape, like.dtype, like.device).zero_()
 
 
 def refill(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from hydra_kernels import qk_norm, rope
 from hydra_kernels.ops.tile_linear import tile_linear
 from hydra_model import ccgqa_fold
 from hydra_model.attention_backend import flexible_attention
-from hydra_model.cache import CacheSlot, decode_attend, prefill_kv, refill, zeroed
+from hydra_model.cache import CacheSlot, decode_attend, kept_or_new, prefill_kv, refill, zeroed
 from hydra_model.options import OPTIONS
 
 
@@ -70,6 +70,12 @@ def list_conv_modules(model: nn.Module, cache) -> None:
             listed = [m for m in model.modules() if isinstance(m, CCGQAAttention)]
             model.__dict__["_ccgqa_modules"] = listed
         cache.conv_bank.modules = listed
+
+
+def window_form() -> str:
+    """The decode steps' conv weight form for ``decode_conv`` (hydra_model.options) when it is
+    not ``headwise``: its non-zero tiles, or the dense window weight."""
+    return "window_tiles" if OPTIONS.decode_conv == "window_tiles" else "window"
 
 
 #: a prefill of at most this many tokens (batch × prompt) runs its convs with the decode steps'
@@ -170,12 +176,12 @@ class CCGQAAttention(nn.Module):
 
     def _window_product(self, taps: torch.Tensor, slot: CacheSlot) -> torch.Tensor:
         """[R, K·C] windows (columns s·C + c) → [R, C]: the convs and the q-k mean."""
-        if OPTIONS.decode_conv == "window_tiles":
+        form = window_form()
+        weight, bias = self._folded(slot, form)
+        if form == "window_tiles":
             # the same weight as its non-zero tiles (ccgqa_fold.WINDOW_TILE): one kernel reading
             # ~1/10 of it, where cuBLAS launches a split-K GEMM and its reduction (tile_linear)
-            tiles, bias = self._folded(slot, "window_tiles")
-            return tile_linear(taps, tiles, bias)
-        weight, bias = self._folded(slot, "window")
+            return tile_linear(taps, weight, bias)
         return F.linear(taps, weight.to(taps.dtype), bias.to(taps.dtype))
 
     def _conv_qk_prefill(self, window: torch.Tensor, slot: CacheSlot) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +246,7 @@ class CCGQAAttention(nn.Module):
         window = F.pad(u, (0, 0, self.conv_context, 0))  # [B, n + K−1, C]
         if slot is not None and OPTIONS.decode_conv != "headwise" and not torch.is_grad_enabled():
             # the decode steps' weight, built now: a captured step must find it (decode_graphs.py)
-            self._folded(slot, "window_tiles" if OPTIONS.decode_conv == "window_tiles" else "window")
+            self._folded(slot, window_form())
             short = b * n <= PREFILL_WINDOW_ROWS
             q, k = self._conv_qk_prefill(window, slot) if short else self._conv_qk(window, slot)
         else:
@@ -318,14 +324,11 @@ class CCGQAAttention(nn.Module):
             # value shift's source the last token's, slices (two copies where the general case
             # below gathers: at batch 1 a prefill is bound by its launches). The row's columns
             # after the state are written by each decode step's projection before it reads them.
-            old = entry.window
-            same = old is not None and old.shape == shape and old.dtype == u.dtype and old.device == u.device
-            row = old if same else u.new_empty(shape)  # a restarted cache's, in place
+            row = kept_or_new(entry.window, shape, u.dtype, u.device)  # a restarted cache's, in place
             if ctx:
                 row[:, : ctx * c].view(b, ctx, c).copy_(u[:, n - ctx :])
-            prev_v = shifted_src[:, n - 1]  # [B, half], a view of the projection
-            kept = refill(entry.prev_v, prev_v)
-            entry.prev_v = kept if kept is not prev_v else prev_v.clone()
+            last = shifted_src[:, n - 1]  # [B, half], a view of the projection
+            entry.prev_v = kept_or_new(entry.prev_v, tuple(last.shape), last.dtype, last.device).copy_(last)
         else:
             length = entry.length  # [B]: the real tokens, as prefill_kv counted them
             row = zeroed(entry.window, u, shape)  # a restarted cache's, in place

@@ -16,9 +16,9 @@ for the twelve blocks of HYDRA's 100M preset was more launches than a whole deco
 :func:`fold_many` builds one form for a list of same-shaped modules with the same launches as for
 one (their parameters stacked first), and a cache's :class:`~hydra_model.cache.ConvBank` asks for
 every CCGQA module of the model at the first module's request (:func:`fold_into_bank`). Every
-element is computed by the same elementwise ops either way: the results are bitwise those of
-one module alone
-(the bias's sums over a head's channels may be ordered differently by a batched reduction).
+element is computed by the same elementwise ops either way: the weights are bitwise those of one
+module alone (the bias's sums over a head's channels may be ordered differently by a batched
+reduction).
 
 The builders take any leading batch dimensions and use elementwise ops only (no matmul), so
 autocast leaves them in the parameters' dtype; they are differentiable, so a training forward's

@@ -130,11 +130,19 @@ class Fingerprint:
 
     def content(self) -> tuple:
         """The sums, read on the host (see :meth:`sums`)."""
-        return tuple(self.sums().tolist()) if self.tensors else ()
+        return self.read(self.sums())
 
-    def sums(self) -> torch.Tensor:
-        """The sums on the device, launched and not read. On CUDA the first call runs them
-        eagerly; the second captures them as one graph, which later calls replay (one launch)."""
+    @staticmethod
+    def read(sums: torch.Tensor | None) -> tuple:
+        """What :meth:`sums` launched, read on the host (a host sync)."""
+        return () if sums is None else tuple(sums.tolist())
+
+    def sums(self) -> torch.Tensor | None:
+        """The sums on the device, launched and not read (None for a model with no tensors). On
+        CUDA the first call runs them eagerly; the second captures them as one graph, which later
+        calls replay (one launch)."""
+        if not self.tensors:
+            return None
         device = self.tensors[0].device
         self._calls += 1
         if device.type != "cuda" or self._calls == 1:
@@ -286,7 +294,7 @@ class PendingKeep:
         if self._pending is not None:
             decoder, request, fingerprint, sums, prefill_len = self._pending
             try:
-                content = tuple(sums.tolist()) if fingerprint.tensors else ()
+                content = fingerprint.read(sums)
             except Exception as err:  # the generation's tokens stand; this decoder is not kept
                 warnings.warn(f"generate keeps no decoder: its fingerprint failed ({err})", stacklevel=3)
                 return
@@ -308,7 +316,7 @@ def start_keep(
     if len({t.device for t in fingerprint.tensors}) > 1:
         return PendingKeep(model, None)  # a model on several devices: not kept
     try:
-        sums = fingerprint.sums() if fingerprint.tensors else None
+        sums = fingerprint.sums()
     except Exception as err:  # the generation's tokens stand; this decoder is not kept
         warnings.warn(f"generate keeps no decoder: its fingerprint failed ({err})", stacklevel=3)
         return PendingKeep(model, None)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hydra_kernels.ops.causal_select import causal_select
+from hydra_model.cache import kept_or_new
 from hydra_model.causal_routing import CAPACITY_BITS, CAPACITY_ONE, CausalRouter, take_first_k
 from hydra_model.fused_decide import decide_into, decision_buffers, fused_decide_applies
 from hydra_model.fused_routing import router_logits
@@ -27,13 +28,13 @@ def select_tokens(
     k = router.rows(n, ctx.seq_len or n)
     counts = ctx.counts
     if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        held = None if counts is None else counts.get(router.key)
-        fits = held is not None and held.shape == (b,) and held.dtype == torch.long
+        # the cache's counter, written in place where it has one (put_count's rule)
+        held = None if counts is None else kept_or_new(counts.get(router.key), (b,), torch.long, logit.device)
         taken, idx, member, pos_k, flat, count = causal_select(
             logit, router.threshold.tau, candidates, pos, router.cap_q, CAPACITY_BITS, CAPACITY_ONE, k,
-            count_out=held if fits else None,
+            count_out=held,
         )  # fmt: skip
-        if counts is not None and not fits:
+        if counts is not None:
             counts[router.key] = count
         return taken, SubSequence(idx, pos_k, member, flat)
     all_pos = positions_or_arange(pos, b, n, logit.device)
