@@ -16,7 +16,8 @@ from hydra_model import (
     create_ccgqa_mod_mor_model,
     preset_config,
 )
-from hydra_model.config import HYDRA_V1_100M, HYDRA_V2_100M
+from hydra_model.config import HYDRA_V1_100M, HYDRA_V2_100M, PRE_RACE_PRESETS
+from hydra_model.gpt_config import gpt_config
 
 
 def _meta_params(name: str, **kw) -> int:
@@ -61,13 +62,38 @@ def test_seed_table_dims_and_depths():
     table = {
         "debug": (512, 2, 2),
         "100M": (768, 12, 1),  # changed from the seed's 8 × 4 by the races (config.py)
-        "250M": (1024, 10, 4),
-        "500M": (1280, 16, 4),
-        "1B": (1792, 20, 4),
+        # changed from the seed's 10 × 4, 16 × 4 and 20 × 4 to the race's layout (config.py)
+        "250M": (1024, 16, 1),
+        "500M": (1536, 16, 1),
+        "1B": (2048, 20, 1),
     }
     for name, (dim, blocks, rec) in table.items():
         cfg = preset_config(name)
         assert (cfg.dim, cfg.n_mor_blocks, cfg.recursions_per_block) == (dim, blocks, rec)
+
+
+@pytest.mark.parametrize("name", ["100M", "250M", "500M", "1B"])
+def test_larger_presets_take_the_dense_gpt_widths(name):
+    """From 100M up the preset is the dense GPT of that size with CCGQA and MoD: the same width,
+    depth, heads and SwiGLU width (the race compares models of one shape)."""
+    hydra, gpt = preset_config(name), gpt_config(name)
+    assert hydra.compression_factor == 1.0 and hydra.recursions_per_block == 1
+    hydra_shape = (hydra.dim, hydra.n_mor_blocks, hydra.n_heads, hydra.n_kv_heads, hydra.head_dim)
+    assert hydra_shape == (gpt.dim, gpt.n_layers, gpt.n_heads, gpt.n_kv_heads, gpt.head_dim)
+    assert hydra.mlp_hidden == gpt.mlp_hidden
+    assert [i for i in range(hydra.n_mor_blocks) if hydra.mod_routed(i)] == list(
+        range(1, hydra.n_mor_blocks - 1, 2)
+    )
+
+
+@pytest.mark.parametrize("name", sorted(PRE_RACE_PRESETS))
+def test_pre_race_layouts_stay_buildable_at_the_seed_counts(name):
+    cfg = HydraConfig(**PRE_RACE_PRESETS[name])
+    assert cfg.recursions_per_block == 4 and cfg.mod_capacity == 0.75 and cfg.mod_block_stride == 1
+    with torch.device("meta"):
+        count = create_ccgqa_mod_mor_model("tiny", **PRE_RACE_PRESETS[name]).num_parameters()
+    assert count == _hand_count(cfg)
+    assert abs(count / SEED_PARAM_COUNTS[name] - 1) <= 0.10, (name, count)
 
 
 def test_round_trip_through_json():

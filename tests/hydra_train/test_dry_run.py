@@ -36,9 +36,11 @@ def test_cuda_defaults_are_the_fast_path():
         "chunked_ce": True,
         "cuda_graphs": True,
         "compiled_routing_glue": True,
+        "compile": False,  # 300 steps of 16 × 1024: too short to repay a compile
         "precision": "bf16",
     }
     assert {"triton_kernels", "cuda_graphs"} <= set(out["would_pretest"])
+    assert "compile" not in out["would_pretest"]
     assert out["config"]["model_size"] == "100M"  # the GPU preset
 
 
@@ -46,7 +48,48 @@ def test_cpu_defaults_stay_on_the_references():
     out = _dry("--device", "cpu")
     fast = out["fast_path"]
     assert not fast["triton_kernels"] and not fast["chunked_ce"] and fast["precision"] == "fp32"
-    assert "triton_kernels" not in out["would_pretest"]
+    assert fast["compile"] is False
+    assert "triton_kernels" not in out["would_pretest"] and "compile" not in out["would_pretest"]
+
+
+@pytest.mark.parametrize(
+    ("args", "scope"),
+    [
+        # 6103 × 8 × 2048 = 99.99M planned tokens: one step short of compiling
+        (("--max_steps", "6103", "--batch_size", "8", "--seq_len", "2048"), False),
+        (("--max_steps", "6104", "--batch_size", "8", "--seq_len", "2048"), "blocks"),
+        (("--max_steps", "3052", "--batch_size", "8", "--seq_len", "2048", "--grad_accum", "2"), "blocks"),
+        # 18310 × 8 × 2048 = 299.99M: one step short of the whole forward
+        (("--max_steps", "18310", "--batch_size", "8", "--seq_len", "2048"), "blocks"),
+        (("--max_steps", "18311", "--batch_size", "8", "--seq_len", "2048"), "model"),
+        (("--mode", "production"), "model"),  # 100k steps
+        (("--mode", "production", "--compile_scope", "blocks"), "blocks"),  # said: kept
+        (("--compile", "--compile_scope", "model"), "model"),  # said: a short run compiles too
+        (("--compile",), "blocks"),
+    ],
+)
+def test_compile_follows_the_planned_tokens(args, scope):
+    from hydra_train.config import COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS
+
+    assert (COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS) == (100_000_000, 300_000_000)  # rows above
+    assert _dry("--device", "cuda", *args)["fast_path"]["compile"] == scope
+
+
+def test_compile_is_off_by_default_where_it_is_unmeasured(monkeypatch):
+    long_run = ("--mode", "production")
+    assert _dry("--device", "cuda", *long_run)["fast_path"]["compile"] == "model"
+    assert _dry("--device", "cpu", *long_run)["fast_path"]["compile"] is False
+    assert _dry("--device", "cuda", "--fsdp", *long_run)["fast_path"]["compile"] is False
+    assert _dry("--device", "cuda", "--no-compile", *long_run)["fast_path"]["compile"] is False
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _dry("--device", "cuda", *long_run)["fast_path"]["compile"] is False
+    assert _dry("--device", "cuda", "--compile", *long_run)["fast_path"]["compile"] == "model"  # asked
+
+
+def test_asking_for_compile_with_fsdp_is_still_refused():
+    res = runner.invoke(app, ["run", "--dry_run", "--device", "cuda", "--fsdp", "--compile"])
+    assert res.exit_code != 0 and "--fsdp and --compile" in res.output
 
 
 def test_each_part_of_the_fast_path_can_be_turned_off():

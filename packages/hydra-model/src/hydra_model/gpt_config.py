@@ -34,11 +34,11 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
     "debug": dict(dim=512, n_layers=6, n_heads=8, n_kv_heads=4, mlp_hidden=1408, max_seq_len=2048),
     # 100.1M [105.2M]: the classic 12 × 768 with Llama's 8/3 · dim SwiGLU
     "100M": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, mlp_hidden=2048, max_seq_len=2048),
-    # 200.6M [198.5M]
+    # 200.6M [203.3M]
     "250M": dict(dim=1024, n_layers=16, n_heads=16, n_kv_heads=4, mlp_hidden=2560, max_seq_len=2048),
-    # 433.1M [430.4M]
+    # 433.1M [437.3M]
     "500M": dict(dim=1536, n_layers=16, n_heads=24, n_kv_heads=8, mlp_hidden=3840, max_seq_len=2048),
-    # 967.6M [972.2M]
+    # 967.6M [974.2M]
     "1B": dict(dim=2048, n_layers=20, n_heads=32, n_kv_heads=8, mlp_hidden=5632, max_seq_len=2048),
 }
 

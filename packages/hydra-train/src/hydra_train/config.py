@@ -47,7 +47,20 @@ SCHEDULES = ("cosine", "wsd")
 PRECISIONS = ("auto", "bf16", "fp32")
 FP8_FORMATS = ("e4m3", "e5m2")
 FP8_SCALINGS = ("row", "tensor")
-COMPILE_SCOPES = ("blocks", "model")
+COMPILE_SCOPES = ("auto", "blocks", "model")
+
+#: Planned training tokens (steps × batch × length × accumulation) from which a CUDA run compiles
+#: by default. Measured with ``hydra-train run`` on an H100 (packages/hydra-train/BENCHMARKS.md,
+#: 2026-11-26; 100M, 16 × 1024 tokens a step): without compiling, 301K tokens/s; compiling the
+#: blocks cost about 50 s of setup (the pretest's arm 40 s, the run's own compile about 10 s) for
+#: 356K tokens/s, repaid after about 96M tokens; the whole forward cost about 95 s (56 + 40) for
+#: 384K, ahead of the blocks after about 225M. The default 300-step run (4.9M tokens) would take
+#: twice as long with a compile.
+COMPILE_TOKENS = 100_000_000
+#: Planned tokens from which ``--compile_scope auto`` compiles the whole forward rather than each
+#: block (see above; rounded up from the 225M measured).
+WHOLE_MODEL_COMPILE_TOKENS = 300_000_000
+
 GRAD_SYNC_MODES = ("auto", "reducer", "allreduce")  # hydra_train.data_parallel says what each does
 
 #: Default corpus names that need no files: the Python standard library's own source, and "pyenv"
@@ -318,6 +331,10 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
         out.triton_kernels = kind == "cuda"
     if out.chunked_ce is None:
         out.chunked_ce = kind == "cuda"
+    if out.compile is None:
+        out.compile = compile_by_default(out, kind)
+    if out.compile_scope == "auto":
+        out.compile_scope = compile_scope_for(out)
     if out.precision == "auto":
         out.precision = "bf16" if (kind == "cuda" and dev.bf16_supported) else "fp32"
     if out.precision == "bf16" and kind != "cuda":
@@ -335,6 +352,29 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
         # both work alone; together they need per-block compilation, which this runner does not do
         raise HydraTrainError("--fsdp and --compile cannot be combined yet; drop one of them")
     return out
+
+
+def planned_tokens(cfg: TrainConfig) -> int:
+    """Training tokens one process plans to read: steps × batch × length × accumulation."""
+    return cfg.max_steps * cfg.batch_size * cfg.seq_len * cfg.grad_accum
+
+
+def compile_by_default(cfg: TrainConfig, kind: str) -> bool:
+    """Whether a run that said neither ``--compile`` nor ``--no-compile`` compiles: on CUDA in a
+    single process when it plans at least :data:`COMPILE_TOKENS` tokens (a shorter run spends
+    more on the compile than it saves). Not with FSDP (the combination is refused) nor under
+    torchrun (DDP with compiled code in its graphed step is unmeasured; ``--compile`` asks)."""
+    from hydra_train.options import torchrun_launch
+
+    if kind != "cuda" or cfg.fsdp or torchrun_launch().world_size != 1:
+        return False
+    return planned_tokens(cfg) >= COMPILE_TOKENS
+
+
+def compile_scope_for(cfg: TrainConfig) -> str:
+    """``--compile_scope auto``: the whole forward for a run of at least
+    :data:`WHOLE_MODEL_COMPILE_TOKENS` planned tokens, else each block."""
+    return "model" if planned_tokens(cfg) >= WHOLE_MODEL_COMPILE_TOKENS else "blocks"
 
 
 def model_id_for(size: str, arch: str = "hydra") -> str:

@@ -48,6 +48,7 @@ def dry_run(cfg: TrainConfig) -> dict[str, Any]:
             "chunked_ce": resolved.chunked_ce,
             "cuda_graphs": resolved.experimental_cuda_graphs and dev.type == "cuda",
             "compiled_routing_glue": dev.type == "cuda",
+            "compile": resolved.compile_scope if resolved.compile else False,
             "precision": resolved.precision,
         },
         "would_pretest": requested if not resolved.experimental_skip_pretest else [],

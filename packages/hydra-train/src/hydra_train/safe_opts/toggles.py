@@ -229,16 +229,17 @@ def compile_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class CompileModel(Optimization):
-    """``torch.compile``. Scope ``blocks`` (default) compiles each CCGQABlock (attention + FFN), the
-    unit every recursion applies, with dynamic shapes (routed recursions see different token
-    counts): blocks share the compiled code, so compile time does not grow with depth, and the
+    """``torch.compile``, on by default for a long CUDA run (``hydra_train.config.compile_by_default``).
+    Scope ``blocks`` compiles each CCGQABlock (attention + FFN), the unit every recursion applies,
+    with dynamic shapes (routed recursions see different token counts): blocks share the
+    compiled code, so compile time does not grow with depth, and the
     routing glue around them is hydra-model's own business (it compiles its fused routing
     functions itself). Scope ``model`` compiles the whole forward (the DDP wrapper when there is
     one). ``HYDRA_COMPILE_BACKEND`` picks the backend (default inductor)."""
 
     name = "compile"
     flag = "--compile"
-    title = "torch.compile (each attention+FFN block by default; --compile_scope model: the whole forward)"
+    title = "torch.compile (--compile_scope blocks: each attention+FFN block; model: the whole forward)"
 
     def __init__(self, cfg):
         super().__init__(cfg)
