@@ -75,7 +75,7 @@ def test_compile_follows_the_planned_tokens(args, scope):
     assert _dry("--device", "cuda", *args)["fast_path"]["compile"] == scope
 
 
-def test_compile_is_off_by_default_where_it_is_unmeasured(monkeypatch):
+def test_compile_defaults_where_they_were_measured(monkeypatch):
     long_run = ("--mode", "production")
     assert _dry("--device", "cuda", *long_run)["fast_path"]["compile"] == "model"
     assert _dry("--device", "cpu", *long_run)["fast_path"]["compile"] is False
@@ -83,8 +83,10 @@ def test_compile_is_off_by_default_where_it_is_unmeasured(monkeypatch):
     assert _dry("--device", "cuda", "--no-compile", *long_run)["fast_path"]["compile"] is False
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _dry("--device", "cuda", *long_run)["fast_path"]["compile"] is False
-    assert _dry("--device", "cuda", "--compile", *long_run)["fast_path"]["compile"] == "model"  # asked
+    # under torchrun (DDP): the blocks, the scope measured with DDP; the whole forward when asked
+    assert _dry("--device", "cuda", *long_run)["fast_path"]["compile"] == "blocks"
+    assert _dry("--device", "cuda", "--compile_scope", "model", *long_run)["fast_path"]["compile"] == "model"
+    assert _dry("--device", "cuda")["fast_path"]["compile"] is False  # short: none
 
 
 def test_asking_for_compile_with_fsdp_is_still_refused():

@@ -15,6 +15,8 @@
 #   source tools/gpu_env.sh
 #   bash packages/hydra-diag/bench/ddp_gpu.sh
 #
+# EXTRA_ARGS are added to every run (e.g. EXTRA_ARGS=--compile: the three with torch.compile).
+#
 # CPU dry run of the script itself (tiny model, gloo, a generated token file; no speed measured):
 #   HYDRA_BENCH_CPU=1 PYTHON=python bash packages/hydra-diag/bench/ddp_gpu.sh
 set -u -o pipefail
@@ -25,6 +27,7 @@ WARMUP=${WARMUP:-30}
 LOG_EVERY=${LOG_EVERY:-20}
 PYTHON=${PYTHON:-python3}
 RUNS=${RUNS:-1gpu,ddp_graphed,ddp_eager}  # which of the three runs below
+read -r -a extra <<<"${EXTRA_ARGS:-}"
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the lent machines (see the device notes); keep it so in every rank
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
@@ -74,10 +77,10 @@ run() {  # run NAME NPROC MAX_SECONDS ARGS...
   start=$(date +%s)
   mkdir -p "$OUT/$name"
   timeout -k 10 "$limit" "${launch[@]}" run --checkpoint_dir "$work/$name" --summary_dir "$OUT/$name" \
-    --json "${common[@]}" "$@" >"$OUT/$name.log" 2>&1
+    --json "${common[@]}" "${extra[@]}" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   echo "== $name rc=$rc $(($(date +%s) - start)) s" | tee -a "$OUT/status"
-  grep -E "SafeOptimizations status|pretest cuda_graphs|cuda_graphs disabled|Error|error:" "$OUT/$name.log" | tail -6
+  grep -E "SafeOptimizations status|pretest (cuda_graphs|compile)|cuda_graphs disabled|Error|error:" "$OUT/$name.log" | tail -6
   cp -r "$work/$name/pretest_logs" "$OUT/$name/" 2>/dev/null || true
 }
 

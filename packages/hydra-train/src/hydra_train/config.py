@@ -360,20 +360,21 @@ def planned_tokens(cfg: TrainConfig) -> int:
 
 
 def compile_by_default(cfg: TrainConfig, kind: str) -> bool:
-    """Whether a run that said neither ``--compile`` nor ``--no-compile`` compiles: on CUDA in a
-    single process when it plans at least :data:`COMPILE_TOKENS` tokens (a shorter run spends
-    more on the compile than it saves). Not with FSDP (the combination is refused) nor under
-    torchrun (DDP with compiled code in its graphed step is unmeasured; ``--compile`` asks)."""
-    from hydra_train.options import torchrun_launch
-
-    if kind != "cuda" or cfg.fsdp or torchrun_launch().world_size != 1:
-        return False
-    return planned_tokens(cfg) >= COMPILE_TOKENS
+    """Whether a run that said neither ``--compile`` nor ``--no-compile`` compiles: on CUDA when it
+    plans at least :data:`COMPILE_TOKENS` tokens a process (a shorter run spends more on the
+    compile than it saves). Not with FSDP (the combination is refused)."""
+    return kind == "cuda" and not cfg.fsdp and planned_tokens(cfg) >= COMPILE_TOKENS
 
 
 def compile_scope_for(cfg: TrainConfig) -> str:
-    """``--compile_scope auto``: the whole forward for a run of at least
-    :data:`WHOLE_MODEL_COMPILE_TOKENS` planned tokens, else each block."""
+    """``--compile_scope auto``: the whole forward for a single-process run of at least
+    :data:`WHOLE_MODEL_COMPILE_TOKENS` planned tokens, else each block. Under torchrun, each block:
+    DDP with compiled blocks inside its graphed step was measured (packages/hydra-train/
+    BENCHMARKS.md), with the whole forward compiled it was not (``--compile_scope model`` asks)."""
+    from hydra_train.options import torchrun_launch
+
+    if torchrun_launch().world_size != 1:
+        return "blocks"
     return "model" if planned_tokens(cfg) >= WHOLE_MODEL_COMPILE_TOKENS else "blocks"
 
 

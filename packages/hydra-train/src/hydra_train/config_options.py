@@ -279,14 +279,14 @@ class OptimizationOptions:
         help="hydra-kernels' fused Triton ops, otherwise the PyTorch references (default: on with "
         "CUDA, pretested by SafeOptimizations; off on the CPU).",
     )
-    #: None = on for a long run with CUDA in a single process (config.compile_by_default)
+    #: None = on for a long run with CUDA (config.compile_by_default)
     compile: bool | None = flag(
         None,
         "--compile",
         switch=True,
-        help="torch.compile the model, pretested by SafeOptimizations (default: on with CUDA in one "
-        "process for a run of at least 100M tokens, where the ~1 min of compiling pays for itself; "
-        "off on the CPU, with --fsdp and under torchrun).",
+        help="torch.compile the model, pretested by SafeOptimizations (default: on with CUDA for a "
+        "run of at least 100M tokens a process, where the ~1 min of compiling pays for itself; off "
+        "on the CPU and with --fsdp).",
     )
     compile_scope: str = flag(
         "auto",
@@ -294,7 +294,7 @@ class OptimizationOptions:
         metavar="auto|blocks|model",
         help="What --compile compiles: blocks (each attention+FFN block, shared code: quick to "
         "compile) or model (the whole forward: faster steps, a longer compile); auto: model for a "
-        "run of at least 300M tokens, else blocks.",
+        "single-process run of at least 300M tokens, else blocks.",
     )
     eight_bit_adam: bool = flag(
         False,
