@@ -56,8 +56,9 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     ),
     # 250M, 500M and 1B: the 100M preset's layout at the dense GPT presets' widths (gpt_config.py:
     # the same dim, depth, head counts and SwiGLU width, CCGQA uncompressed, one recursion, MoD
-    # 12.5% on every other block). The race was run at 100M only; these carry its result to the
-    # larger sizes unraced. The seed's layouts they replace are PRE_RACE_PRESETS below.
+    # 12.5% on every other block). The 100M races chose it; at 500M one 120 s race checked it
+    # (hydra-diag/BENCHMARKS.md); 250M and 1B carry it unraced. The seed's layouts they replace
+    # are PRE_RACE_PRESETS below.
     "250M": dict(
         dim=1024,
         n_mor_blocks=16,
