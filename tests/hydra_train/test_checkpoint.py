@@ -138,3 +138,20 @@ def test_not_a_checkpoint(tmp_path):
     torch.save({"hello": 1}, tmp_path / "hydra_tiny_step1.pt")
     with pytest.raises(HydraCheckpointError, match="not a hydra-train checkpoint"):
         load_checkpoint(tmp_path / "hydra_tiny_step1.pt")
+
+
+@pytest.mark.parametrize("size", ["250M", "500M", "1B"])
+def test_the_refusal_names_the_overrides_that_rebuild_a_changed_preset(size, tmp_path):
+    """A checkpoint of a preset's seed layout (PRE_RACE_PRESETS), resumed with today's preset: the
+    message's --model_override flags, applied to the preset, give back the saved config exactly."""
+    from hydra_kernels.cli_support import parse_assignments
+    from hydra_model import HydraConfig
+    from hydra_model.config import PRE_RACE_PRESETS
+
+    saved = HydraConfig(**PRE_RACE_PRESETS[size])
+    ckpt = {"config": {"model": saved.to_dict()}}
+    with pytest.raises(HydraCheckpointError, match="different model config") as info:
+        check_model_config(ckpt, preset_config(size), tmp_path / "ck.pt")
+    hint = str(info.value).split("(here: ", 1)[1].split(")", 1)[0]
+    items = hint.replace("--model_override ", "").split()
+    assert preset_config(size, **parse_assignments(items)) == saved

@@ -115,6 +115,7 @@ def test_resume_with_another_model_config_is_refused(bin_dataset, tmp_path):
     res = runner.invoke(app, [*_run_args(bin_dataset, ck), "--resume", "--model_override", "dim=96"])
     assert res.exit_code == 1
     assert "different model config" in res.output and "dim: 64 != 96" in res.output
+    assert "--model_override dim=64" in res.output  # the flag that gives the saved model back
     assert "Traceback" not in res.output
 
 

@@ -55,10 +55,10 @@ def test_cpu_defaults_stay_on_the_references():
 @pytest.mark.parametrize(
     ("args", "scope"),
     [
-        # 6103 × 8 × 2048 = 99.99M planned tokens: one step short of compiling
-        (("--max_steps", "6103", "--batch_size", "8", "--seq_len", "2048"), False),
-        (("--max_steps", "6104", "--batch_size", "8", "--seq_len", "2048"), "blocks"),
-        (("--max_steps", "3052", "--batch_size", "8", "--seq_len", "2048", "--grad_accum", "2"), "blocks"),
+        # 12207 × 8 × 2048 = 199.99M planned tokens: one step short of compiling
+        (("--max_steps", "12207", "--batch_size", "8", "--seq_len", "2048"), False),
+        (("--max_steps", "12208", "--batch_size", "8", "--seq_len", "2048"), "blocks"),
+        (("--max_steps", "6104", "--batch_size", "8", "--seq_len", "2048", "--grad_accum", "2"), "blocks"),
         # 18310 × 8 × 2048 = 299.99M: one step short of the whole forward
         (("--max_steps", "18310", "--batch_size", "8", "--seq_len", "2048"), "blocks"),
         (("--max_steps", "18311", "--batch_size", "8", "--seq_len", "2048"), "model"),
@@ -71,7 +71,7 @@ def test_cpu_defaults_stay_on_the_references():
 def test_compile_follows_the_planned_tokens(args, scope):
     from hydra_train.config import COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS
 
-    assert (COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS) == (100_000_000, 300_000_000)  # rows above
+    assert (COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS) == (200_000_000, 300_000_000)  # rows above
     assert _dry("--device", "cuda", *args)["fast_path"]["compile"] == scope
 
 
@@ -87,6 +87,18 @@ def test_compile_defaults_where_they_were_measured(monkeypatch):
     assert _dry("--device", "cuda", *long_run)["fast_path"]["compile"] == "blocks"
     assert _dry("--device", "cuda", "--compile_scope", "model", *long_run)["fast_path"]["compile"] == "model"
     assert _dry("--device", "cuda")["fast_path"]["compile"] is False  # short: none
+    # 24414 × 8 × 2048 = 399.99M a process: one step short of compiling under torchrun
+    per_process = ("--batch_size", "8", "--seq_len", "2048", "--max_steps")
+    assert _dry("--device", "cuda", *per_process, "24414")["fast_path"]["compile"] is False
+    assert _dry("--device", "cuda", *per_process, "24415")["fast_path"]["compile"] == "blocks"
+
+
+def test_the_scope_of_a_run_that_does_not_compile_does_not_follow_its_length():
+    """The scope is part of the pretest log's fingerprint (safe_opts/pretest_log.py): two runs
+    that compile nothing and differ only in length must not look like different setups."""
+    short = _dry("--device", "cuda", "--no-compile")["config"]
+    long = _dry("--device", "cuda", "--no-compile", "--mode", "production")["config"]
+    assert short["compile_scope"] == long["compile_scope"] == "blocks"
 
 
 def test_asking_for_compile_with_fsdp_is_still_refused():

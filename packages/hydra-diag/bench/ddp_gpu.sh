@@ -15,7 +15,8 @@
 #   source tools/gpu_env.sh
 #   bash packages/hydra-diag/bench/ddp_gpu.sh
 #
-# EXTRA_ARGS are added to every run (e.g. EXTRA_ARGS=--compile: the three with torch.compile).
+# EXTRA_ARGS are added to every run, words split on spaces (e.g. EXTRA_ARGS=--compile: the three
+# with torch.compile).
 #
 # CPU dry run of the script itself (tiny model, gloo, a generated token file; no speed measured):
 #   HYDRA_BENCH_CPU=1 PYTHON=python bash packages/hydra-diag/bench/ddp_gpu.sh

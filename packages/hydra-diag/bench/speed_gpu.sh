@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issue 13's single-GPU figures in one call: setup of the 100M preset's graphed training step on a
 # cold compile cache and again on the warm one (each a fresh process), then the 500M and 1B presets
-# (tokens/s, memory, MFU on executed FLOPs). Each run is bench_model.py's `graph` mode: the whole
-# step captured as a CUDA graph, the routing glue compiled, fused kernels, chunked CE: the path
-# hydra-train takes on CUDA by default. Steps are bounded by what is left of DEADLINE seconds;
-# the JSON of each run goes to $OUT. SETUP=0 skips the two setup runs; PEER=1 times the dense GPT
-# of each size after HYDRA's (bench_model.py's `compile` mode, the whole model compiled); HYDRA_ARGS
-# replaces HYDRA's run arguments (default: the graphed step, `--configs dynamic --modes graph`),
-# PEER_ARGS the GPT's.
+# (tokens/s, memory, MFU on executed FLOPs). Each run is by default bench_model.py's `graph` mode:
+# the whole step captured as a CUDA graph, the routing glue compiled, fused kernels, chunked CE:
+# the path hydra-train takes on CUDA for a run too short to compile (hydra_train.config.
+# compile_by_default). Steps are bounded by what is left of DEADLINE seconds; the JSON of each run
+# goes to $OUT. SETUP=0 skips the two setup runs; PEER=1 times the dense GPT of each size after
+# HYDRA's (bench_model.py's `compile` mode, the whole model compiled); both take 0 or 1.
+# HYDRA_ARGS replaces HYDRA's run arguments (default: the graphed step, `--configs dynamic --modes
+# graph`), PEER_ARGS the GPT's (words split on spaces).
 #
 #   source tools/gpu_env.sh
 #   DEADLINE=520 bash packages/hydra-diag/bench/speed_gpu.sh
@@ -20,6 +21,9 @@ DEADLINE=${DEADLINE:-520}
 SIZES=${SIZES:-500M,1B}
 SETUP=${SETUP:-1}
 PEER=${PEER:-0}
+for flag in SETUP PEER; do
+  [[ ${!flag} == [01] ]] || { echo "speed_gpu.sh: $flag=${!flag}: use 0 or 1" >&2; exit 2; }
+done
 mkdir -p "$OUT"
 t0=$(date +%s)
 caches=$(mktemp -d)

@@ -181,11 +181,28 @@ def check_model_config(ckpt: dict[str, Any], current, path: Path) -> None:
         )
     diffs = config_differences(ckpt["config"]["model"], current)
     if diffs:
+        hint = override_hint(ckpt["config"]["model"], diffs)
         raise HydraCheckpointError(
             f"{path} was saved for a different model config and cannot be resumed with this one; "
-            f"differences (checkpoint != current): {'; '.join(diffs)}. Use the original flags, or another "
-            "--checkpoint_dir to start fresh."
+            f"differences (checkpoint != current): {'; '.join(diffs)}. Use the original flags{hint}, "
+            "or another --checkpoint_dir to start fresh."
         )
+
+
+def override_hint(saved_model_config: dict[str, Any], diffs: list[str]) -> str:
+    """The ``--model_override`` flags that give back the saved values of the differing fields
+    that are plain values (a preset whose layout changed since the checkpoint was written, e.g.
+    the 250M/500M/1B presets of 2026-11-26: hydra_model.config.PRE_RACE_PRESETS), as
+    ``" (here: --model_override dim=1280 ...)"``; empty when none is."""
+    flags = []
+    for diff in diffs:
+        name = diff.split(":", 1)[0].strip()
+        value = saved_model_config.get(name)
+        if isinstance(value, bool) or value is None:
+            flags.append(f"--model_override {name}={str(value).lower() if value is not None else 'null'}")
+        elif isinstance(value, (int, float, str)) and " " not in str(value):
+            flags.append(f"--model_override {name}={value}")
+    return f" (here: {' '.join(flags)})" if flags else ""
 
 
 def capture_rng() -> dict[str, Any]:

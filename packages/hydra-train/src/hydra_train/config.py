@@ -49,16 +49,20 @@ FP8_FORMATS = ("e4m3", "e5m2")
 FP8_SCALINGS = ("row", "tensor")
 COMPILE_SCOPES = ("auto", "blocks", "model")
 
-#: Planned training tokens (steps × batch × length × accumulation) from which a CUDA run compiles
-#: by default. Measured with ``hydra-train run`` on an H100 (packages/hydra-train/BENCHMARKS.md,
-#: 2026-11-26; 100M, 16 × 1024 tokens a step): without compiling, 301K tokens/s; compiling the
-#: blocks cost about 50 s of setup (the pretest's arm 40 s, the run's own compile about 10 s) for
-#: 356K tokens/s, repaid after about 96M tokens; the whole forward cost about 95 s (56 + 40) for
-#: 384K, ahead of the blocks after about 225M. The default 300-step run (4.9M tokens) would take
-#: twice as long with a compile.
-COMPILE_TOKENS = 100_000_000
-#: Planned tokens from which ``--compile_scope auto`` compiles the whole forward rather than each
-#: block (see above; rounded up from the 225M measured).
+#: Planned training tokens a process (steps × batch × length × accumulation) from which a CUDA
+#: run compiles by default. Measured with ``hydra-train run`` (packages/hydra-train/BENCHMARKS.md,
+#: 2026-11-26; 100M, 16 × 1024 tokens a step). On an H100: without compiling 301K tokens/s;
+#: compiling the blocks cost about 50 s of setup (the pretest's arm 40 s, the run's own compile
+#: about 10 s) for 356K, repaid after about 96M tokens; the whole forward cost about 95 s (56 + 40)
+#: for 384K, ahead of the blocks after about 225M. On an H200 the blocks gain less (347.5K against
+#: 321.7K) and repay after about 195M: the threshold is set for both. The default 300-step run (4.9M
+#: tokens) would take twice as long with a compile.
+COMPILE_TOKENS = 200_000_000
+#: The same under torchrun (DDP): each rank's pretest compiles too and waits for the others (a 69 s
+#: arm on 2 × H200, 329.5K against 305.8K tokens/s a GPU: repaid after about 340M tokens a process).
+COMPILE_TOKENS_DDP = 400_000_000
+#: Planned tokens from which ``--compile_scope auto`` compiles the whole forward of a single-process
+#: run rather than each block (see above: 225M on the H100, rounded up).
 WHOLE_MODEL_COMPILE_TOKENS = 300_000_000
 
 GRAD_SYNC_MODES = ("auto", "reducer", "allreduce")  # hydra_train.data_parallel says what each does
@@ -334,7 +338,8 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
     if out.compile is None:
         out.compile = compile_by_default(out, kind)
     if out.compile_scope == "auto":
-        out.compile_scope = compile_scope_for(out)
+        # fixed when nothing compiles: the scope is part of the pretest log's fingerprint
+        out.compile_scope = compile_scope_for(out) if out.compile else "blocks"
     if out.precision == "auto":
         out.precision = "bf16" if (kind == "cuda" and dev.bf16_supported) else "fp32"
     if out.precision == "bf16" and kind != "cuda":
@@ -361,9 +366,15 @@ def planned_tokens(cfg: TrainConfig) -> int:
 
 def compile_by_default(cfg: TrainConfig, kind: str) -> bool:
     """Whether a run that said neither ``--compile`` nor ``--no-compile`` compiles: on CUDA when it
-    plans at least :data:`COMPILE_TOKENS` tokens a process (a shorter run spends more on the
-    compile than it saves). Not with FSDP (the combination is refused)."""
-    return kind == "cuda" and not cfg.fsdp and planned_tokens(cfg) >= COMPILE_TOKENS
+    plans at least :data:`COMPILE_TOKENS` tokens (:data:`COMPILE_TOKENS_DDP` a process under
+    torchrun); a shorter run spends more on the compile than it saves. Not with FSDP (the
+    combination is refused)."""
+    from hydra_train.options import torchrun_launch
+
+    if kind != "cuda" or cfg.fsdp:
+        return False
+    least = COMPILE_TOKENS if torchrun_launch().world_size == 1 else COMPILE_TOKENS_DDP
+    return planned_tokens(cfg) >= least
 
 
 def compile_scope_for(cfg: TrainConfig) -> str:

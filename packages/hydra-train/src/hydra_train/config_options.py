@@ -285,8 +285,8 @@ class OptimizationOptions:
         "--compile",
         switch=True,
         help="torch.compile the model, pretested by SafeOptimizations (default: on with CUDA for a "
-        "run of at least 100M tokens a process, where the ~1 min of compiling pays for itself; off "
-        "on the CPU and with --fsdp).",
+        "run of at least 200M tokens, 400M a process under torchrun, where the ~1 min of compiling "
+        "pays for itself; off on the CPU and with --fsdp).",
     )
     compile_scope: str = flag(
         "auto",
