@@ -24,7 +24,13 @@ GPU_COMMANDS = [
 ]
 GROUPS = {
     "bench": {
-        "backward-kernels", "swiglu-backward", "kernels", "model", "performance", "tall-skinny", "inference"
+        "backward-kernels",
+        "swiglu-backward",
+        "kernels",
+        "model",
+        "performance",
+        "tall-skinny",
+        "inference",
     },
     "sweep": {"throughput", "vram", "knobs"},
     "profile": {"kernels", "python-overhead"},

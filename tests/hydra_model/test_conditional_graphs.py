@@ -32,6 +32,7 @@ def test_driver_structs_have_the_cuda_12_4_layout():
 
     assert ctypes.sizeof(GraphNodeParams) == 4 + 12 + 29 * 8 + 8
     assert GraphNodeParams.u.offset == 16 and GraphNodeParams.reserved2.offset == 248
+
     def offsets(struct, *names):
         return [getattr(struct, name).offset for name in names]
 

@@ -160,8 +160,16 @@ def main() -> None:
         results.append(r)
         release(device)
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
-                       "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "args": vars(args),
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
