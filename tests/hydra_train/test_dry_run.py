@@ -101,6 +101,21 @@ def test_the_scope_of_a_run_that_does_not_compile_does_not_follow_its_length():
     assert short["compile_scope"] == long["compile_scope"] == "blocks"
 
 
+def test_the_dry_run_says_why_it_compiles_or_not(monkeypatch):
+    reason = _dry("--device", "cuda")["compile_reason"]
+    assert reason.startswith("off: 4.9M planned tokens < 200M") and "--compile" in reason
+    reason = _dry("--device", "cuda", "--mode", "production")["compile_reason"]
+    assert reason == "on: 1,638.4M planned tokens >= 200M; scope model (>= 300M)"  # 100k × 16 × 1024
+    assert _dry("--device", "cuda", "--no-compile")["compile_reason"] == "--no-compile given"
+    assert _dry("--device", "cpu")["compile_reason"] == "off on the CPU"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    reason = _dry("--device", "cuda", "--mode", "production")["compile_reason"]
+    assert "a process under torchrun >= 400M" in reason and "scope blocks" in reason
+    res = runner.invoke(app, ["run", "--dry_run", "--device", "cuda"])  # the table for people
+    assert res.exit_code == 0 and "compile because" in res.output
+
+
 def test_asking_for_compile_with_fsdp_is_still_refused():
     res = runner.invoke(app, ["run", "--dry_run", "--device", "cuda", "--fsdp", "--compile"])
     assert res.exit_code != 0 and "--fsdp and --compile" in res.output

@@ -108,6 +108,7 @@ def _print_dry_run(report: dict, json_out: bool) -> None:
     table.add_column(overflow="fold")
     for k, v in report["fast_path"].items():
         table.add_row(k, Text(str(v)))
+    table.add_row("compile because", Text(report["compile_reason"]))
     table.add_row("requested (pretested where they apply)", Text(", ".join(report["would_pretest"]) or "-"))
     for k in ("arch", "model_size", "batch_size", "seq_len", "max_steps", "lr", "dataset"):
         table.add_row(k, Text(str(report["config"].get(k))))

@@ -377,6 +377,33 @@ def compile_by_default(cfg: TrainConfig, kind: str) -> bool:
     return planned_tokens(cfg) >= least
 
 
+def compile_reason(asked: TrainConfig, resolved: TrainConfig, kind: str) -> str:
+    """Why ``resolved`` compiles what it does, in a line for ``--dry_run``: ``asked`` is the
+    configuration before :func:`resolve_config` (None where the user said nothing)."""
+    if asked.compile is not None:
+        said = "--compile" if asked.compile else "--no-compile"
+        return f"{said} given" + (f", scope {resolved.compile_scope}" if resolved.compile else "")
+    if kind != "cuda":
+        return "off on the CPU"
+    if resolved.fsdp:
+        return "off with --fsdp (--compile with it is refused)"
+    from hydra_train.options import torchrun_launch
+
+    single = torchrun_launch().world_size == 1
+    least = COMPILE_TOKENS if single else COMPILE_TOKENS_DDP
+    where = "" if single else " a process under torchrun"
+    planned = f"{planned_tokens(resolved) / 1e6:,.1f}M planned tokens{where}"
+    if not resolved.compile:
+        return f"off: {planned} < {least / 1e6:.0f}M, too short to repay the compile (--compile forces it)"
+    scope = resolved.compile_scope
+    if asked.compile_scope != "auto":
+        return f"on: {planned} >= {least / 1e6:.0f}M; scope {scope} given"
+    why = f">= {WHOLE_MODEL_COMPILE_TOKENS / 1e6:.0f}M" if scope == "model" else "the scope measured with DDP"
+    if scope == "blocks" and single:
+        why = f"< {WHOLE_MODEL_COMPILE_TOKENS / 1e6:.0f}M for the whole forward"
+    return f"on: {planned} >= {least / 1e6:.0f}M; scope {scope} ({why})"
+
+
 def compile_scope_for(cfg: TrainConfig) -> str:
     """``--compile_scope auto``: the whole forward for a single-process run of at least
     :data:`WHOLE_MODEL_COMPILE_TOKENS` planned tokens, else each block. Under torchrun, each block:

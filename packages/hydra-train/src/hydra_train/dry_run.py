@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hydra_train.config import DeviceInfo, TrainConfig, resolve_config
+from hydra_train.config import DeviceInfo, TrainConfig, compile_reason, resolve_config
 
 #: what a dry run assumes about a CUDA device it cannot see (an H100-class card)
 ASSUMED_CUDA = DeviceInfo("cuda", 80.0, True)
@@ -51,6 +51,7 @@ def dry_run(cfg: TrainConfig) -> dict[str, Any]:
             "compile": resolved.compile_scope if resolved.compile else False,
             "precision": resolved.precision,
         },
+        "compile_reason": compile_reason(cfg, resolved, dev.type),
         "would_pretest": requested if not resolved.experimental_skip_pretest else [],
         "not_requested": [name for name in registry if name not in requested],
     }
