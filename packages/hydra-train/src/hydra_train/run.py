@@ -44,7 +44,7 @@ from hydra_train.checkpoint import (
     save_checkpoint,
     step_name,
 )
-from hydra_train.config import TrainConfig, model_id_for, resolve_config
+from hydra_train.config import TrainConfig, compile_reason, model_id_for, resolve_config
 from hydra_train.data_parallel import capture_stream, graphed_ddp_possible
 from hydra_train.dataset import BatchPlan, eval_batches
 from hydra_train.device_setup import choose_cpu_threads, device_info, pick_device, seed_everything
@@ -172,7 +172,9 @@ def _run(
             # a Text: paths with "[...]" or ":name:" and hints with "[extra]" print as they are
             console.print(Text(msg, style="dim"), highlight=False, soft_wrap=True)
 
-    cfg = resolve_config(cfg, device_info(device))
+    asked, cfg = cfg, resolve_config(cfg, device_info(device))
+    # the one optimization whose default follows the run's length: say what it chose and why
+    log(f"torch.compile: {compile_reason(asked, cfg, device.type)}")
     if device.type == "cpu":
         threads, why = choose_cpu_threads(cfg.runtime.cpu_threads)
         torch.set_num_threads(threads)
