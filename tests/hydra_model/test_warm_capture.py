@@ -9,7 +9,7 @@ import torch
 from hydra_model import build_model
 from hydra_model.cache import ModelCache
 from hydra_model.decode_graphs import StagedDecoder
-from hydra_model.decoder_hold import is_warm, warm_signature
+from hydra_model.decoder_hold import Fingerprint, is_warm, request_of, start_keep, warm_signature
 
 from .conftest import MODES, random_tokens, small_model
 
@@ -68,6 +68,26 @@ def test_a_decode_step_makes_nothing_its_decoder_did_not(name):
         for segment in decoder.segments:
             segment.run_stages()
     assert cache.same_references(before, cache.snapshot())
+
+
+@pytest.mark.parametrize("name", ["gpt", *MODES])
+def test_a_graphed_decoder_takes_the_models_structure_once_for_its_signature_and_its_keep(name):
+    """The structure a graphed decoder takes when it is built (after the prefill) is what a
+    fresh fingerprint takes after the generation's steps, and keeping the decoder reuses it."""
+    model = build_model("gpt", "tiny").eval() if name == "gpt" else small_model(**MODES[name]).eval()
+    prompt, cpu = random_tokens(2, 7), torch.device("cpu")
+    cache = ModelCache(capacity=16)
+    with torch.no_grad():
+        model(prompt, cache=cache)
+        graphed = StagedDecoder(model, cache, 2, cpu, "graphs")  # built, never stepped here
+        assert graphed._signature == warm_signature(model, "graphs", 2, 16, cpu)
+        staged = StagedDecoder(model, cache, 2, cpu, "staged")
+        for _ in range(3):  # a generation's steps
+            staged.step(torch.randint(0, model.config.vocab_size, (2,)))
+    assert Fingerprint(model).structure == graphed.fingerprint.structure
+    assert staged.fingerprint is None  # a decoder that never captures takes none
+    pending = start_keep(model, None, graphed, request_of(model, "graphs", 2, 16, cpu), 7)
+    assert pending._pending[2] is graphed.fingerprint
 
 
 @CUDA

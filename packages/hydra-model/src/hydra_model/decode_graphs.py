@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hydra_model.conditional_graphs import conditional_nodes_fail, if_node
-from hydra_model.decoder_hold import is_warm, mark_warm, warm_signature
+from hydra_model.decoder_hold import Fingerprint, is_warm, mark_warm, warm_signature
 from hydra_model.graph_compose import ComposedGraph, capture_all_kept, driver_conditional_fail
 
 DECODE_MODES = ("auto", "eager", "staged", "graphs", "masked")
@@ -176,8 +176,10 @@ class StagedDecoder:
         shape = self._flags.shape if self._pooled else ()
         self._taken = torch.zeros(shape, dtype=torch.long, device=device)
         self._device_counted = 0
-        # a step whose kernels all ran before in this process is captured with no warm-up step
-        self._signature = None if self._ready else warm_signature(model, mode, batch, cache.capacity, device)
+        # a step whose kernels all ran before in this process is captured with no warm-up step;
+        # the model's structure taken once serves that signature and a kept decoder's fingerprint
+        fp = self.fingerprint = None if self._ready else Fingerprint(model)
+        self._signature = fp and warm_signature(model, mode, batch, cache.capacity, device, fp.structure)
 
     def reuse(self, requested: str, prefill: str) -> None:
         """Start another generation on the same graphs, the cache refilled in place by the new

@@ -79,15 +79,20 @@ _WARM: set[tuple] = set()
 
 
 def warm_signature(
-    model: torch.nn.Module, mode: str, batch: int, capacity: int, device: torch.device
+    model: torch.nn.Module,
+    mode: str,
+    batch: int,
+    capacity: int,
+    device: torch.device,
+    structure: tuple | None = None,
 ) -> tuple:
     """What decides which kernels a decode step launches and at which shapes: the model's class,
     its tensors' shapes, dtypes and devices, its routing rules and the switches, the decode mode,
     batch and cache capacity, and the autocast and inference modes around the call (autocast
     makes the cache and the stream half precision). A decoder whose signature already ran its
     warm-up step in this process captures its step at once (decode_graphs.py): its kernels are
-    compiled and tuned."""
-    layout, rules, switches = _structure(model, _tracked(model))
+    compiled and tuned. ``structure``: the model's, when a :class:`Fingerprint` already took it."""
+    layout, rules, switches = structure if structure is not None else _structure(model, _tracked(model))
     shapes = tuple(entry[1:] for entry in layout)  # not the storage: a kernel is warm for a shape
     grad_modes = request_of(model, mode, batch, capacity, device)[-1]
     return type(model), mode, batch, capacity, shapes, rules, switches, grad_modes
@@ -312,7 +317,8 @@ def start_keep(
     hold whose fingerprint is launched now and read by :meth:`PendingKeep.finish`."""
     if held is not None and held.decoder is decoder:
         return PendingKeep(model, held)
-    fingerprint = Fingerprint(model)
+    # the one a graphed decoder took when it was built, after the prefill (decode_graphs.py)
+    fingerprint = getattr(decoder, "fingerprint", None) or Fingerprint(model)
     if len({t.device for t in fingerprint.tensors}) > 1:
         return PendingKeep(model, None)  # a model on several devices: not kept
     try:

@@ -34,6 +34,7 @@ overwritten); an empty folder starts from scratch.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -165,7 +166,12 @@ def config_differences(saved_model_config: dict[str, Any], current) -> list[str]
     except ValueError as exc:  # a field this version does not know: an incompatible model
         return [short_error(exc, 400)]
     diffs = saved.diff(current)
-    return [d for d in diffs if d.split(":", 1)[0].strip() not in RUNTIME_FIELDS]
+    return [d for d in diffs if _diff_field(d) not in RUNTIME_FIELDS]
+
+
+def _diff_field(diff: str) -> str:
+    """The field a ``HydraConfig.diff`` line ("name: saved != current") is about."""
+    return diff.split(":", 1)[0].strip()
 
 
 def check_model_config(ckpt: dict[str, Any], current, path: Path) -> None:
@@ -195,13 +201,11 @@ def override_hint(saved_model_config: dict[str, Any], diffs: list[str]) -> str:
     the 250M/500M/1B presets of 2026-11-26: hydra_model.config.PRE_RACE_PRESETS), as
     ``" (here: --model_override dim=1280 ...)"``; empty when none is."""
     flags = []
-    for diff in diffs:
-        name = diff.split(":", 1)[0].strip()
+    for name in map(_diff_field, diffs):
         value = saved_model_config.get(name)
-        if isinstance(value, bool) or value is None:
-            flags.append(f"--model_override {name}={str(value).lower() if value is not None else 'null'}")
-        elif isinstance(value, (int, float, str)) and " " not in str(value):
-            flags.append(f"--model_override {name}={value}")
+        text = json.dumps(value) if value is None or isinstance(value, bool) else str(value)
+        if isinstance(value, (bool, int, float, str, type(None))) and " " not in text:
+            flags.append(f"--model_override {name}={text}")
     return f" (here: {' '.join(flags)})" if flags else ""
 
 

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydra_train.config_options import (
+    COMPILE_TOKENS,
+    COMPILE_TOKENS_DDP,
     SECTIONS,
+    WHOLE_MODEL_COMPILE_TOKENS,
     DataOptions,
     ModelOptions,
     OptimizationOptions,
@@ -49,21 +52,6 @@ FP8_FORMATS = ("e4m3", "e5m2")
 FP8_SCALINGS = ("row", "tensor")
 COMPILE_SCOPES = ("auto", "blocks", "model")
 
-#: Planned training tokens a process (steps × batch × length × accumulation) from which a CUDA
-#: run compiles by default. Measured with ``hydra-train run`` (packages/hydra-train/BENCHMARKS.md,
-#: 2026-11-26; 100M, 16 × 1024 tokens a step). On an H100: without compiling 301K tokens/s;
-#: compiling the blocks cost about 50 s of setup (the pretest's arm 40 s, the run's own compile
-#: about 10 s) for 356K, repaid after about 96M tokens; the whole forward cost about 95 s (56 + 40)
-#: for 384K, ahead of the blocks after about 225M. On an H200 the blocks gain less (347.5K against
-#: 321.7K) and repay after about 195M: the threshold is set for both. The default 300-step run (4.9M
-#: tokens) would take twice as long with a compile.
-COMPILE_TOKENS = 200_000_000
-#: The same under torchrun (DDP): each rank's pretest compiles too and waits for the others (a 69 s
-#: arm on 2 × H200, 329.5K against 305.8K tokens/s a GPU: repaid after about 340M tokens a process).
-COMPILE_TOKENS_DDP = 400_000_000
-#: Planned tokens from which ``--compile_scope auto`` compiles the whole forward of a single-process
-#: run rather than each block (see above: 225M on the H100, rounded up).
-WHOLE_MODEL_COMPILE_TOKENS = 300_000_000
 
 GRAD_SYNC_MODES = ("auto", "reducer", "allreduce")  # hydra_train.data_parallel says what each does
 
@@ -364,56 +352,65 @@ def planned_tokens(cfg: TrainConfig) -> int:
     return cfg.max_steps * cfg.batch_size * cfg.seq_len * cfg.grad_accum
 
 
-def compile_by_default(cfg: TrainConfig, kind: str) -> bool:
-    """Whether a run that said neither ``--compile`` nor ``--no-compile`` compiles: on CUDA when it
-    plans at least :data:`COMPILE_TOKENS` tokens (:data:`COMPILE_TOKENS_DDP` a process under
-    torchrun); a shorter run spends more on the compile than it saves. Not with FSDP (the
+def _compile_rule(cfg: TrainConfig, kind: str) -> tuple[bool, str]:
+    """(whether a run that said neither ``--compile`` nor ``--no-compile`` compiles, why): on CUDA
+    when it plans at least :data:`COMPILE_TOKENS` tokens (:data:`COMPILE_TOKENS_DDP` a process
+    under torchrun); a shorter run spends more on the compile than it saves. Not with FSDP (the
     combination is refused)."""
     from hydra_train.options import torchrun_launch
 
-    if kind != "cuda" or cfg.fsdp:
-        return False
-    least = COMPILE_TOKENS if torchrun_launch().world_size == 1 else COMPILE_TOKENS_DDP
-    return planned_tokens(cfg) >= least
-
-
-def compile_reason(asked: TrainConfig, resolved: TrainConfig, kind: str) -> str:
-    """Why ``resolved`` compiles what it does, in a line for ``--dry_run``: ``asked`` is the
-    configuration before :func:`resolve_config` (None where the user said nothing)."""
-    if asked.compile is not None:
-        said = "--compile" if asked.compile else "--no-compile"
-        return f"{said} given" + (f", scope {resolved.compile_scope}" if resolved.compile else "")
     if kind != "cuda":
-        return "off on the CPU"
-    if resolved.fsdp:
-        return "off with --fsdp (--compile with it is refused)"
-    from hydra_train.options import torchrun_launch
-
+        return False, "off on the CPU"
+    if cfg.fsdp:
+        return False, "off with --fsdp (--compile with it is refused)"
     single = torchrun_launch().world_size == 1
     least = COMPILE_TOKENS if single else COMPILE_TOKENS_DDP
-    where = "" if single else " a process under torchrun"
-    planned = f"{planned_tokens(resolved) / 1e6:,.1f}M planned tokens{where}"
-    if not resolved.compile:
-        return f"off: {planned} < {least / 1e6:.0f}M, too short to repay the compile (--compile forces it)"
-    scope = resolved.compile_scope
-    if asked.compile_scope != "auto":
-        return f"on: {planned} >= {least / 1e6:.0f}M; scope {scope} given"
-    why = f">= {WHOLE_MODEL_COMPILE_TOKENS / 1e6:.0f}M" if scope == "model" else "the scope measured with DDP"
-    if scope == "blocks" and single:
-        why = f"< {WHOLE_MODEL_COMPILE_TOKENS / 1e6:.0f}M for the whole forward"
-    return f"on: {planned} >= {least / 1e6:.0f}M; scope {scope} ({why})"
+    tokens = planned_tokens(cfg)
+    planned = f"{tokens / 1e6:,.1f}M planned tokens" + ("" if single else " a process under torchrun")
+    if tokens < least:
+        short = "too short to repay the compile (--compile forces it)"
+        return False, f"off: {planned} < {least / 1e6:.0f}M, {short}"
+    return True, f"on: {planned} >= {least / 1e6:.0f}M"
 
 
-def compile_scope_for(cfg: TrainConfig) -> str:
-    """``--compile_scope auto``: the whole forward for a single-process run of at least
-    :data:`WHOLE_MODEL_COMPILE_TOKENS` planned tokens, else each block. Under torchrun, each block:
-    DDP with compiled blocks inside its graphed step was measured (packages/hydra-train/
+def _scope_rule(cfg: TrainConfig) -> tuple[str, str]:
+    """(``--compile_scope auto``'s scope, why): the whole forward for a single-process run of at
+    least :data:`WHOLE_MODEL_COMPILE_TOKENS` planned tokens, else each block. Under torchrun, each
+    block: DDP with compiled blocks inside its graphed step was measured (packages/hydra-train/
     BENCHMARKS.md), with the whole forward compiled it was not (``--compile_scope model`` asks)."""
     from hydra_train.options import torchrun_launch
 
     if torchrun_launch().world_size != 1:
-        return "blocks"
-    return "model" if planned_tokens(cfg) >= WHOLE_MODEL_COMPILE_TOKENS else "blocks"
+        return "blocks", "the scope measured with DDP"
+    whole = f"{WHOLE_MODEL_COMPILE_TOKENS / 1e6:.0f}M"
+    if planned_tokens(cfg) >= WHOLE_MODEL_COMPILE_TOKENS:
+        return "model", f">= {whole}"
+    return "blocks", f"< {whole} for the whole forward"
+
+
+def compile_by_default(cfg: TrainConfig, kind: str) -> bool:
+    """Whether a run that gave neither compile flag compiles (:func:`_compile_rule`)."""
+    return _compile_rule(cfg, kind)[0]
+
+
+def compile_scope_for(cfg: TrainConfig) -> str:
+    """``--compile_scope auto``'s scope (:func:`_scope_rule`)."""
+    return _scope_rule(cfg)[0]
+
+
+def compile_reason(asked: TrainConfig, resolved: TrainConfig, kind: str) -> str:
+    """Why ``resolved`` compiles what it does, in a line for ``--dry_run`` and the run's log:
+    ``asked`` is the configuration before :func:`resolve_config` (None where the user said nothing)."""
+    if asked.compile is not None:
+        said = "--compile" if asked.compile else "--no-compile"
+        return f"{said} given" + (f", scope {resolved.compile_scope}" if resolved.compile else "")
+    on, why = _compile_rule(resolved, kind)
+    if not on:
+        return why
+    scope = resolved.compile_scope
+    if asked.compile_scope != "auto":
+        return f"{why}; scope {scope} given"
+    return f"{why}; scope {scope} ({_scope_rule(resolved)[1]})"
 
 
 def model_id_for(size: str, arch: str = "hydra") -> str:

@@ -19,6 +19,22 @@ from typing import Any
 
 from hydra_train.loggers import LOGGERS
 
+#: Planned training tokens a process (steps × batch × length × accumulation) from which a CUDA
+#: run compiles by default. Measured with ``hydra-train run`` (packages/hydra-train/BENCHMARKS.md,
+#: 2026-11-26; 100M, 16 × 1024 tokens a step). On an H100: without compiling 301K tokens/s;
+#: compiling the blocks cost about 50 s of setup (the pretest's arm 40 s, the run's own compile
+#: about 10 s) for 356K, repaid after about 96M tokens; the whole forward cost about 95 s (56 + 40)
+#: for 384K, ahead of the blocks after about 225M. On an H200 the blocks gain less (347.5K against
+#: 321.7K) and repay after about 195M: the threshold is set for both. The default 300-step run (4.9M
+#: tokens) would take twice as long with a compile.
+COMPILE_TOKENS = 200_000_000
+#: The same under torchrun (DDP): each rank's pretest compiles too and waits for the others (a 69 s
+#: arm on 2 × H200, 329.5K against 305.8K tokens/s a GPU: repaid after about 340M tokens a process).
+COMPILE_TOKENS_DDP = 400_000_000
+#: Planned tokens from which ``--compile_scope auto`` compiles the whole forward of a single-process
+#: run rather than each block (see above: 225M on the H100, rounded up).
+WHOLE_MODEL_COMPILE_TOKENS = 300_000_000
+
 RUN, PRETEST = "run", "pretest"
 BOTH = (RUN, PRETEST)
 
@@ -285,8 +301,9 @@ class OptimizationOptions:
         "--compile",
         switch=True,
         help="torch.compile the model, pretested by SafeOptimizations (default: on with CUDA for a "
-        "run of at least 200M tokens, 400M a process under torchrun, where the ~1 min of compiling "
-        "pays for itself; off on the CPU and with --fsdp).",
+        f"run of at least {COMPILE_TOKENS // 10**6}M tokens, {COMPILE_TOKENS_DDP // 10**6}M a "
+        "process under torchrun, where the ~1 min of compiling pays for itself; off on the CPU and "
+        "with --fsdp).",
     )
     compile_scope: str = flag(
         "auto",
@@ -294,7 +311,7 @@ class OptimizationOptions:
         metavar="auto|blocks|model",
         help="What --compile compiles: blocks (each attention+FFN block, shared code: quick to "
         "compile) or model (the whole forward: faster steps, a longer compile); auto: model for a "
-        "single-process run of at least 300M tokens, else blocks.",
+        f"single-process run of at least {WHOLE_MODEL_COMPILE_TOKENS // 10**6}M tokens, else blocks.",
     )
     eight_bit_adam: bool = flag(
         False,
