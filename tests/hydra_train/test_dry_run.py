@@ -55,13 +55,13 @@ def test_cpu_defaults_stay_on_the_references():
 @pytest.mark.parametrize(
     ("args", "scope"),
     [
-        # 12207 × 8 × 2048 = 199.99M planned tokens: one step short of compiling
-        (("--max_steps", "12207", "--batch_size", "8", "--seq_len", "2048"), False),
-        (("--max_steps", "12208", "--batch_size", "8", "--seq_len", "2048"), "blocks"),
-        (("--max_steps", "6104", "--batch_size", "8", "--seq_len", "2048", "--grad_accum", "2"), "blocks"),
-        # 18310 × 8 × 2048 = 299.99M: one step short of the whole forward
-        (("--max_steps", "18310", "--batch_size", "8", "--seq_len", "2048"), "blocks"),
-        (("--max_steps", "18311", "--batch_size", "8", "--seq_len", "2048"), "model"),
+        # 6103 × 8 × 2048 = 99.99M planned tokens: one step short of compiling
+        (("--max_steps", "6103", "--batch_size", "8", "--seq_len", "2048"), False),
+        (("--max_steps", "6104", "--batch_size", "8", "--seq_len", "2048"), "blocks"),
+        (("--max_steps", "3052", "--batch_size", "8", "--seq_len", "2048", "--grad_accum", "2"), "blocks"),
+        # 12207 × 8 × 2048 = 199.99M: one step short of the whole forward
+        (("--max_steps", "12207", "--batch_size", "8", "--seq_len", "2048"), "blocks"),
+        (("--max_steps", "12208", "--batch_size", "8", "--seq_len", "2048"), "model"),
         (("--mode", "production"), "model"),  # 100k steps
         (("--mode", "production", "--compile_scope", "blocks"), "blocks"),  # said: kept
         (("--compile", "--compile_scope", "model"), "model"),  # said: a short run compiles too
@@ -71,7 +71,7 @@ def test_cpu_defaults_stay_on_the_references():
 def test_compile_follows_the_planned_tokens(args, scope):
     from hydra_train.config import COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS
 
-    assert (COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS) == (200_000_000, 300_000_000)  # rows above
+    assert (COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS) == (100_000_000, 200_000_000)  # rows above
     assert _dry("--device", "cuda", *args)["fast_path"]["compile"] == scope
 
 
@@ -103,9 +103,9 @@ def test_the_scope_of_a_run_that_does_not_compile_does_not_follow_its_length():
 
 def test_the_dry_run_says_why_it_compiles_or_not(monkeypatch):
     reason = _dry("--device", "cuda")["compile_reason"]
-    assert reason.startswith("off: 4.9M planned tokens < 200M") and "--compile" in reason
+    assert reason.startswith("off: 4.9M planned tokens < 100M") and "--compile" in reason
     reason = _dry("--device", "cuda", "--mode", "production")["compile_reason"]
-    assert reason == "on: 1,638.4M planned tokens >= 200M; scope model (>= 300M)"  # 100k × 16 × 1024
+    assert reason == "on: 1,638.4M planned tokens >= 100M; scope model (>= 200M)"  # 100k × 16 × 1024
     assert _dry("--device", "cuda", "--no-compile")["compile_reason"] == "--no-compile given"
     assert _dry("--device", "cpu")["compile_reason"] == "off on the CPU"
     monkeypatch.setenv("RANK", "0")

@@ -151,5 +151,83 @@ def test_an_arm_over_its_time_limit_fails(tmp_path):
     assert res["status"] == "FAIL" and res["reason"].startswith("did not finish within 0.5 s")
 
 
+class SwitchStandIn(Optimization):
+    """Stands in for a switch such as triton_kernels (N/A on this CPU); ``broken`` makes it raise."""
+
+    def __init__(self, cfg, name, broken=False):
+        super().__init__(cfg)
+        self.name, self.broken = name, broken
+
+    def requested(self):
+        return True
+
+    def activate(self, trainer):
+        if self.broken:
+            raise RuntimeError(f"no {self.name} today")
+        self.active = True
+
+    def deactivate(self, trainer):
+        self.active = False
+
+
+class CompileStandIn(Optimization):
+    """Records which switches were on whenever it was switched on."""
+
+    name = "compile"
+    pretest_on_top_of = ("triton_kernels", "fa3")
+
+    def __init__(self, cfg, reg):
+        super().__init__(cfg)
+        self.reg, self.seen = reg, []
+
+    def requested(self):
+        return True
+
+    def activate(self, trainer):
+        self.seen.append(sorted(n for n in self.pretest_on_top_of if self.reg[n].active))
+        self.active = True
+
+    def deactivate(self, trainer):
+        self.active = False
+
+
+def _stacked(tmp_path, broken=()):
+    tr, batches = make_trainer(tmp_path)
+    reg = build_registry(tr.cfg)
+    for name in ("triton_kernels", "fa3"):
+        reg[name] = SwitchStandIn(tr.cfg, name, broken=name in broken)
+    reg["compile"] = CompileStandIn(tr.cfg, reg)
+    return tr, batches, reg
+
+
+def test_compile_is_pretested_on_top_of_the_switches_that_passed(tmp_path):
+    """The compile arm runs after the others, with the switches it traces that passed on, and
+    is judged against them together: the code it compiles is what the run, with all of them
+    on, reuses."""
+    tr, batches, reg = _stacked(tmp_path)
+    res = runner(tr, batches, reg).run(["compile", "triton_kernels", "fa3"])["results"]
+    assert reg["compile"].seen == [["fa3", "triton_kernels"]]
+    assert res["compile"]["status"] == "PASS" and res["compile"]["ref"] == "triton_kernels+fa3"
+    assert "triton_kernels+fa3" not in res  # the reference arm is not a result
+    assert res["triton_kernels"]["ref"] == res["fa3"]["ref"] == "default"
+
+    reg["compile"].seen.clear()
+    res = runner(tr, batches, reg).run(["compile", "triton_kernels"])["results"]
+    assert reg["compile"].seen == [["triton_kernels"]] and res["compile"]["ref"] == "triton_kernels"
+
+    reg["compile"].seen.clear()
+    res = runner(tr, batches, reg).run(["compile"])["results"]
+    assert reg["compile"].seen == [[]] and res["compile"]["ref"] == "default"
+
+
+def test_a_switch_that_fails_is_left_out_of_the_compile_arm(tmp_path):
+    tr, batches, reg = _stacked(tmp_path, broken=("triton_kernels",))
+    res = runner(tr, batches, reg).run(["compile", "triton_kernels", "fa3"])["results"]
+    assert res["triton_kernels"]["status"] == "FAIL"
+    assert "no triton_kernels today" in res["triton_kernels"]["reason"]
+    assert reg["compile"].seen == [["fa3"]]
+    assert res["compile"]["status"] == "PASS" and res["compile"]["ref"] == "fa3"
+
+
 def test_tiny_overrides_are_the_real_preset_narrowed():
     assert TINY_OVERRIDES["dim"] == 64  # the tests above use the real tiny preset, only narrower

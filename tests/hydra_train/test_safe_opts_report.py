@@ -53,7 +53,7 @@ def test_report_cells_reasons_latest_and_speedups():
     assert "| compile | `--compile` | PASS | not run | not run | FAIL [2] |" in md
     assert "cuda_graphs (static routing)" in md and "old failure" not in md
     assert "1. for sm_100/sm_120 GPUs" in md and "2. slower: 120 ms" in md
-    assert "| compile | PASS | 100.00 | 50.00 | 2.000 | 81,920 |" in md  # 8 × 512 tokens / 50 ms
+    assert "| compile | PASS | default | 100.00 | 50.00 | 2.000 | 81,920 |" in md  # 8 × 512 tokens / 50 ms
     assert "NVIDIA H100 80GB HBM3 (Hopper, sm_90)" in md and "±1.0%" in md
 
 

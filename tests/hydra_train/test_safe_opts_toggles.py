@@ -12,6 +12,7 @@ from hydra_train.config import TrainConfig
 from hydra_train.prefetch import Prefetcher
 from hydra_train.safe_opts.standalone import RandomBatches
 from hydra_train.safe_opts.toggles import (
+    BLOCK_GRAPHS_LIMIT,
     BlackwellTuning,
     CompileModel,
     FlashAttention,
@@ -157,6 +158,11 @@ def test_compile_switches_to_compiled_code_and_back(scope, monkeypatch):
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     assert torch.allclose(loss(tr.forward_model, x), eager, rtol=1e-6)
     assert torch._dynamo.utils.counters["frames"]["ok"] > frames  # it really went through dynamo
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    assert torch.allclose(loss(tr.forward_model, x), eager, rtol=1e-6)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames  # the same shapes: no recompile
+    if scope == "blocks":  # a static graph per row count and grad mode: room for them all
+        assert torch._dynamo.config.cache_size_limit >= BLOCK_GRAPHS_LIMIT
     opt.deactivate(tr)
     assert tr.forward_model is m and all(b._compiled_call_impl is None for b in compile_units(m))
     frames = torch._dynamo.utils.counters["frames"]["ok"]

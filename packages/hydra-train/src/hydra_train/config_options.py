@@ -21,19 +21,20 @@ from hydra_train.loggers import LOGGERS
 
 #: Planned training tokens a process (steps × batch × length × accumulation) from which a CUDA
 #: run compiles by default. Measured with ``hydra-train run`` (packages/hydra-train/BENCHMARKS.md,
-#: 2026-11-26; 100M, 16 × 1024 tokens a step). On an H100: without compiling 301K tokens/s;
-#: compiling the blocks cost about 50 s of setup (the pretest's arm 40 s, the run's own compile
-#: about 10 s) for 356K, repaid after about 96M tokens; the whole forward cost about 95 s (56 + 40)
-#: for 384K, ahead of the blocks after about 225M. On an H200 the blocks gain less (347.5K against
-#: 321.7K) and repay after about 195M: the threshold is set for both. The default 300-step run (4.9M
-#: tokens) would take twice as long with a compile.
-COMPILE_TOKENS = 200_000_000
+#: 2026-11-26, 100M, 16 × 1024 tokens a step, one H200, cold caches): without compiling 320K
+#: tokens/s; the blocks compiled cost about 19 s of setup for 381K (repaid after about 39M
+#: tokens; the H100's earlier 301K against 356K gives 38M); the whole forward about 38 s for 411K,
+#: ahead of no compile after about 54M and of the blocks after about 93M. The thresholds leave
+#: about twice that, for a slower compiling host. The default 300-step run (4.9M tokens) would
+#: take longer with a compile.
+COMPILE_TOKENS = 100_000_000
 #: The same under torchrun (DDP): each rank's pretest compiles too and waits for the others (a 69 s
-#: arm on 2 × H200, 329.5K against 305.8K tokens/s a GPU: repaid after about 340M tokens a process).
+#: arm on 2 × H200, 329.5K against 305.8K tokens/s a GPU: repaid after about 340M tokens a process;
+#: measured before the compile arm was stacked on the kernels it runs with, not measured since).
 COMPILE_TOKENS_DDP = 400_000_000
 #: Planned tokens from which ``--compile_scope auto`` compiles the whole forward of a single-process
-#: run rather than each block (see above: 225M on the H100, rounded up).
-WHOLE_MODEL_COMPILE_TOKENS = 300_000_000
+#: run rather than each block (see above: 93M on the H200, about doubled).
+WHOLE_MODEL_COMPILE_TOKENS = 200_000_000
 
 RUN, PRETEST = "run", "pretest"
 BOTH = (RUN, PRETEST)

@@ -151,7 +151,9 @@ class ActivationMixin:
             r = results.get(n, {"status": FAIL, "reason": "no pretest result"})
             st, why = r.get("status"), r.get("reason")
             timing = r.get("timing") or {}
-            extra = f", {timing['speedup']:.2f}x the default's speed" if timing.get("speedup") else ""
+            ref = r.get("ref", "default")
+            ref = "the default's" if ref == "default" else f"the {ref} arm's"
+            extra = f", {timing['speedup']:.2f}x {ref} speed" if timing.get("speedup") else ""
             self._say(f"[SafeOpts] pretest {n}: {st}" + (f": {why}" if why else extra))
             if st == PASS:
                 self.status[n] = STABLE if self.status[n] == STABLE else ENABLED

@@ -9,7 +9,9 @@ the last arm they are restored once more and training proceeds as if nothing had
 
 Arms: the safe default; one per applicable optimization; for ``cuda_graphs`` one per routing
 mode asked for (dynamic, and static when static routing is requested too: a graph of the soft
-routing step, compared with an eager static-routing arm). Verdicts follow
+routing step, compared with an eager static-routing arm); last, the arm of each optimization
+with ``pretest_on_top_of`` (torch.compile), on top of those it names that passed, compared with
+them. Verdicts follow
 :mod:`hydra_train.safe_opts.tolerances`. An exception in an arm (a capture that fails, an
 out-of-memory, a kernel that raises) is that optimization's FAIL with the error as the reason.
 """
@@ -177,21 +179,14 @@ class PretestRunner:
         try:
             ref = self._reference(snap, (x0, y0))
             for arm in arms:
-                t0 = time.perf_counter()
-                limit = s.arm_timeout_s if arm.tested is not None else None
-                try:
-                    with time_limit(limit):
-                        numbers[arm.key], details[arm.key] = self._run_arm(arm, snap, ref)
-                except ArmTimeout as exc:
-                    errors[arm.key] = str(exc)
-                except Exception as exc:
-                    errors[arm.key] = f"error: {type(exc).__name__}: {str(exc).strip()[:300]}"
-                    if isinstance(exc, torch.cuda.OutOfMemoryError):
-                        errors[arm.key] = "out of memory: " + str(exc).split("\n")[0][:200]
-                self.log(
-                    f"[SafeOpts] pretest arm {arm.key}: "
-                    + (errors.get(arm.key) or f"{time.perf_counter() - t0:.1f} s")
-                )
+                self._timed_arm(arm, snap, ref, numbers, errors, details)
+            for arm in arms:
+                if not arm.hidden and arm.tested is not None:
+                    results[arm.key] = self._verdict(arm, numbers, errors, details, bounds)
+            for arm in self._stacked_arms(runnable, results):
+                self._timed_arm(arm, snap, ref, numbers, errors, details)
+                if not arm.hidden:
+                    results[arm.key] = self._verdict(arm, numbers, errors, details, bounds)
         finally:
             self._restore(snap, final=True)
             del snap
@@ -199,12 +194,26 @@ class PretestRunner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         body["default"] = dataclasses.asdict(numbers["default"]) if "default" in numbers else None
-        for arm in arms:
-            if arm.hidden or arm.tested is None:
-                continue
-            results[arm.key] = self._verdict(arm, numbers, errors, details, bounds)
         body["results"] = results
         return body
+
+    def _timed_arm(self, arm: Arm, snap: _Snapshot, ref, numbers, errors, details) -> None:
+        """Run one arm into ``numbers`` and ``details``, or its failure into ``errors``; log its time."""
+        t0 = time.perf_counter()
+        limit = self.settings.arm_timeout_s if arm.tested is not None else None
+        try:
+            with time_limit(limit):
+                numbers[arm.key], details[arm.key] = self._run_arm(arm, snap, ref)
+        except ArmTimeout as exc:
+            errors[arm.key] = str(exc)
+        except Exception as exc:
+            errors[arm.key] = f"error: {type(exc).__name__}: {str(exc).strip()[:300]}"
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                errors[arm.key] = "out of memory: " + str(exc).split("\n")[0][:200]
+        self.log(
+            f"[SafeOpts] pretest arm {arm.key}: "
+            + (errors.get(arm.key) or f"{time.perf_counter() - t0:.1f} s")
+        )
 
     # -- arms ----------------------------------------------------------------------------------------
     def _arms(self, runnable: list[str], graph_modes: tuple[str, ...]) -> list[Arm]:
@@ -212,6 +221,8 @@ class PretestRunner:
             return []
         arms = [Arm("default", [], None)]
         for name in runnable:
+            if self.reg[name].pretest_on_top_of:
+                continue  # its arm runs after the others' verdicts (_stacked_arms)
             if name != "cuda_graphs":
                 arms.append(
                     Arm(name, [name], name, routing="static" if name == "static_routing" else "dynamic")
@@ -234,6 +245,26 @@ class PretestRunner:
                         routing="static",
                     )
                 )
+        return arms
+
+    def _stacked_arms(self, runnable: list[str], results: dict[str, dict[str, Any]]) -> list[Arm]:
+        """The arms of optimizations pretested on top of others (``pretest_on_top_of``), on top of
+        those that passed their own pretest: the configuration the run will have, so that what
+        such an arm builds (compiled code) is what the run reuses. Each is judged against the
+        passed ones together (a hidden arm of them when there are several)."""
+        arms: list[Arm] = []
+        for name in runnable:
+            on_top = self.reg[name].pretest_on_top_of
+            if not on_top:
+                continue
+            bases = [b for b in on_top if results.get(b, {}).get("status") == PASS]
+            ref = "default"
+            if len(bases) == 1:
+                ref = bases[0]
+            elif bases:
+                ref = "+".join(bases)
+                arms.append(Arm(ref, bases, None, hidden=True))
+            arms.append(Arm(name, [*bases, name], name, ref=ref))
         return arms
 
     def _pretest_trainer(self) -> Trainer:
@@ -379,7 +410,7 @@ class PretestRunner:
     # -- verdicts -------------------------------------------------------------------------------------
     def _verdict(self, arm: Arm, numbers, errors, details, bounds) -> dict[str, Any]:
         opt = self.reg[arm.tested]
-        res: dict[str, Any] = {"routing": arm.routing, "details": details.get(arm.key, {})}
+        res: dict[str, Any] = {"routing": arm.routing, "ref": arm.ref, "details": details.get(arm.key, {})}
         if arm.key in errors:
             return {**res, "status": FAIL, "reason": errors[arm.key]}
         ref_key = arm.ref

@@ -82,6 +82,10 @@ class Optimization(ABC):
     #: whether its step-0 forward/backward can differ from the default's at all (a CUDA graph is
     #: eager until captured; an optimizer or a loader does not touch the forward)
     probe_differs: bool = True
+    #: optimizations this one's pretest arm runs on top of, those of them that passed their own
+    #: pretest: its arm then has them on too and is judged against them (torch.compile traces
+    #: the kernels' and attention's switches, so compiled on top of them its code is the run's)
+    pretest_on_top_of: tuple[str, ...] = ()
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg

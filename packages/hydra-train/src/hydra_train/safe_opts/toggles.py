@@ -220,6 +220,10 @@ class TritonKernels(Optimization):
         self.active = False
 
 
+#: dynamo's cache entries a compiled block may hold: a graph per row count and grad mode
+BLOCK_GRAPHS_LIMIT = 64
+
+
 def compile_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules ``--compile_scope blocks`` compiles: every CCGQABlock (attention + FFN), the unit
     each recursion applies; in the dense GPT every layer (norms, attention, MLP)."""
@@ -231,15 +235,19 @@ def compile_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 class CompileModel(Optimization):
     """``torch.compile``, on by default for a long CUDA run (``hydra_train.config.compile_by_default``).
     Scope ``blocks`` compiles each CCGQABlock (attention + FFN), the unit every recursion applies,
-    with dynamic shapes (routed recursions see different token counts): blocks share the
-    compiled code, so compile time does not grow with depth, and the
-    routing glue around them is hydra-model's own business (it compiles its fused routing
+    with static shapes: one graph per row count a block sees (the full length, each routed
+    capacity; fixed by the config), shared by all blocks, so compile time does not grow with
+    depth. On an H200 the 100M preset's two static graphs compiled in 11 s on a cold cache,
+    one dynamic-shape graph in 19 s (packages/hydra-train/BENCHMARKS.md, 2026-11-26). The
+    routing glue around the blocks is hydra-model's own business (it compiles its fused routing
     functions itself). Scope ``model`` compiles the whole forward (the DDP wrapper when there is
     one). ``HYDRA_COMPILE_BACKEND`` picks the backend (default inductor)."""
 
     name = "compile"
     flag = "--compile"
     title = "torch.compile (--compile_scope blocks: each attention+FFN block; model: the whole forward)"
+    # the trace reads these switches: pretested with them on, the run reuses the compiled code
+    pretest_on_top_of = ("triton_kernels", "fa3")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -264,10 +272,14 @@ class CompileModel(Optimization):
                 self._compiled[key] = torch.compile(trainer.wrapped, backend=self.backend)
             trainer.forward_model = self._compiled[key]
         else:
+            # one graph per row count (the full length and each routed capacity, in training's
+            # and evaluation's grad modes): room for all of them in dynamo's cache
+            limit = torch._dynamo.config.cache_size_limit
+            torch._dynamo.config.cache_size_limit = max(limit, BLOCK_GRAPHS_LIMIT)
             for blk in compile_units(trainer.model):
                 if id(blk) not in self._compiled:
                     self._compiled[id(blk)] = torch.compile(
-                        blk._call_impl, backend=self.backend, dynamic=True
+                        blk._call_impl, backend=self.backend, dynamic=False
                     )
                 # what nn.Module.compile() sets: __call__ goes through it while it is not None
                 blk._compiled_call_impl = self._compiled[id(blk)]
