@@ -203,9 +203,13 @@ def _stacked(tmp_path, broken=()):
 def test_compile_is_pretested_on_top_of_the_switches_that_passed(tmp_path):
     """The compile arm runs after the others, with the switches it traces that passed on, and
     is judged against them together: the code it compiles is what the run, with all of them
-    on, reuses."""
+    on, reuses. The weights and the RNG come back after the second phase too."""
     tr, batches, reg = _stacked(tmp_path)
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    rng = torch.get_rng_state()
     res = runner(tr, batches, reg).run(["compile", "triton_kernels", "fa3"])["results"]
+    assert all(torch.equal(v, before[k]) for k, v in tr.model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
     assert reg["compile"].seen == [["fa3", "triton_kernels"]]
     assert res["compile"]["status"] == "PASS" and res["compile"]["ref"] == "triton_kernels+fa3"
     assert "triton_kernels+fa3" not in res  # the reference arm is not a result
@@ -227,6 +231,30 @@ def test_a_switch_that_fails_is_left_out_of_the_compile_arm(tmp_path):
     assert "no triton_kernels today" in res["triton_kernels"]["reason"]
     assert reg["compile"].seen == [["fa3"]]
     assert res["compile"]["status"] == "PASS" and res["compile"]["ref"] == "fa3"
+
+
+class ClashingSwitch(SwitchStandIn):
+    """Passes alone, raises when switched on with ``other`` on."""
+
+    def __init__(self, cfg, name, reg, other):
+        super().__init__(cfg, name)
+        self.reg, self.other = reg, other
+
+    def activate(self, trainer):
+        if self.reg[self.other].active:
+            raise RuntimeError(f"{self.name} and {self.other} together: no")
+        self.active = True
+
+
+def test_bases_that_fail_together_leave_compile_unpretested(tmp_path):
+    tr, batches, reg = _stacked(tmp_path)
+    reg["fa3"] = ClashingSwitch(tr.cfg, "fa3", reg, "triton_kernels")
+    res = runner(tr, batches, reg).run(["compile", "triton_kernels", "fa3"])["results"]
+    assert res["triton_kernels"]["status"] == res["fa3"]["status"] == "PASS"
+    assert reg["compile"].seen == []  # not compiled on top of a combination that raised
+    assert res["compile"]["status"] == "FAIL"
+    assert res["compile"]["reason"].startswith("not pretested: its reference arm (triton_kernels+fa3)")
+    assert "fa3 and triton_kernels together: no" in res["compile"]["reason"]
 
 
 def test_tiny_overrides_are_the_real_preset_narrowed():

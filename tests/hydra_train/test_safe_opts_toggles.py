@@ -140,8 +140,10 @@ def test_gpu_only_switches_are_na_on_cpu_and_still_switch(model):
 
 
 @pytest.mark.parametrize("scope", ["blocks", "model"])
-def test_compile_switches_to_compiled_code_and_back(scope, monkeypatch):
+def test_compile_switches_to_compiled_code_and_back(scope, monkeypatch, request):
     monkeypatch.setenv("HYDRA_COMPILE_BACKEND", "aot_eager")  # inductor's C++ build is minutes here
+    limit = torch._dynamo.config.cache_size_limit  # activation raises it (an alias: not monkeypatchable)
+    request.addfinalizer(lambda: setattr(torch._dynamo.config, "cache_size_limit", limit))
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = create_ccgqa_mod_mor_model("tiny", dim=64, max_seq_len=64, vocab_size=VOCAB, n_mor_blocks=1)

@@ -9,8 +9,12 @@
 #   source tools/gpu_env.sh
 #   BASE=.gl/bench_base SCOPE=blocks STEPS=100 bash packages/hydra-diag/bench/compile_setup_ab.sh
 set -u -o pipefail
+: "${PYTHONPATH:?source tools/gpu_env.sh first}"
+: "${BASE:?BASE must name an extracted older tree}"
+BASE=$(cd "$BASE" && pwd) || exit 1
 OUT=${OUT:-$(mktemp -d)}
-BASE=$(cd "${BASE:?BASE must name an extracted older tree}" && pwd)
+mkdir -p "$OUT"
+echo "compile_setup_ab: logs in $OUT"
 STEPS=${STEPS:-100}
 SCOPE=${SCOPE:-blocks}
 LIMIT=${LIMIT:-240}
@@ -27,6 +31,10 @@ for line in sys.stdin:
 for spec in $ORDER; do
   tree=${spec%%:*}
   cache=${spec##*:}
+  case "$tree:$cache" in
+    new:cold | new:warm | base:cold | base:warm) ;;
+    *) echo "compile_setup_ab: ORDER entry '$spec': use new|base:cold|warm" >&2; exit 2 ;;
+  esac
   name=$tree-$cache-$SCOPE
   caches=/tmp/compile-caches-$tree-$SCOPE
   [ "$cache" = cold ] && rm -rf "$caches"
@@ -41,12 +49,14 @@ for spec in $ORDER; do
   PYTHONPATH=$pp TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton \
     TORCH_LOGS=recompiles timeout "$LIMIT" python -W ignore -m hydra_train run \
     --checkpoint_dir "/tmp/tr/$name" --model_size 100M --max_steps "$STEPS" \
-    "${compile[@]}" $ARGS 2>&1 | python3 -c "$stamp" "$start" >"$OUT/$name.log"
+    "${compile[@]}" $ARGS 2>&1 | python -c "$stamp" "$start" >"$OUT/$name.log"
+  rc=${PIPESTATUS[0]}
   end=$(date +%s.%N)
   recompiles=$(grep -c "Recompiling function" "$OUT/$name.log")
   arm=$(grep -o "pretest arm compile: .*" "$OUT/$name.log" | head -n 1)
   first=$(grep -m 1 -E "^ *[0-9.]+ step +[0-9]+/[0-9]+ +loss" "$OUT/$name.log" | awk '{print $1}')
   rate=$(grep -E "step +[0-9]+/[0-9]+ +loss" "$OUT/$name.log" | tail -n 1 | grep -o "[0-9,.]*K\? tok/s")
-  printf '%s: %.1f s in all, %s, first logged step at %s s, last %s, %s recompilations\n' \
-    "$name" "$(python3 -c "print($end - $start)")" "${arm:-no compile arm}" "${first:-?}" "${rate:-?}" "$recompiles"
+  printf '%s: rc %s, %.1f s in all, %s, first logged step at %s s, last %s, %s recompilations\n' \
+    "$name" "$rc" "$(python -c "print($end - $start)")" "${arm:-no compile arm}" "${first:-?}" \
+    "${rate:-?}" "$recompiles"
 done

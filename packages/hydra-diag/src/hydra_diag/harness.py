@@ -63,7 +63,8 @@ def compile_model(model, scope: str, *, static_model: bool = False):
     """What the step should call. ``model``: torch.compile of the whole forward (with
     ``dynamic=False`` when ``static_model``: one graph for the fixed benchmark shape); ``blocks``:
     each shared HYDRA block with dynamic shapes (routed lengths vary, one graph serves them all) and
-    each dense GPT layer with fixed ones; ``blocks-static``: the blocks with one graph per length."""
+    each dense GPT layer with fixed ones; ``blocks-static``: the blocks with one graph per length,
+    which is what hydra-train's ``--compile_scope blocks`` compiles (it compiled sooner there)."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

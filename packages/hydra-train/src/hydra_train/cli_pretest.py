@@ -11,6 +11,7 @@ from typing import Annotated
 from hydra_kernels.cli_support import console, emit_json, err_console, fail, opt
 from hydra_train.cli_options import config_command
 from hydra_train.config import TrainConfig
+from hydra_train.safe_opts.report import reference_of
 
 P = {
     "dataset": "random (default: random tokens, no corpus needed) or any --dataset of hydra-train run.",
@@ -40,7 +41,8 @@ def _show(rec: dict) -> None:
         "result",
         "reason",
         "ms/step",
-        "default ms/step",
+        "reference",
+        "ref ms/step",
         "speedup",
         "grad err (bound)",
     ):
@@ -58,6 +60,7 @@ def _show(rec: dict) -> None:
             f"[{style.get(r['status'], '')}]{r['status']}[/]",
             (r.get("reason") or "")[:90],
             f(tm.get("median_ms"), ".2f"),
+            reference_of(key, r),
             f(tm.get("default_median_ms"), ".2f"),
             f(tm.get("speedup"), ".3f") + ("" if tm.get("judged", True) else " (not judged)"),
             ge,

@@ -4,11 +4,11 @@ clock with evaluations at fixed points of training time (clock paused while they
 Setup: the model is built (seeded), moved to the device, compiled (CUDA: ``torch.compile`` of the
 whole model replayed as CUDA graphs by default (``graphs``; ``model`` compiles without graphs,
 which leaves HYDRA's many small kernels waiting on the host); ``blocks`` compiles each
-attention+FFN block with dynamic shapes, as hydra-train's ``--compile_scope blocks`` does; the
-CPU runs eager fp32), and ``warmup_steps`` training steps run so that compilation and
-autotuning happen now. Then every parameter and buffer is copied back IN PLACE to its value from
-before the warm-up (compiled code keeps referencing the same tensors), the optimizer is built
-afresh and the clock starts. ``setup_s`` is all of that.
+attention+FFN block with static shapes (a graph per row count), as hydra-train's
+``--compile_scope blocks`` does; the CPU runs eager fp32), and ``warmup_steps`` training steps
+run so that compilation and autotuning happen now. Then every parameter and buffer is copied
+back IN PLACE to its value from before the warm-up (compiled code keeps referencing the same
+tensors), the optimizer is built afresh and the clock starts. ``setup_s`` is all of that.
 
 Training step: bf16 autocast on CUDA, ``out.loss.backward()`` (CE plus the model's weighted
 auxiliary losses), gradient-norm clip, AdamW (betas 0.9/0.95, weight decay on matrices only, fused
@@ -120,7 +120,7 @@ def compile_entrant(model: torch.nn.Module, scope: str):
     from hydra_train.safe_opts.toggles import compile_units
 
     for unit in compile_units(model):
-        unit.compile(dynamic=True)
+        unit.compile(dynamic=False)
     return model
 
 

@@ -9,7 +9,8 @@ cuda_graphs     switches the trainer's CUDA-graphed step (hydra_train.graphed_st
 fp8             FP8 forward GEMMs for the linear layers (bf16 backward, bf16 master weights)
 adam8bit        bitsandbytes AdamW8bit with the optimizer state carried over both ways
 tolerances      what "matches the safe default" and "not slower" mean, and why
-pretest         the pretest arms (same weights, same batches) and their verdicts
+pretest         running the pretest arms (same weights, same batches) and their verdicts
+pretest_arms    which arms run, in two phases (compile last, on top of what it traces)
 pretest_log     PretestHook: rerun rule (fingerprint), logs, history, summary
 activation      applying them to a built run: safe defaults, pretests, activation in order
 monitor         anomaly detectors and the sync-free per-step readback

@@ -23,6 +23,7 @@ from hydra_train.safe_opts.pretest import FAIL, NA, PASS, PretestRunner, Pretest
 from hydra_train.safe_opts.pretest_log import environment, fingerprint
 from hydra_train.safe_opts.registry import ACTIVE_STATES, DISABLED, ENABLED, FAILED, OFF, STABLE, SUSPENDED
 from hydra_train.safe_opts.registry import NA as STATUS_NA
+from hydra_train.safe_opts.report import reference_of
 
 if TYPE_CHECKING:
     from hydra_train.trainer import Trainer
@@ -151,9 +152,9 @@ class ActivationMixin:
             r = results.get(n, {"status": FAIL, "reason": "no pretest result"})
             st, why = r.get("status"), r.get("reason")
             timing = r.get("timing") or {}
-            ref = r.get("ref", "default")
-            ref = "the default's" if ref == "default" else f"the {ref} arm's"
-            extra = f", {timing['speedup']:.2f}x {ref} speed" if timing.get("speedup") else ""
+            ref = reference_of(n, r)
+            against = "the default's" if ref == "default" else f"the {ref} arm's"
+            extra = f", {timing['speedup']:.2f}x {against} speed" if timing.get("speedup") else ""
             self._say(f"[SafeOpts] pretest {n}: {st}" + (f": {why}" if why else extra))
             if st == PASS:
                 self.status[n] = STABLE if self.status[n] == STABLE else ENABLED

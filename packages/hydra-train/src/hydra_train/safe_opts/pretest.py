@@ -1,5 +1,5 @@
-"""Pretests: each requested optimization against the safe default, on the real model, from the
-same weights and the same batches, a few steps each.
+"""Pretests: each requested optimization against the safe default (or against the optimizations
+it runs on top of), on the real model, from the same weights and the same batches, a few steps each.
 
 An *arm* is a run of ``warmup + steps`` optimizer steps with some optimizations active, on a
 throwaway :class:`hydra_train.trainer.Trainer` around the training model (its step, its
@@ -7,11 +7,7 @@ non-finite rule, its gradient clipping: the code training runs). Between arms th
 optimizer state and the RNG are restored, so every arm starts where training will start; after
 the last arm they are restored once more and training proceeds as if nothing had run.
 
-Arms: the safe default; one per applicable optimization; for ``cuda_graphs`` one per routing
-mode asked for (dynamic, and static when static routing is requested too: a graph of the soft
-routing step, compared with an eager static-routing arm); last, the arm of each optimization
-with ``pretest_on_top_of`` (torch.compile), on top of those it names that passed, compared with
-them. Verdicts follow
+Which arms run, in two phases, is :mod:`hydra_train.safe_opts.pretest_arms`. Verdicts follow
 :mod:`hydra_train.safe_opts.tolerances`. An exception in an arm (a capture that fails, an
 out-of-memory, a kernel that raises) is that optimization's FAIL with the error as the reason.
 """
@@ -32,13 +28,15 @@ import torch
 
 from hydra_train.callbacks import CallbackList, TrainerCallback
 from hydra_train.checkpoint import capture_rng, restore_rng
+from hydra_train.distributed import broadcast_object
 from hydra_train.prefetch import Prefetcher
 from hydra_train.safe_opts.faults import FaultInjector
+from hydra_train.safe_opts.pretest_arms import FAIL, NA, PASS, Arm, first_arms, stacked_arms
 from hydra_train.safe_opts.registry import Optimization
 from hydra_train.safe_opts.tolerances import ArmNumbers, bounds_for, judge_numerics, judge_speed
 from hydra_train.trainer import Trainer
 
-PASS, FAIL, NA = "PASS", "FAIL", "N/A"
+__all__ = ["FAIL", "NA", "PASS", "PretestRunner", "PretestSettings"]
 
 
 @dataclass
@@ -85,16 +83,6 @@ class _GraphFailureFailsTheArm(TrainerCallback):
 
     def on_graph_failure(self, step: int, reason: str) -> None:
         raise RuntimeError(f"CUDA graph: {reason}")
-
-
-@dataclass
-class Arm:
-    key: str
-    opts: list[str]
-    tested: str | None
-    ref: str = "default"
-    routing: str = "dynamic"
-    hidden: bool = False  # a reference arm only, not a result
 
 
 @dataclass
@@ -154,7 +142,7 @@ class PretestRunner:
                 runnable.append(name)
             else:
                 results[name] = {"status": NA, "reason": why}
-        arms = self._arms(runnable, graph_modes)
+        arms = first_arms(self.reg, runnable, graph_modes)
         s = self.settings
         x0, y0 = self.make_batch(self.start)
         probe_tokens = min(s.ref_chunk_rows, x0.shape[0]) * x0.shape[1]
@@ -183,7 +171,17 @@ class PretestRunner:
             for arm in arms:
                 if not arm.hidden and arm.tested is not None:
                     results[arm.key] = self._verdict(arm, numbers, errors, details, bounds)
-            for arm in self._stacked_arms(runnable, results):
+            # under torchrun every rank must run the same second phase (its steps are collective):
+            # rank 0's verdicts decide, as they decide the run (activation.py)
+            results = broadcast_object(self.tr.dist, results)
+            for arm in stacked_arms(self.reg, runnable, results):
+                if arm.ref in errors:  # the bases failed together: the run must not stack on them
+                    results[arm.key] = {
+                        "status": FAIL,
+                        "ref": arm.ref,
+                        "reason": f"not pretested: its reference arm ({arm.ref}) failed: {errors[arm.ref]}",
+                    }
+                    continue
                 self._timed_arm(arm, snap, ref, numbers, errors, details)
                 if not arm.hidden:
                     results[arm.key] = self._verdict(arm, numbers, errors, details, bounds)
@@ -200,7 +198,7 @@ class PretestRunner:
     def _timed_arm(self, arm: Arm, snap: _Snapshot, ref, numbers, errors, details) -> None:
         """Run one arm into ``numbers`` and ``details``, or its failure into ``errors``; log its time."""
         t0 = time.perf_counter()
-        limit = self.settings.arm_timeout_s if arm.tested is not None else None
+        limit = self.settings.arm_timeout_s if arm.key != "default" else None
         try:
             with time_limit(limit):
                 numbers[arm.key], details[arm.key] = self._run_arm(arm, snap, ref)
@@ -216,57 +214,6 @@ class PretestRunner:
         )
 
     # -- arms ----------------------------------------------------------------------------------------
-    def _arms(self, runnable: list[str], graph_modes: tuple[str, ...]) -> list[Arm]:
-        if not runnable:
-            return []
-        arms = [Arm("default", [], None)]
-        for name in runnable:
-            if self.reg[name].pretest_on_top_of:
-                continue  # its arm runs after the others' verdicts (_stacked_arms)
-            if name != "cuda_graphs":
-                arms.append(
-                    Arm(name, [name], name, routing="static" if name == "static_routing" else "dynamic")
-                )
-                continue
-            for mode in graph_modes:
-                if mode == "dynamic":
-                    arms.append(Arm("cuda_graphs", ["cuda_graphs"], "cuda_graphs"))
-                    continue
-                if not any(a.key == "static_routing" for a in arms):
-                    arms.append(
-                        Arm("static_routing", ["static_routing"], None, routing="static", hidden=True)
-                    )
-                arms.append(
-                    Arm(
-                        "cuda_graphs[static]",
-                        ["static_routing", "cuda_graphs"],
-                        "cuda_graphs",
-                        ref="static_routing",
-                        routing="static",
-                    )
-                )
-        return arms
-
-    def _stacked_arms(self, runnable: list[str], results: dict[str, dict[str, Any]]) -> list[Arm]:
-        """The arms of optimizations pretested on top of others (``pretest_on_top_of``), on top of
-        those that passed their own pretest: the configuration the run will have, so that what
-        such an arm builds (compiled code) is what the run reuses. Each is judged against the
-        passed ones together (a hidden arm of them when there are several)."""
-        arms: list[Arm] = []
-        for name in runnable:
-            on_top = self.reg[name].pretest_on_top_of
-            if not on_top:
-                continue
-            bases = [b for b in on_top if results.get(b, {}).get("status") == PASS]
-            ref = "default"
-            if len(bases) == 1:
-                ref = bases[0]
-            elif bases:
-                ref = "+".join(bases)
-                arms.append(Arm(ref, bases, None, hidden=True))
-            arms.append(Arm(name, [*bases, name], name, ref=ref))
-        return arms
-
     def _pretest_trainer(self) -> Trainer:
         real = self.tr
         pt = Trainer(

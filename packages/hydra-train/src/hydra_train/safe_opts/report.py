@@ -90,11 +90,17 @@ def _rule(rec: dict[str, Any]) -> str:
     if not judged:
         return "not judged"
     if any("default_mad" in t for t in judged):
-        # arms judged against a different reference (static routing) can have another margin
+        # arms judged against another reference (static routing; compile's bases) can have
+        # another margin
         lo, hi = min(t["margin"] for t in judged), max(t["margin"] for t in judged)
         span = f"{lo:.0%}" if f"{lo:.0%}" == f"{hi:.0%}" else f"{lo:.0%} (up to {hi:.0%} by reference arm)"
         return f"max(5%, 3×MAD): {span}"
     return "5% (fixed; the rule before the noise-aware margin)"
+
+
+def reference_of(key: str, res: dict[str, Any]) -> str:
+    """The arm a result was judged against (records before 2026-11-26 do not name it)."""
+    return res.get("ref") or ("static_routing" if key == "cuda_graphs[static]" else "default")
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -173,10 +179,10 @@ def build_report(records: list[dict[str, Any]], *, speedup_size: str = "100M", c
 def _speedup(per: dict[str, tuple[dict, dict]], size: str) -> list[str]:
     out = [
         "",
-        f"### Speedup over the safe default ({size})",
+        f"### Speedup over the reference arm ({size})",
         "",
         "Median time per optimizer step over the timed steps (batch fetch included; each step bracketed by",
-        "device synchronisation), the optimization alone against the safe default, same weights and batches.",
+        "device synchronisation), the optimization against its reference arm, same weights and batches.",
         "",
         "The reference is the safe default, except for cuda_graphs (static routing), whose reference is the",
         "eager static-routing arm (the graph is what is measured, not the routing mode), and for compile,",
@@ -196,7 +202,7 @@ def _speedup(per: dict[str, tuple[dict, dict]], size: str) -> list[str]:
         tps = tok / (ms / 1000) if ms else None
         note = "" if t.get("judged", True) else " (not judged)"
         out.append(
-            f"| {LABELS.get(key, key)} | {res.get('status')} | {res.get('ref', 'default')} | "
+            f"| {LABELS.get(key, key)} | {res.get('status')} | {reference_of(key, res)} | "
             f"{_fmt(dms, '.2f')} | {_fmt(ms, '.2f')} | "
             f"{_fmt(t.get('speedup'), '.3f')}{note} | {_fmt(tps, ',.0f')} |"
         )

@@ -220,7 +220,9 @@ class TritonKernels(Optimization):
         self.active = False
 
 
-#: dynamo's cache entries a compiled block may hold: a graph per row count and grad mode
+#: dynamo's cache entries a compiled block may hold: a graph per row count, grad mode and batch
+#: size (a partial last evaluation batch); a shape beyond it would run eagerly. The limit is
+#: process-wide (torch._dynamo.config.cache_size_limit), raised to this and never lowered
 BLOCK_GRAPHS_LIMIT = 64
 
 
@@ -236,7 +238,7 @@ class CompileModel(Optimization):
     """``torch.compile``, on by default for a long CUDA run (``hydra_train.config.compile_by_default``).
     Scope ``blocks`` compiles each CCGQABlock (attention + FFN), the unit every recursion applies,
     with static shapes: one graph per row count a block sees (the full length, each routed
-    capacity; fixed by the config), shared by all blocks, so compile time does not grow with
+    capacity; fixed by the config) and batch size, shared by all blocks, so compile time does not grow with
     depth. On an H200 the 100M preset's two static graphs compiled in 11 s on a cold cache,
     one dynamic-shape graph in 19 s (packages/hydra-train/BENCHMARKS.md, 2026-11-26). The
     routing glue around the blocks is hydra-model's own business (it compiles its fused routing

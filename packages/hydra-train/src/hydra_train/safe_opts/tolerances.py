@@ -1,4 +1,5 @@
-"""How close an optimized pretest arm must stay to the safe default, and how much slower it may be.
+"""How close an optimized pretest arm must stay to its reference arm (the safe default, or the
+optimizations it runs on top of), and how much slower it may be.
 
 Numerics. Both arms start from the same weights and see the same batches.
 
