@@ -257,5 +257,45 @@ def test_bases_that_fail_together_leave_compile_unpretested(tmp_path):
     assert "fa3 and triton_kernels together: no" in res["compile"]["reason"]
 
 
+class NormScaled(Optimization):
+    """Scales the final norm's weight by 1 + eps while active: a step-0 gradient error ~eps."""
+
+    def __init__(self, cfg, name, eps, on_top=()):
+        super().__init__(cfg)
+        self.name, self.eps, self.pretest_on_top_of = name, eps, on_top
+
+    def requested(self):
+        return True
+
+    def activate(self, trainer):
+        with torch.no_grad():
+            trainer.model.norm.weight.mul_(1 + self.eps)
+        self.active = True
+
+    def deactivate(self, trainer):
+        if self.active:
+            with torch.no_grad():
+                trainer.model.norm.weight.div_(1 + self.eps)
+        self.active = False
+
+
+@pytest.mark.parametrize(("own", "status"), [(1e-6, "PASS"), (5e-6, "FAIL")])
+def test_a_stacked_arm_is_bounded_by_its_bases_error(tmp_path, own, status):
+    """A base just inside its bound (error ~1e-6 against 1.6e-6 here, fp32) and compile adding as
+    much again: the sum is over the safe default's bound but within the one taken from the
+    base's error, which compile cannot help carrying; an error of its own five times the base's
+    still fails."""
+    tr, batches = make_trainer(tmp_path)
+    reg = build_registry(tr.cfg)
+    reg["triton_kernels"] = NormScaled(tr.cfg, "triton_kernels", 1e-6)
+    reg["compile"] = NormScaled(tr.cfg, "compile", own, ("triton_kernels",))
+    res = runner(tr, batches, reg).run(["compile", "triton_kernels"])["results"]
+    base, comp = res["triton_kernels"], res["compile"]
+    assert base["status"] == "PASS"
+    assert comp["numerics"]["grad_err"] > base["numerics"]["grad_bound"]  # over the default's bound
+    assert comp["numerics"]["grad_bound"] > base["numerics"]["grad_bound"]
+    assert comp["status"] == status
+
+
 def test_tiny_overrides_are_the_real_preset_narrowed():
     assert TINY_OVERRIDES["dim"] == 64  # the tests above use the real tiny preset, only narrower

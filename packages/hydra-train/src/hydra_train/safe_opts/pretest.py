@@ -252,7 +252,7 @@ class PretestRunner:
                 self.reg[name].activate(pt)
                 activated.append(self.reg[name])
             self.arm_active = tuple(o.name for o in activated)
-            if arm.key == "default" or (tested is not None and tested.probe_differs):
+            if arm.key == "default" or arm.probe or (tested is not None and tested.probe_differs):
                 out.probe_loss, err = self._probe(pt, ref)
                 if ref is not None:
                     out.probe_grad_err, out.probe_loss_err = err
@@ -366,7 +366,16 @@ class PretestRunner:
             return {**res, "status": FAIL, "reason": f"the reference arm failed: {why}"}
         mine, ref, default = numbers[arm.key], numbers[ref_key], numbers["default"]
         res["arm"] = dataclasses.asdict(mine)
-        reason, num_info = judge_numerics(opt.numerics, opt.probe_differs, mine, ref, default, bounds)
+        baseline = default
+        if opt.pretest_on_top_of and ref.probe_grad_err is not None and default.probe_grad_err is not None:
+            # a stacked arm carries its bases' step-0 error (their own pretest bounded it): its
+            # bound is taken from the larger of theirs and the safe default's
+            baseline = dataclasses.replace(
+                default,
+                probe_grad_err=max(default.probe_grad_err, ref.probe_grad_err),
+                probe_loss_err=max(default.probe_loss_err or 0.0, ref.probe_loss_err or 0.0),
+            )
+        reason, num_info = judge_numerics(opt.numerics, opt.probe_differs, mine, ref, baseline, bounds)
         judged = opt.numerics != "mode" and (
             self.settings.judge_timing
             if self.settings.judge_timing is not None

@@ -5,7 +5,8 @@ routing mode asked for (static: a graph of the soft routing step, compared with 
 static-routing arm). Second phase, after the first phase's verdicts: the arm of each optimization
 with ``pretest_on_top_of`` (torch.compile), with those of its bases that passed switched on —
 the configuration the run will have, so that what the arm builds (compiled code) is what the
-run reuses — compared with them (a hidden arm of them together when there are several).
+run reuses — compared with them (a hidden arm of them together when there are several), its
+step-0 error bounded by theirs rather than by the safe default's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class Arm:
     ref: str = "default"
     routing: str = "dynamic"
     hidden: bool = False  # a reference arm only, not a result
+    #: take the step-0 probe although nothing here is tested: a stacked arm's bases together,
+    #: whose error its own is bounded by
+    probe: bool = False
 
 
 def first_arms(reg: dict[str, Optimization], runnable: list[str], graph_modes: tuple[str, ...]) -> list[Arm]:
@@ -79,6 +83,6 @@ def stacked_arms(
         elif bases:
             ref = "+".join(bases)
             if not any(a.key == ref for a in arms):
-                arms.append(Arm(ref, bases, None, hidden=True))
+                arms.append(Arm(ref, bases, None, hidden=True, probe=True))
         arms.append(Arm(name, [*bases, name], name, ref=ref))
     return arms
