@@ -65,9 +65,9 @@ def compile_model(model, scope: str, *, static_model: bool = False):
     each shared HYDRA block with dynamic shapes (routed lengths vary, one graph serves them all) and
     each dense GPT layer with fixed ones; ``blocks-static``: the blocks with one graph per length,
     which is what hydra-train's ``--compile_scope blocks`` compiles (it compiled sooner there)."""
-    import torch._dynamo
+    from hydra_train.safe_opts.toggles import allow_block_graphs
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    allow_block_graphs()
     if scope == "model":
         return torch.compile(model, dynamic=False) if static_model else torch.compile(model)
     if scope in ("blocks", "blocks-static"):

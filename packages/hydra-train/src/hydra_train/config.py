@@ -51,8 +51,6 @@ PRECISIONS = ("auto", "bf16", "fp32")
 FP8_FORMATS = ("e4m3", "e5m2")
 FP8_SCALINGS = ("row", "tensor")
 COMPILE_SCOPES = ("auto", "blocks", "model")
-
-
 GRAD_SYNC_MODES = ("auto", "reducer", "allreduce")  # hydra_train.data_parallel says what each does
 
 #: Default corpus names that need no files: the Python standard library's own source, and "pyenv"

@@ -110,14 +110,13 @@ def build_entrant(cfg: RaceConfig, model_size: str, vocab_size: int, seq_len: in
 
 def compile_entrant(model: torch.nn.Module, scope: str):
     """What the step calls: the compiled model, or the model with its blocks compiled."""
-    import torch._dynamo
+    from hydra_train.safe_opts.toggles import allow_block_graphs, compile_units
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    allow_block_graphs()
     if scope == "model":
         return torch.compile(model)
     if scope == "graphs":  # the whole model compiled and replayed as CUDA graphs (static shapes)
         return torch.compile(model, mode="reduce-overhead")
-    from hydra_train.safe_opts.toggles import compile_units
 
     for unit in compile_units(model):
         unit.compile(dynamic=False)

@@ -226,6 +226,13 @@ class TritonKernels(Optimization):
 BLOCK_GRAPHS_LIMIT = 64
 
 
+def allow_block_graphs() -> None:
+    """Raise dynamo's process-wide cache limit to :data:`BLOCK_GRAPHS_LIMIT` (never lower it):
+    what any caller compiling blocks one graph per shape needs (hydra-diag's race and bench too)."""
+    limit = torch._dynamo.config.cache_size_limit
+    torch._dynamo.config.cache_size_limit = max(limit, BLOCK_GRAPHS_LIMIT)
+
+
 def compile_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules ``--compile_scope blocks`` compiles: every CCGQABlock (attention + FFN), the unit
     each recursion applies; in the dense GPT every layer (norms, attention, MLP)."""
@@ -276,8 +283,7 @@ class CompileModel(Optimization):
         else:
             # one graph per row count (the full length and each routed capacity, in training's
             # and evaluation's grad modes): room for all of them in dynamo's cache
-            limit = torch._dynamo.config.cache_size_limit
-            torch._dynamo.config.cache_size_limit = max(limit, BLOCK_GRAPHS_LIMIT)
+            allow_block_graphs()
             for blk in compile_units(trainer.model):
                 if id(blk) not in self._compiled:
                     self._compiled[id(blk)] = torch.compile(
