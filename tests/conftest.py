@@ -19,3 +19,17 @@ if not _has_cuda:
 # imported, so set before any test module imports it.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_MODULES_CACHE", os.path.join(tempfile.gettempdir(), "hydra-tests-hf-modules"))
+
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _own_pretest_records(tmp_path, monkeypatch):
+    """hydra-train run shares pretest verdicts through $HYDRA_CACHE_DIR/pretests: each test gets its
+    own folder, so no test reuses another's verdicts (or the user's)."""
+    try:
+        from hydra_train.safe_opts import pretest_log
+    except ImportError:  # pragma: no cover - hydra-train not installed
+        return
+    monkeypatch.setattr(pretest_log, "shared_pretest_dir", lambda: tmp_path / "machine-pretests")

@@ -87,10 +87,10 @@ def test_compile_defaults_where_they_were_measured(monkeypatch):
     assert _dry("--device", "cuda", *long_run)["fast_path"]["compile"] == "blocks"
     assert _dry("--device", "cuda", "--compile_scope", "model", *long_run)["fast_path"]["compile"] == "model"
     assert _dry("--device", "cuda")["fast_path"]["compile"] is False  # short: none
-    # 24414 × 8 × 2048 = 399.99M a process: one step short of compiling under torchrun
+    # 6103 × 8 × 2048 = 99.99M a process: one step short of compiling under torchrun
     per_process = ("--batch_size", "8", "--seq_len", "2048", "--max_steps")
-    assert _dry("--device", "cuda", *per_process, "24414")["fast_path"]["compile"] is False
-    assert _dry("--device", "cuda", *per_process, "24415")["fast_path"]["compile"] == "blocks"
+    assert _dry("--device", "cuda", *per_process, "6103")["fast_path"]["compile"] is False
+    assert _dry("--device", "cuda", *per_process, "6104")["fast_path"]["compile"] == "blocks"
 
 
 def test_the_scope_of_a_run_that_does_not_compile_does_not_follow_its_length():
@@ -111,7 +111,7 @@ def test_the_dry_run_says_why_it_compiles_or_not(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     reason = _dry("--device", "cuda", "--mode", "production")["compile_reason"]
-    assert "a process under torchrun >= 400M" in reason and "scope blocks" in reason
+    assert "a process under torchrun >= 100M" in reason and "scope blocks" in reason
     res = runner.invoke(app, ["run", "--dry_run", "--device", "cuda"])  # the table for people
     assert res.exit_code == 0 and "compile because" in res.output
 

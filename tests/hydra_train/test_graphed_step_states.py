@@ -58,7 +58,10 @@ class FakeTrainer(SimpleNamespace):
             applied=0,
             failures=[],
             cuda_graphs=None,
+            step=0,
+            logged=[],
         )
+        self.log = self.logged.append
 
     def micro_step(self, batches, loss_scale=None, hooks=True):
         self.scales.append(None if loss_scale is None else float(loss_scale))
@@ -94,6 +97,8 @@ def test_eager_steps_then_capture_then_replays(tr):
     assert tr.scales == [None, None, 1.0, 1.0, 1.0]
     assert tr.applied == 5 and tr.cuda_graphs.captures == 1 and tr.cuda_graphs.replays == 2
     assert tr.failures == []
+    # the capture's cost is said once, by the call that captured
+    assert len(tr.logged) == 1 and tr.logged[0].startswith("CUDA graph: the step captured at step 0 in ")
 
 
 def test_a_loss_scale_set_during_an_eager_step_does_not_reach_the_capture(tr):

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # hydra-train run's setup with torch.compile on, this tree against an older one (BASE: a folder
 # holding its packages/, extracted as in first_call_ab.sh), in the order ORDER gives: "new:cold"
-# runs this tree on fresh inductor and Triton caches, "new:warm" on the caches its cold run left.
-# Every log line is prefixed with the seconds since its process started, and dynamo's
-# recompilations are logged (TORCH_LOGS=recompiles); a summary line per run is printed.
-# SCOPE: blocks, model, or none (--no-compile: the baseline the compile has to repay).
+# runs this tree on fresh inductor and Triton caches and no pretest records ($HYDRA_CACHE_DIR/
+# pretests, the machine's first run), "new:warm" on what its cold run left, "new:warmpt" on warm
+# caches but pretesting again (--no-reuse_pretests; an older tree has no shared records, so its
+# warm and warmpt runs are the same). Every log line is prefixed with the seconds since its process
+# started, and dynamo's recompilations are logged (TORCH_LOGS=recompiles); a summary line per run
+# gives the step-0 validation's time (all setup before step 1, that evaluation included) and the
+# CUDA graph's capture. SCOPE: blocks, model, or none (--no-compile: the baseline to repay).
 #
 #   source tools/gpu_env.sh
 #   BASE=.gl/bench_base SCOPE=blocks STEPS=100 bash packages/hydra-diag/bench/compile_setup_ab.sh
@@ -32,12 +35,14 @@ for spec in $ORDER; do
   tree=${spec%%:*}
   cache=${spec##*:}
   case "$tree:$cache" in
-    new:cold | new:warm | base:cold | base:warm) ;;
-    *) echo "compile_setup_ab: ORDER entry '$spec': use new|base:cold|warm" >&2; exit 2 ;;
+    new:cold | new:warm | new:warmpt | base:cold | base:warm | base:warmpt) ;;
+    *) echo "compile_setup_ab: ORDER entry '$spec': use new|base:cold|warm|warmpt" >&2; exit 2 ;;
   esac
   name=$tree-$cache-$SCOPE
   caches=/tmp/compile-caches-$tree-$SCOPE
-  [ "$cache" = cold ] && rm -rf "$caches"
+  [ "$cache" = cold ] && rm -rf "$caches" "$HYDRA_CACHE_DIR/pretests"
+  again=()
+  [ "$tree:$cache" = new:warmpt ] && again=(--no-reuse_pretests)
   mkdir -p "$caches"
   pp=$here
   [ "$tree" = base ] && pp=$base
@@ -49,14 +54,19 @@ for spec in $ORDER; do
   PYTHONPATH=$pp TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton \
     TORCH_LOGS=recompiles timeout "$LIMIT" python -W ignore -m hydra_train run \
     --checkpoint_dir "/tmp/tr/$name" --model_size 100M --max_steps "$STEPS" \
-    "${compile[@]}" $ARGS 2>&1 | python -c "$stamp" "$start" >"$OUT/$name.log"
+    "${compile[@]}" "${again[@]}" $ARGS 2>&1 | python -c "$stamp" "$start" >"$OUT/$name.log"
   rc=${PIPESTATUS[0]}
   end=$(date +%s.%N)
   recompiles=$(grep -c "Recompiling function" "$OUT/$name.log")
   arm=$(grep -o "pretest arm compile: .*" "$OUT/$name.log" | head -n 1)
   first=$(grep -m 1 -E "^ *[0-9.]+ step +[0-9]+/[0-9]+ +loss" "$OUT/$name.log" | awk '{print $1}')
   rate=$(grep -E "step +[0-9]+/[0-9]+ +loss" "$OUT/$name.log" | tail -n 1 | grep -o "[0-9,.]*K\? tok/s")
-  printf '%s: rc %s, %.1f s in all, %s, first logged step at %s s, last %s, %s recompilations\n' \
-    "$name" "$rc" "$(python -c "print($end - $start)")" "${arm:-no compile arm}" "${first:-?}" \
-    "${rate:-?}" "$recompiles"
+  setup=$(grep -m 1 -E "^ *[0-9.]+ step +0/[0-9]+ +validation" "$OUT/$name.log" | awk '{print $1}')
+  capture=$(grep -m 1 -o "the step captured at step [0-9]* in [0-9.]* s" "$OUT/$name.log")
+  reused=$(grep -c "reusing its verdicts" "$OUT/$name.log")
+  printf '%s: rc %s, %.1f s in all, %s, step-0 validation at %s s, first logged step at %s s, ' \
+    "$name" "$rc" "$(python -c "print($end - $start)")" "${arm:-no compile arm}" "${setup:-?}" \
+    "${first:-?}"
+  printf '%s, pretests reused %s, last %s, %s recompilations\n' "${capture:-no capture logged}" \
+    "$reused" "${rate:-?}" "$recompiles"
 done

@@ -28,10 +28,12 @@ from hydra_train.loggers import LOGGERS
 #: about twice that, for a slower compiling host. The default 300-step run (4.9M tokens) would
 #: take longer with a compile.
 COMPILE_TOKENS = 100_000_000
-#: The same under torchrun (DDP): each rank's pretest compiles too and waits for the others (a 69 s
-#: arm on 2 × H200, 329.5K against 305.8K tokens/s a GPU: repaid after about 340M tokens a process;
-#: measured before the compile arm was stacked on the kernels it runs with, not measured since).
-COMPILE_TOKENS_DDP = 400_000_000
+#: The same under torchrun (DDP), per process. Each rank's pretest compiles too; measured on
+#: 2 × H100 in one call (BENCHMARKS.md, 2026-11-26): graphed DDP 285.5K tokens/s a GPU without
+#: compiling, 336.0K with the blocks compiled, a 13 s compile arm (about 16 s with evaluation's
+#: graphs): repaid after about 30M tokens a process. (Before the compile arm was stacked on the
+#: kernels it runs with, the arm took 69 s on 2 × H200 and this stood at 400M.)
+COMPILE_TOKENS_DDP = 100_000_000
 #: Planned tokens from which ``--compile_scope auto`` compiles the whole forward of a single-process
 #: run rather than each block (see above: 93M on the H200, about doubled).
 WHOLE_MODEL_COMPILE_TOKENS = 200_000_000
@@ -398,6 +400,15 @@ class OptimizationOptions:
         False,
         "--experimental_skip_pretest",
         help="Enable the requested optimizations without pretests (risky).",
+        commands=(RUN,),
+    )
+    reuse_pretests: bool = flag(
+        True,
+        "--reuse_pretests",
+        switch=True,
+        help="Reuse the verdicts of an earlier run of the same fingerprint (model, step settings, "
+        "device, versions, HYDRA's source) kept in $HYDRA_CACHE_DIR/pretests, instead of pretesting "
+        "again in a new checkpoint folder; off: pretest unless this folder has them.",
         commands=(RUN,),
     )
     pretest_warmup_steps: int = flag(

@@ -41,6 +41,7 @@ The loss-scale input (1.0: exact) is how a test reaches the gradients of a graph
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -97,6 +98,8 @@ class GraphedStep:
         self.replays = 0
         #: whether the current call's optimizer step has run (set before its outputs are copied)
         self.step_applied = False
+        #: seconds of the last warm-up call and capture, until the device finished them (setup cost)
+        self.capture_s: float | None = None
 
     @property
     def captured(self) -> bool:
@@ -136,6 +139,7 @@ class GraphedStep:
 
     def _warm_up_and_capture(self, batches: list) -> StepResult:
         tr = self.tr
+        t0 = time.perf_counter()
         make_capturable(tr.optimizer, tr.device)
         graph = CUDAGraphStep.deferred(self._body, *self._inputs(batches), stream=self.stream)
         self._fill_scale(graph)
@@ -161,6 +165,9 @@ class GraphedStep:
             return res
         self.graph = graph
         self.captures += 1
+        if self.stream is not None:  # once a capture: its cost counted until the warm-up call ran
+            self.stream.synchronize()
+        self.capture_s = time.perf_counter() - t0
         return res
 
     def _all_ranks_captured(self, ok: bool) -> bool:

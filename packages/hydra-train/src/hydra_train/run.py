@@ -64,6 +64,7 @@ from hydra_train.options import torchrun_launch, train_options
 from hydra_train.prefetch import Prefetcher
 from hydra_train.reporting import MetricsDBCallback, ProgressCallback
 from hydra_train.run_guard import check_finite_weights, install_sigterm, open_checkpoint_dir, settle_dead_runs
+from hydra_train.safe_opts import pretest_log
 from hydra_train.safe_opts.callback import SafeOptimizations
 from hydra_train.summary import describe_run, summary_rows
 from hydra_train.trainer import Trainer
@@ -289,6 +290,7 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
     if safe is None:
         safe = SafeOptimizations(
             cfg,
+            shared_dir=pretest_log.shared_pretest_dir(),
             log=lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True) if main else None,
         )
     safe.configure(cfg)

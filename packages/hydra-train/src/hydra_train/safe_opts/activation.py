@@ -13,6 +13,7 @@ callback's (:mod:`hydra_train.safe_opts.callback`).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from hydra_train.config import TrainConfig
@@ -99,11 +100,26 @@ class ActivationMixin:
             env.update(world_size=trainer.dist.world_size, fsdp=rt.fsdp, ddp_grad_sync=rt.ddp_grad_sync)
         model_cfg = trainer.model.config.to_dict()
         fp = fingerprint(model_cfg, cfg, env, self.checkpoint)
-        decision = self.hook.decide(fp, cfg.model.model_size, self.checkpoint) if self._main else None
+        decision = (
+            self.hook.decide(
+                fp, cfg.model.model_size, self.checkpoint, reuse_shared=cfg.optimizations.reuse_pretests
+            )
+            if self._main
+            else None
+        )
         trigger, cached = broadcast_object(trainer.dist, decision) if self._dist else decision
         if cached is not None:
-            self._say(f"[SafeOpts] pretests: same fingerprint as the run of {cached.get('time')}, reusing it")
             results = cached.get("results", {})
+            where, when = cached.get("reused_from"), cached.get("time")
+            if where is None:
+                self._say(f"[SafeOpts] pretests: same fingerprint as the run of {when}, reusing it")
+            else:
+                self._say(
+                    f"[SafeOpts] pretests: same fingerprint as a run of {when} on this machine "
+                    f"({where}), reusing its verdicts (--no-reuse_pretests pretests again)"
+                )
+                if self._main:  # this folder's history shows what the run trusted, and from where
+                    self.hook.record(cached)
         else:
             self._say(f"[SafeOpts] pretests ({trigger}): {', '.join(names)}")
             runner = PretestRunner(
@@ -123,6 +139,7 @@ class ActivationMixin:
             results = body["results"]
             if self._main:
                 rec = {
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S"),  # the history's and the machine's copy
                     "model_size": cfg.model.model_size,
                     "fingerprint": fp,
                     "trigger": trigger,
@@ -134,7 +151,9 @@ class ActivationMixin:
                     **body,
                 }
                 self.hook.record(rec)
-        self.pretest_info = {"fingerprint": fp, "trigger": trigger or "cached"}
+                self._share(rec)
+        reused = "cached" if cached is None or "reused_from" not in cached else "machine cache"
+        self.pretest_info = {"fingerprint": fp, "trigger": trigger or reused}
         static = (
             self.registry["static_routing"].requested()
             and results.get("static_routing", {}).get("status") == PASS
@@ -146,6 +165,13 @@ class ActivationMixin:
                 "cuda_graphs": results.get(key, {"status": FAIL, "reason": "not pretested"}),
             }
         return results
+
+    def _share(self, rec: dict[str, Any]) -> None:
+        """The record for later runs on this machine; a folder that cannot be written costs only that."""
+        try:
+            self.hook.share(rec)
+        except OSError as exc:
+            self._say(f"[SafeOpts] pretest record not shared with later runs ({self.hook.shared_dir}): {exc}")
 
     def _apply_verdicts(self, names: list[str], results: dict[str, dict[str, Any]]) -> None:
         for n in names:

@@ -56,6 +56,7 @@ class SafeOptimizations(ActivationMixin, TrainerCallback):
         cfg: TrainConfig,
         *,
         log_dir: str | Path | None = None,
+        shared_dir: str | Path | None = None,
         fault_injector: FaultInjector | None = None,
         log=print,
     ):
@@ -74,7 +75,8 @@ class SafeOptimizations(ActivationMixin, TrainerCallback):
         )
         self.injector = fault_injector if fault_injector is not None else FaultInjector.from_options(NAMES)
         self.hook = PretestHook(
-            log_dir if log_dir is not None else Path(cfg.runtime.checkpoint_dir) / "pretest_logs"
+            log_dir if log_dir is not None else Path(cfg.runtime.checkpoint_dir) / "pretest_logs",
+            shared_dir,  # the machine's records, shared by runs (hydra-train run passes them)
         )
         self.log = log
         self.checkpoint: str | None = None  # "path@step" of a resumed checkpoint (set by the runner)

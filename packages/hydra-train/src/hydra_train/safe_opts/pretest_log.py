@@ -14,14 +14,23 @@ and timing behind the verdict).
 
 Rerun rule: a fingerprint hashes the model config, the training settings that change what a step
 computes or costs (batch, length, precision, the optimization flags), the checkpoint the run
-resumed from, the device and versions, and the SafeOptimizations source itself. A fingerprint
-seen before reuses that record (no rerun). Otherwise the pretests run, and the trigger says why:
-``first run``, ``model size changed``, ``new checkpoint loaded`` or ``config changed``.
+resumed from, the device and versions, and the source of hydra-kernels, hydra-model and hydra-train
+(any edit to the code a pretest runs makes a new fingerprint). A fingerprint seen before reuses
+that record (no rerun). Otherwise the pretests run, and the trigger says why: ``first run``,
+``model size changed``, ``new checkpoint loaded`` or ``config changed``.
+
+The machine's shared records (``shared_dir``, ``$HYDRA_CACHE_DIR/pretests`` for ``hydra-train run``;
+:func:`shared_pretest_dir`): one ``<fingerprint>.json`` per record, written by every run that
+pretested, so that a new run of the same configuration in another checkpoint folder reuses the
+verdicts instead of spending its setup on them (``--no-reuse_pretests`` reruns them). A reused
+record is copied into the run's own history with ``reused_from`` naming the file.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 import json
 import platform
 import time
@@ -70,12 +79,27 @@ FINGERPRINT_FIELDS = (
 )
 
 
-def _source_hash() -> str:
+#: The packages whose code a pretest runs (their source is part of the fingerprint).
+SOURCE_PACKAGES = ("hydra_kernels", "hydra_model", "hydra_train")
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """A hash of every ``.py`` file of :data:`SOURCE_PACKAGES` (names and bytes; read once a process)."""
     h = hashlib.sha1()
-    for p in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
+    for name in SOURCE_PACKAGES:
+        root = Path(importlib.import_module(name).__file__).parent
+        for p in sorted(root.rglob("*.py")):
+            h.update(f"{name}/{p.relative_to(root).as_posix()}".encode())
+            h.update(p.read_bytes())
     return h.hexdigest()[:12]
+
+
+def shared_pretest_dir() -> Path:
+    """This machine's pretest records shared by runs: ``$HYDRA_CACHE_DIR/pretests``."""
+    from hydra_train.options import train_options
+
+    return train_options().cache_dir / "pretests"
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -83,7 +107,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "device_type": device.type,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "safe_opts_source": _source_hash(),
+        "hydra_source": source_hash(),
     }
     try:
         import triton
@@ -128,8 +152,10 @@ def _read_list(path: Path) -> list[dict[str, Any]]:
 class PretestHook:
     """Decides whether pretests must run, stores their records, answers questions about them."""
 
-    def __init__(self, log_dir: str | Path):
+    def __init__(self, log_dir: str | Path, shared_dir: str | Path | None = None):
         self.log_dir = Path(log_dir)
+        #: the machine's records (None: this folder's history only)
+        self.shared_dir = None if shared_dir is None else Path(shared_dir)
 
     @property
     def history_path(self) -> Path:
@@ -138,12 +164,20 @@ class PretestHook:
     def _history(self) -> list[dict[str, Any]]:
         return _read_list(self.history_path)
 
-    def decide(self, fp: str, model_size: str, checkpoint: str | None) -> tuple[str | None, dict | None]:
-        """(trigger, None) when the pretests must run; (None, record) to reuse ``record``."""
+    def decide(
+        self, fp: str, model_size: str, checkpoint: str | None, *, reuse_shared: bool = True
+    ) -> tuple[str | None, dict | None]:
+        """(trigger, None) when the pretests must run; (None, record) to reuse ``record``: this
+        folder's, else (``reuse_shared``) the machine's."""
         hist = self._history()
         same = [r for r in hist if r.get("fingerprint") == fp]
         if same:
             return None, same[-1]
+        shared, why = self._shared(fp) if reuse_shared else (None, None)
+        if shared is not None:
+            return None, shared
+        if why:
+            return why, None
         if not hist:
             return "first run", None
         last = hist[-1]
@@ -152,6 +186,31 @@ class PretestHook:
         if checkpoint and checkpoint != last.get("checkpoint"):
             return f"new checkpoint loaded ({checkpoint})", None
         return "config changed", None
+
+    def _shared(self, fp: str) -> tuple[dict[str, Any] | None, str | None]:
+        """(the machine's record of ``fp`` with ``reused_from`` set, None), or (None, why a record
+        there cannot be used), or (None, None) when there is none."""
+        if self.shared_dir is None:
+            return None, None
+        path = self.shared_dir / f"{fp}.json"
+        if not path.is_file():
+            return None, None
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            return None, f"the machine's record {path} is unreadable ({type(exc).__name__}); pretesting again"
+        if not isinstance(rec, dict) or rec.get("fingerprint") != fp or "results" not in rec:
+            return None, f"the machine's record {path} is not a pretest record of {fp}; pretesting again"
+        return {**rec, "reused_from": str(path)}, None
+
+    def share(self, rec: dict[str, Any]) -> Path | None:
+        """Write ``rec`` as the machine's record of its fingerprint (None: no shared folder).
+        Raises OSError when the folder cannot be written (the caller says so and goes on)."""
+        if self.shared_dir is None:
+            return None
+        path = self.shared_dir / f"{rec['fingerprint']}.json"
+        _write_json_atomic(path, rec)
+        return path
 
     def record(self, rec: dict[str, Any]) -> Path:
         """Append ``rec`` to the history and to that size's log of the day; returns the latter."""
