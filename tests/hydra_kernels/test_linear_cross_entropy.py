@@ -200,12 +200,13 @@ class _StorageBytes(TorchDispatchMode):
 @pytest.mark.parametrize("triton", [True, False])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_never_allocates_full_logits(triton, reduction):
-    # Everything legitimate, even in fp32: the dW accumulator [V, D], dh [N, D], a chunk [16, V].
-    # The full bf16 logits [N, V] are 4× bigger than all of them.
-    n, d, v = 128, 16, 301
+    # Everything legitimate, even in fp32: the dW accumulator [Vp, D], dh [N, D], a chunk [16, Vp]
+    # (Vp: V padded to chunks.PAD_COLS columns). The full bf16 logits [N, V] are 4× bigger than all of them.
+    n, d, v = 256, 16, 301
+    vp = -(-v // chunks.PAD_COLS) * chunks.PAD_COLS
     controls.set_op_enabled(OP, triton)
     h, w, y = _inputs(7, n=n, d=d, v=v)
-    legit = 4 * max(v * d, n * d, CHUNK * v)
+    legit = 4 * max(vp * d, n * d, CHUNK * vp)
     assert 2 * n * v >= 4 * legit
     for fn in (linear_cross_entropy, linear_cross_entropy_ref):
         hh, ww = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
@@ -479,3 +480,16 @@ def test_module_and_validation():
         set_linear_ce_options(dw_accum="bf16")
     with pytest.raises(ValueError, match="unknown"):
         set_linear_ce_options(chunk=3)
+
+
+def test_the_default_mode_pads_the_logits_rows_and_the_lean_modes_do_not():
+    """Padding is what makes cuBLAS's fast kernels usable at an odd vocabulary (its result is
+    checked against fp64 by the tests above, whose V are odd); the memory-lean modes keep their
+    documented workspace."""
+    opts = chunks.LinearCEOptions()
+    assert chunks.padded_cols(27813, opts) == 27840 and chunks.padded_cols(32000, opts) == 32000
+    for lean in ("input", "slab", "compensated"):
+        assert chunks.padded_cols(27813, chunks.LinearCEOptions(dw_accum=lean)) == 27813
+    w = torch.randn(5, 3, dtype=torch.float32)
+    wp = chunks._padded_weight(w, torch.bfloat16, 64)
+    assert wp.shape == (64, 3) and torch.equal(wp[:5], w.bfloat16()) and not wp[5:].any()

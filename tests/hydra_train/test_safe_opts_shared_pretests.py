@@ -28,10 +28,21 @@ def test_a_new_folder_reuses_the_machines_record(tmp_path):
     second = PretestHook(tmp_path / "b", shared)
     trigger, cached = second.decide("f1", "100M", None)
     assert trigger is None and cached["results"] == {"fa3": {"status": "PASS"}}
-    assert cached["reused_from"] == str(shared / "f1.json")
+    assert cached["reused_from"] == str(shared / "f1.json") and cached["machine_record"]
     assert second.decide("f2", "100M", None) == ("first run", None)  # another fingerprint
     assert second.decide("f1", "100M", None, reuse_shared=False) == ("first run", None)
     assert PretestHook(tmp_path / "c").decide("f1", "100M", None) == ("first run", None)  # none shared
+
+
+def test_a_machine_record_that_failed_on_speed_is_measured_again(tmp_path):
+    shared = tmp_path / "machine"
+    slow = {"status": "FAIL", "reason": "slower: 129.4 ms vs 121.3 ms per step (+7%, margin 5%)"}
+    PretestHook(tmp_path / "a", shared).share({**rec("f1"), "results": {"fa3": slow}})
+    trigger, cached = PretestHook(tmp_path / "b", shared).decide("f1", "100M", None)
+    assert cached is None and trigger == "the machine's record failed fa3 on speed; pretesting again"
+    broken = {"status": "FAIL", "reason": "error: RuntimeError: no kernel"}  # not a speed verdict: kept
+    PretestHook(tmp_path / "a", shared).share({**rec("f2"), "results": {"fa3": broken}})
+    assert PretestHook(tmp_path / "b", shared).decide("f2", "100M", None)[1]["results"] == {"fa3": broken}
 
 
 def test_a_damaged_or_foreign_record_is_pretested_over(tmp_path):
@@ -89,8 +100,17 @@ def test_hydra_train_run_shares_its_verdicts_with_the_next_run(bin_dataset, tmp_
     s2 = run_training(_cfg(bin_dataset, tmp_path / "b"))
     (second,) = _history(tmp_path / "b")
     assert second["reused_from"] == str(machine / f"{first['fingerprint']}.json")
-    assert second["time"] == first["time"] and second["results"] == first["results"]
+    assert second["recorded"] == first["time"] and second["results"] == first["results"]
+    assert second["trigger"] == "reused (machine)" and "machine_record" not in second
     assert s2["safe_opts"] == s1["safe_opts"]
+
+    # a fresh start in that folder reuses its copy without copying it again; without reuse it
+    # pretests, the copy notwithstanding
+    run_training(_cfg(bin_dataset, tmp_path / "b", resume=False))
+    assert len(_history(tmp_path / "b")) == 1
+    run_training(_cfg(bin_dataset, tmp_path / "b", resume=False, reuse_pretests=False))
+    hist_b = _history(tmp_path / "b")
+    assert len(hist_b) == 2 and "reused_from" not in hist_b[-1]
 
     run_training(_cfg(bin_dataset, tmp_path / "c", reuse_pretests=False))
     (third,) = _history(tmp_path / "c")

@@ -354,7 +354,8 @@ def _resume(run: TrainingRun, found: ResumePoint | None, log) -> None:
     run.trainer.resume_from(found)
     run.resume_step = found.step
     run.resumed_from = found.checkpoint.get("run_id")
-    run.safe.checkpoint = f"{found.path}@{found.step}"  # a new checkpoint: pretests rerun
+    # a new checkpoint: pretests rerun (resolved: the machine's records are shared by folders)
+    run.safe.checkpoint = f"{Path(found.path).resolve()}@{found.step}"
     log(f"resuming from {found.path} (step {found.step}, run {run.resumed_from})")
 
 

@@ -198,34 +198,64 @@ def _accumulate_dw(acc, g, h_c, first: bool, use_triton: bool, backend: str, cap
     acc.copy_(wide) if first else acc.add_(wide)
 
 
+#: The logits' row length is padded to a multiple of this many columns: cuBLAS runs an output or
+#: operand whose leading dimension is not 16-byte aligned with slow alignment-1/2 kernels (a
+#: tokenizer's 27813-token vocabulary made hydra-train's 100M step 1.45x slower on an H100,
+#: packages/hydra-kernels/BENCHMARKS.md).
+PAD_COLS = 64
+
+
+def padded_cols(v: int, opts: LinearCEOptions) -> int:
+    """The logits' row length for a ``V``-row weight: in the default (fp32 dW, speed) mode, V
+    rounded up to :data:`PAD_COLS` (the zero rows added to the weight give zero logits, left out of
+    the softmax and of dh; their dW rows are dropped); V itself in the memory-lean modes (input,
+    slab, compensated), whose workspace stays as documented."""
+    return -(-v // PAD_COLS) * PAD_COLS if opts.dw_accum == "fp32" else v
+
+
+def _padded_weight(weight: torch.Tensor, cdt: torch.dtype, vp: int) -> torch.Tensor:
+    """``weight`` [V, D] in the compute dtype with ``vp − V`` zero rows below (one copy; none when
+    neither a cast nor padding is needed)."""
+    v, d = weight.shape
+    if vp == v:
+        return weight if weight.dtype == cdt else weight.to(cdt)
+    w = torch.empty((vp, d), dtype=cdt, device=weight.device)
+    w[:v].copy_(weight)
+    w[v:].zero_()
+    return w
+
+
 def chunked_pass(hidden, weight, targets, ignore_index, z_loss, scale, need_dh, need_dw, use_triton, opts):
     """Per-token loss and, when asked, dh and the dW accumulator, scaled by ``scale`` (0-d or
-    per token). Never holds more than one ``[chunk, V]`` block of logits."""
+    per token). Never holds more than one ``[chunk, V]`` block of logits (rows padded to
+    :func:`padded_cols`)."""
     n, d = hidden.shape
     v = weight.shape[0]
     cdt = hidden.dtype
-    w = weight if weight.dtype == cdt else weight.to(cdt)  # [V, D] in the compute dtype
     acc_dtype = acc_dtype_for(cdt, weight.dtype, opts.dw_accum)
-    rows = chunk_rows_for(n, d, v, acc_dtype, opts, cdt.itemsize, need_dw)
+    vp = padded_cols(v, opts)
+    w = _padded_weight(weight, cdt, vp)  # [Vp, D] in the compute dtype
+    rows = chunk_rows_for(n, d, vp, acc_dtype, opts, cdt.itemsize, need_dw)
     slabs = need_dw and opts.dw_accum == "slab"
     dev = hidden.device
     loss_rows = torch.empty(n, dtype=torch.promote_types(cdt, torch.float32), device=dev)
     lse = torch.empty(n, dtype=torch.float32, device=dev) if slabs else None
     dh = torch.empty((n, d), dtype=cdt, device=dev) if need_dh else None
-    dw = (torch.empty if n else torch.zeros)((v, d), dtype=acc_dtype, device=dev) if need_dw else None
+    dw = (torch.empty if n else torch.zeros)((vp, d), dtype=acc_dtype, device=dev) if need_dw else None
     plane = None  # the 4-bit residuals of a compensated dW (no zero fill: the first chunk writes it)
     if need_dw and n and compensates(acc_dtype, opts):
         plane = torch.empty(comp.plane_shape(v, d), dtype=torch.uint8, device=dev)
     slab_cols = slab_cols_for(n, v, rows) if slabs else 0
-    buffer = torch.empty(max(rows * v, n * slab_cols), dtype=cdt, device=dev) if n else None
+    buffer = torch.empty(max(rows * vp, n * slab_cols), dtype=cdt, device=dev) if n else None
     write_grad = need_dh or (need_dw and not slabs)
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         h_c = hidden[start:stop]  # [c, D]
-        lg = buffer[: (stop - start) * v].view(stop - start, v)  # [c, V]
+        lg = buffer[: (stop - start) * vp].view(stop - start, vp)  # [c, Vp]; columns ≥ V stay 0
         torch.mm(h_c, w.t(), out=lg)
         sc = scale[start:stop] if scale.dim() else scale
-        row_args = (lg, targets[start:stop], loss_rows[start:stop], sc, ignore_index, z_loss, write_grad)
+        rows_v = lg[:, :v]  # the real vocabulary's columns (row stride Vp)
+        row_args = (rows_v, targets[start:stop], loss_rows[start:stop], sc, ignore_index, z_loss, write_grad)
         if slabs:  # the slab pass needs each row's log-sum-exp
             row_args += (lse[start:stop],)
         if use_triton:
@@ -248,4 +278,4 @@ def chunked_pass(hidden, weight, targets, ignore_index, z_loss, scale, need_dh, 
             else:
                 _ce_slab_grad_torch(sl, v0, lse, targets, scale, ignore_index, z_loss)
             _accumulate_dw(dw[v0:v1], sl, hidden, True, use_triton, opts.dw_backend, n)
-    return loss_rows, dh, dw
+    return loss_rows, dh, (dw if dw is None or vp == v else dw[:v])  # the weight's rows (contiguous)

@@ -10,6 +10,10 @@ taken in chunks of C rows. Per chunk, with the gradient computed during the forw
    ``dW += dlogitsᵀ @ h_c`` into an fp32 accumulator (cuBLAS with an fp32 ``out`` where torch
    supports it, else the ``_dw_accum_kernel`` Triton GEMM).
 
+In this default mode the chunk's rows are padded to a multiple of 64 columns (zero weight rows,
+left out of the softmax): cuBLAS runs a [C, V] operand whose row length is not 16-byte aligned
+(a tokenizer's V = 27813) with slow alignment-1 kernels (``_linear_ce_chunks.PAD_COLS``).
+
 Three matmuls in all, the minimum; backward only scales by the incoming gradient. Memory above
 the inputs and the gradients themselves: one logits chunk plus, for a bf16/fp16 weight, the fp32
 dW accumulator (V·D·4 bytes). With an fp32 weight (autocast training with fp32 master weights)

@@ -111,15 +111,21 @@ class ActivationMixin:
         if cached is not None:
             results = cached.get("results", {})
             where, when = cached.get("reused_from"), cached.get("time")
-            if where is None:
+            if not cached.pop("machine_record", False):
                 self._say(f"[SafeOpts] pretests: same fingerprint as the run of {when}, reusing it")
             else:
                 self._say(
                     f"[SafeOpts] pretests: same fingerprint as a run of {when} on this machine "
                     f"({where}), reusing its verdicts (--no-reuse_pretests pretests again)"
                 )
-                if self._main:  # this folder's history shows what the run trusted, and from where
-                    self.hook.record(cached)
+                # this folder's history shows what the run trusted, from where, and when
+                copy = {**cached, "trigger": "reused (machine)", "recorded": when}
+                copy["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+                try:
+                    if self._main:
+                        self.hook.record(copy)
+                except OSError as exc:  # under torchrun the other ranks wait: say it, go on
+                    self._say(f"[SafeOpts] could not copy the reused record into {self.hook.log_dir}: {exc}")
         else:
             self._say(f"[SafeOpts] pretests ({trigger}): {', '.join(names)}")
             runner = PretestRunner(
