@@ -482,6 +482,15 @@ def test_module_and_validation():
         set_linear_ce_options(chunk=3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_vocabulary_already_aligned_takes_the_unpadded_branch(dtype):
+    """V a multiple of PAD_COLS: no padded weight copy, the same fp64 criterion."""
+    h, w, y = _inputs(11, v=2 * chunks.PAD_COLS)
+    assert chunks.padded_cols(w.shape[0], chunks.LinearCEOptions()) == w.shape[0]
+    _assert_criterion(h, w, y, dtype, "mean", 1e-3)
+    assert controls.fallback_counts()[OP] == 0
+
+
 def test_the_default_mode_pads_the_logits_rows_and_the_lean_modes_do_not():
     """Padding is what makes cuBLAS's fast kernels usable at an odd vocabulary (its result is
     checked against fp64 by the tests above, whose V are odd); the memory-lean modes keep their

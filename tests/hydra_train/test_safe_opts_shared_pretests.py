@@ -51,9 +51,11 @@ def test_a_damaged_or_foreign_record_is_pretested_over(tmp_path):
     (shared / "f1.json").write_text('{"fingerprint": "f1", "resu')
     trigger, cached = PretestHook(tmp_path / "a", shared).decide("f1", "100M", None)
     assert cached is None and "unreadable" in trigger and str(shared / "f1.json") in trigger
-    (shared / "f1.json").write_text(json.dumps(rec("other")))
-    trigger, cached = PretestHook(tmp_path / "a", shared).decide("f1", "100M", None)
-    assert cached is None and "not a pretest record of f1" in trigger
+    wrong_results = ({**rec("f1"), "results": ["PASS"]}, {**rec("f1"), "results": {"fa3": 1}})
+    for foreign in (rec("other"), [1, 2], *wrong_results):
+        (shared / "f1.json").write_text(json.dumps(foreign))
+        trigger, cached = PretestHook(tmp_path / "a", shared).decide("f1", "100M", None)
+        assert cached is None and "not a pretest record of f1" in trigger, foreign
 
 
 def test_the_source_hash_follows_the_code(tmp_path, monkeypatch):

@@ -209,7 +209,9 @@ def padded_cols(v: int, opts: LinearCEOptions) -> int:
     """The logits' row length for a ``V``-row weight: in the default (fp32 dW, speed) mode, V
     rounded up to :data:`PAD_COLS` (the zero rows added to the weight give zero logits, left out of
     the softmax and of dh; their dW rows are dropped); V itself in the memory-lean modes (input,
-    slab, compensated), whose workspace stays as documented."""
+    slab, compensated), whose workspace stays as documented. Padding costs a copy of the weight
+    (V·D in the compute dtype) where none was needed before (a weight already in the compute
+    dtype): 43 MB at V = 27813, D = 768 (packages/hydra-train/BENCHMARKS.md has what it buys)."""
     return -(-v // PAD_COLS) * PAD_COLS if opts.dw_accum == "fp32" else v
 
 
@@ -251,7 +253,7 @@ def chunked_pass(hidden, weight, targets, ignore_index, z_loss, scale, need_dh, 
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         h_c = hidden[start:stop]  # [c, D]
-        lg = buffer[: (stop - start) * vp].view(stop - start, vp)  # [c, Vp]; columns ≥ V stay 0
+        lg = buffer[: (stop - start) * vp].view(stop - start, vp)  # [c, Vp]; columns ≥ V: 0 again
         torch.mm(h_c, w.t(), out=lg)
         sc = scale[start:stop] if scale.dim() else scale
         rows_v = lg[:, :v]  # the real vocabulary's columns (row stride Vp)

@@ -12,7 +12,8 @@ taken in chunks of C rows. Per chunk, with the gradient computed during the forw
 
 In this default mode the chunk's rows are padded to a multiple of 64 columns (zero weight rows,
 left out of the softmax): cuBLAS runs a [C, V] operand whose row length is not 16-byte aligned
-(a tokenizer's V = 27813) with slow alignment-1 kernels (``_linear_ce_chunks.PAD_COLS``).
+(a tokenizer's V = 27813) with slow alignment-1 kernels (``_linear_ce_chunks.PAD_COLS``). At such
+a V the weight is then copied once a call (V·D in the compute dtype) even when it needs no cast.
 
 Three matmuls in all, the minimum; backward only scales by the incoming gradient. Memory above
 the inputs and the gradients themselves: one logits chunk plus, for a bf16/fp16 weight, the fp32

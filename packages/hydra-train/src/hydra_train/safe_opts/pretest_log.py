@@ -202,12 +202,18 @@ class PretestHook:
             rec = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             return None, f"the machine's record {path} is unreadable ({type(exc).__name__}); pretesting again"
-        if not isinstance(rec, dict) or rec.get("fingerprint") != fp or "results" not in rec:
+        results = rec.get("results") if isinstance(rec, dict) else None
+        if (
+            not isinstance(rec, dict)
+            or rec.get("fingerprint") != fp
+            or not isinstance(results, dict)
+            or not all(isinstance(r, dict) for r in results.values())
+        ):
             return None, f"the machine's record {path} is not a pretest record of {fp}; pretesting again"
         # a speed verdict near its margin moves between runs (fa3 +7% in one run, 0.97x in the
         # next, BENCHMARKS.md): a FAIL for speed is measured again rather than kept for every run
         slow = sorted(
-            n for n, r in rec["results"].items()
+            n for n, r in results.items()
             if r.get("status") == "FAIL" and str(r.get("reason", "")).startswith("slower")
         )  # fmt: skip
         if slow:
