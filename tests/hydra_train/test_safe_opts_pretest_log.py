@@ -43,6 +43,9 @@ def test_fingerprint_sees_config_checkpoint_and_device():
     assert base != fingerprint(m, TrainConfig(), env, "ck@1")
     assert base != fingerprint({"dim": 65}, TrainConfig(), env, None)
     assert base != fingerprint(m, TrainConfig(), {**env, "device": "other"}, None)
+    assert set(env["optional"]) == {"bitsandbytes", "flash-attn", "flash_attn_3", "xformers"}
+    other_bnb = {**env, "optional": {**env["optional"], "bitsandbytes": "0.0.1-test"}}
+    assert base != fingerprint(m, TrainConfig(), other_bnb, None)
     assert base == fingerprint(m, TrainConfig(max_steps=7, lr=1.0), env, None)  # not what a pretest measures
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import platform
 import time
@@ -96,6 +97,17 @@ def source_hash() -> str:
     return h.hexdigest()[:12]
 
 
+#: Distributions whose version changes what a pretest measures (absent ones are recorded as None).
+OPTIONAL_PACKAGES = ("bitsandbytes", "flash-attn", "flash_attn_3", "xformers")
+
+
+def _installed_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def shared_pretest_dir() -> Path:
     """This machine's pretest records shared by runs: ``$HYDRA_CACHE_DIR/pretests``."""
     from hydra_train.options import train_options
@@ -116,9 +128,12 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["triton"] = triton.__version__
     except Exception:
         env["triton"] = None
+    # the optional packages a pretested path runs (8-bit Adam, attention kernels): their versions
+    env["optional"] = {name: _installed_version(name) for name in OPTIONAL_PACKAGES}
     if device.type == "cuda":
         env["device"] = torch.cuda.get_device_name(device)
         env["capability"] = "{}.{}".format(*torch.cuda.get_device_capability(device))
+        env["cuda"] = torch.version.cuda
     else:
         env["device"] = platform.processor() or platform.machine() or "cpu"
         env["capability"] = None
