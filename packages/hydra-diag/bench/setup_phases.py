@@ -77,11 +77,10 @@ def main() -> int:
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args, run_args = ap.parse_args(argv[:cut]), argv[cut + 1 :]
-    t_import = time.perf_counter()
+    records: list[dict] = []
+    _wrap(records, "import hydra_train.cli", lambda: importlib.import_module("hydra_train.cli"))()
     from hydra_train.cli import app
 
-    records: list[dict] = [{"phase": "import hydra_train.cli", "start_s": t_import - T0, "s": 0.0}]
-    records[0]["s"] = time.perf_counter() - t_import
     install(records)
     rc = 0
     try:

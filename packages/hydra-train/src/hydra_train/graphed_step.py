@@ -98,8 +98,6 @@ class GraphedStep:
         self.replays = 0
         #: whether the current call's optimizer step has run (set before its outputs are copied)
         self.step_applied = False
-        #: seconds of the last warm-up call and capture, until the device finished them (setup cost)
-        self.capture_s: float | None = None
 
     @property
     def captured(self) -> bool:
@@ -167,7 +165,7 @@ class GraphedStep:
         self.captures += 1
         if self.stream is not None:  # once a capture: its cost counted until the warm-up call ran
             self.stream.synchronize()
-        self.capture_s = time.perf_counter() - t0
+        tr.log(f"CUDA graph: the step captured at step {tr.step} in {time.perf_counter() - t0:.2f} s")
         return res
 
     def _all_ranks_captured(self, ok: bool) -> bool:

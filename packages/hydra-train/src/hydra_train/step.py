@@ -170,9 +170,6 @@ class StepMixin:
             return self.eager_step(batches)
         if graphs.failure is not None:  # the capture failed after its warm-up step was applied
             self._graph_failed(graphs.failure)
-        elif graphs.capture_s is not None:  # captured by this call: say what it cost, once
-            self.log(f"CUDA graph: the step captured at step {self.step} in {graphs.capture_s:.2f} s")
-            graphs.capture_s = None
         return res
 
     def enable_cuda_graphs(self, warmup: int) -> None:

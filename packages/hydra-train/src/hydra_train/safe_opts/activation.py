@@ -13,7 +13,6 @@ callback's (:mod:`hydra_train.safe_opts.callback`).
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from hydra_train.config import TrainConfig
@@ -21,7 +20,7 @@ from hydra_train.distributed import broadcast_object
 from hydra_train.safe_opts.adam8bit import is_8bit, to_torch_adamw
 from hydra_train.safe_opts.monitor import StepReadback
 from hydra_train.safe_opts.pretest import FAIL, NA, PASS, PretestRunner, PretestSettings
-from hydra_train.safe_opts.pretest_log import environment, fingerprint
+from hydra_train.safe_opts.pretest_log import environment, fingerprint, timestamp
 from hydra_train.safe_opts.registry import ACTIVE_STATES, DISABLED, ENABLED, FAILED, OFF, STABLE, SUSPENDED
 from hydra_train.safe_opts.registry import NA as STATUS_NA
 from hydra_train.safe_opts.report import reference_of
@@ -110,22 +109,17 @@ class ActivationMixin:
         trigger, cached = broadcast_object(trainer.dist, decision) if self._dist else decision
         if cached is not None:
             results = cached.get("results", {})
-            where, when = cached.get("reused_from"), cached.get("time")
-            if not cached.pop("machine_record", False):
+            when = cached.get("time")
+            if not cached.get("machine_record"):
                 self._say(f"[SafeOpts] pretests: same fingerprint as the run of {when}, reusing it")
             else:
                 self._say(
                     f"[SafeOpts] pretests: same fingerprint as a run of {when} on this machine "
-                    f"({where}), reusing its verdicts (--no-reuse_pretests pretests again)"
+                    f"({cached['reused_from']}), reusing its verdicts (--no-reuse_pretests pretests again)"
                 )
-                # this folder's history shows what the run trusted, from where, and when
-                copy = {**cached, "trigger": "reused (machine)", "recorded": when}
-                copy["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-                try:
-                    if self._main:
-                        self.hook.record(copy)
-                except OSError as exc:  # under torchrun the other ranks wait: say it, go on
-                    self._say(f"[SafeOpts] could not copy the reused record into {self.hook.log_dir}: {exc}")
+                if self._main:
+                    failure = f"could not copy the reused record into {self.hook.log_dir}"
+                    self._keep(self.hook.adopt, cached, failure)
         else:
             self._say(f"[SafeOpts] pretests ({trigger}): {', '.join(names)}")
             runner = PretestRunner(
@@ -145,7 +139,7 @@ class ActivationMixin:
             results = body["results"]
             if self._main:
                 rec = {
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S"),  # the history's and the machine's copy
+                    "time": timestamp(),  # the history's and the machine's copy
                     "model_size": cfg.model.model_size,
                     "fingerprint": fp,
                     "trigger": trigger,
@@ -157,7 +151,8 @@ class ActivationMixin:
                     **body,
                 }
                 self.hook.record(rec)
-                self._share(rec)
+                failure = f"pretest record not shared with later runs ({self.hook.shared_dir})"
+                self._keep(self.hook.share, rec, failure)
         reused = "cached" if cached is None or "reused_from" not in cached else "machine cache"
         self.pretest_info = {"fingerprint": fp, "trigger": trigger or reused}
         static = (
@@ -172,12 +167,13 @@ class ActivationMixin:
             }
         return results
 
-    def _share(self, rec: dict[str, Any]) -> None:
-        """The record for later runs on this machine; a folder that cannot be written costs only that."""
+    def _keep(self, write, rec: dict[str, Any], failure: str) -> None:
+        """``write(rec)`` (the machine's copy, or this folder's copy of it): a folder that cannot be
+        written costs only that copy, said in the log (under torchrun the other ranks are waiting)."""
         try:
-            self.hook.share(rec)
+            write(rec)
         except OSError as exc:
-            self._say(f"[SafeOpts] pretest record not shared with later runs ({self.hook.shared_dir}): {exc}")
+            self._say(f"[SafeOpts] {failure}: {exc}")
 
     def _apply_verdicts(self, names: list[str], results: dict[str, dict[str, Any]]) -> None:
         for n in names:

@@ -44,6 +44,7 @@ import torch
 
 from hydra_train.atomic_files import atomic_write_bytes
 from hydra_train.config import TrainConfig
+from hydra_train.safe_opts.tolerances import failed_on_speed
 
 HISTORY = "pretest_history.json"
 EVENTS = "safe_opts_events.jsonl"
@@ -106,6 +107,11 @@ def _installed_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def timestamp() -> str:
+    """A record's ``time`` (local, to the second)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def shared_pretest_dir() -> Path:
@@ -227,10 +233,7 @@ class PretestHook:
             return None, f"the machine's record {path} is not a pretest record of {fp}; pretesting again"
         # a speed verdict near its margin moves between runs (fa3 +7% in one run, 0.97x in the
         # next, BENCHMARKS.md): a FAIL for speed is measured again rather than kept for every run
-        slow = sorted(
-            n for n, r in results.items()
-            if r.get("status") == "FAIL" and str(r.get("reason", "")).startswith("slower")
-        )  # fmt: skip
+        slow = sorted(n for n, r in results.items() if failed_on_speed(r))
         if slow:
             return None, f"the machine's record failed {', '.join(slow)} on speed; pretesting again"
         return {**rec, "reused_from": str(path), "machine_record": True}, None
@@ -244,10 +247,17 @@ class PretestHook:
         _write_json_atomic(path, rec)
         return path
 
+    def adopt(self, machine_rec: dict[str, Any]) -> Path:
+        """Copy a machine record :meth:`decide` returned into this folder's history: what the run
+        trusted, from where (``reused_from``), first recorded when (``recorded``); stamped now."""
+        copy = {k: v for k, v in machine_rec.items() if k != "machine_record"}
+        copy.update(trigger="reused (machine)", recorded=machine_rec.get("time"), time=timestamp())
+        return self.record(copy)
+
     def record(self, rec: dict[str, Any]) -> Path:
         """Append ``rec`` to the history and to that size's log of the day; returns the latter."""
         rec = dict(rec)
-        rec.setdefault("time", time.strftime("%Y-%m-%dT%H:%M:%S"))
+        rec.setdefault("time", timestamp())
         hist = self._history()
         hist.append(rec)
         _write_json_atomic(self.history_path, hist)

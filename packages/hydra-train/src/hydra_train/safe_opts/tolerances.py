@@ -160,6 +160,16 @@ def judge_numerics(
     return None, info
 
 
+#: how a FAIL for speed's reason starts (:func:`judge_speed`; :func:`failed_on_speed` reads it back)
+SLOWER = "slower"
+
+
+def failed_on_speed(result: dict) -> bool:
+    """Whether a stored pretest result is a FAIL for speed (a verdict near its margin can move
+    between runs, unlike an error or a numerics FAIL)."""
+    return result.get("status") == "FAIL" and str(result.get("reason", "")).startswith(SLOWER)
+
+
 def judge_speed(opt: ArmNumbers, ref: ArmNumbers, cuda: bool, judged: bool) -> tuple[str | None, dict]:
     a, b = opt.median_ms, ref.median_ms
     info = {"median_ms": a, "default_median_ms": b}
@@ -173,5 +183,5 @@ def judge_speed(opt: ArmNumbers, ref: ArmNumbers, cuda: bool, judged: bool) -> t
     margin = max(CUDA_SLOW_MARGIN if cuda else CPU_SLOW_MARGIN, NOISE_MULT * mad)
     info.update(margin=margin, default_mad=mad)
     if a > b * (1 + margin) and (cuda or min(opt.step_ms) > b):
-        return f"slower: {a:.1f} ms vs {b:.1f} ms per step (+{a / b - 1:.0%}, margin {margin:.0%})", info
+        return f"{SLOWER}: {a:.1f} ms vs {b:.1f} ms per step (+{a / b - 1:.0%}, margin {margin:.0%})", info
     return None, info
