@@ -295,8 +295,8 @@ def test_qk_mean_matrix_matches_the_head_formula():
 
 def test_folded_weight_is_built_once_per_decoding_slot_and_per_call_elsewhere(monkeypatch):
     """Without a slot the head-wise weight is built each call; a decoding slot's prefill builds
-    the decode steps' window tiles once (its short prompt's convs use them too) and no decode
-    step builds anything."""
+    the decode steps' window tiles once (its short prompt's convs use them too) and the joint q/k
+    temperatures of its QK norm, and no decode step builds anything."""
     torch.manual_seed(7)
     attn = CCGQAAttention(24, 4, 2, 6, 4)
     rope = RotaryEmbedding(4, 16)
@@ -313,4 +313,5 @@ def test_folded_weight_is_built_once_per_decoding_slot_and_per_call_elsewhere(mo
         for t in range(5, 9):
             cos, sin = rope.tables(positions=torch.full((2, 1), t))
             attn(x[:, t : t + 1], cos, sin, slot=slot)
-        assert built == ["headwise", "headwise", "window_tiles"]  # once for the whole generation
+        # once for the whole generation, with the short prefill's joint q/k temperatures
+        assert built == ["headwise", "headwise", "window_tiles", "joint_temperature"]

@@ -10,6 +10,7 @@ import torch
 
 import hydra_model.ccgqa as ccgqa_mod
 import hydra_model.ccgqa_fold as ccgqa_fold
+from hydra_kernels.ops.tile_linear import pack_tiles_many, tile_linear_ref
 from hydra_model import CCGQAAttention
 from hydra_model.cache import ConvBank, ModelCache
 from hydra_model.ccgqa_fold import FOLD_FORMS, fold_into_bank, fold_many
@@ -105,9 +106,42 @@ def test_a_generation_builds_each_form_once_for_the_whole_model(mode, monkeypatc
         if mode == "routing_off":
             assert n_ccgqa == 0 and calls == []
             return
-        forms = ["window_tiles", "headwise"] if mode == "long_prompt" else ["window_tiles"]
+        short = ["window_tiles", "joint_temperature"]  # the decode steps' tiles, the prefill's temperatures
+        forms = ["window_tiles", "headwise"] if mode == "long_prompt" else short
         assert calls == [(n_ccgqa, form) for form in forms]
         cache.restart()
         model(prompt, cache=cache)
         model(prompt[:, :1], cache=cache)
     assert len(calls) == len(forms)
+
+
+@pytest.mark.parametrize(
+    ("dim", "heads", "kv_heads", "head_dim", "k_seq", "k_ch"),
+    [(64, 4, 2, 16, 2, 2), (96, 6, 2, 16, 3, 2), (768, 12, 4, 64, 2, 2)],  # the last: the 100M preset's
+)
+def test_the_window_tile_layout_keeps_every_tile_a_fold_can_fill(dim, heads, kv_heads, head_dim, k_seq, k_ch):
+    """The layout known from the shapes (no host read) holds every tile that is non-zero in folds of
+    fresh random conv weights, and no more at the 100M shape; the tiles packed with it give the dense
+    window product (fp64)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    mods = [CCGQAAttention(dim, heads, kv_heads, head_dim, 8, k_seq, k_ch) for _ in range(2)]
+    with torch.no_grad():
+        for m in mods:
+            for p in (m.conv_seq.weight, m.conv_seq.bias, m.conv_ch.weight, m.conv_ch.bias):
+                p.normal_()
+        dense = torch.stack([w for w, _ in fold_many(mods, "window")])  # [L, C, K·C]
+        layout = ccgqa_fold.window_tile_layout(mods[0], torch.device("cpu"))
+        by_value = pack_tiles_many(dense, *ccgqa_fold.WINDOW_TILE)[0].index
+        kept = {(r, int(c)) for r, row in enumerate(layout.index) for c in row if c >= 0}
+        filled = {(r, int(c)) for r, row in enumerate(by_value) for c in row if c >= 0}
+        assert filled <= kept, f"seed {seed}: tiles {sorted(filled - kept)} left out"
+        if dim == 768:  # 6% of the tiles: none kept in vain
+            assert kept == filled, f"seed {seed}: {len(kept)} tiles kept, {len(filled)} filled"
+            assert len(kept) < 0.1 * (dense.shape[1] // 64) * (dense.shape[2] // 64)
+        packed = fold_many(mods, "window_tiles")
+        x = torch.randn(3, dense.shape[-1])
+        for (tiled, bias), w in zip(packed, dense, strict=True):
+            want = x.double() @ w.double().T + bias.double()
+            got = tile_linear_ref(x, tiled, bias)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4, msg=f"seed {seed}")

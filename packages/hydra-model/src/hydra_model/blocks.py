@@ -293,7 +293,7 @@ class CCGQAMoDBlockWrapper(nn.Module):
             rule.decode_decide_into(self, h, pos, ctx, taken, weight, flag)
 
         def apply() -> None:
-            h.copy_(rule.decode_apply(self, h, pos, ctx, taken, weight)[0])
+            rule.decode_apply_into(self, h, pos, ctx, taken, weight)
 
         return [DecodeStage(decide, flag=flag), DecodeStage(apply, gated=True)]
 

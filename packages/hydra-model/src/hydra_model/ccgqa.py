@@ -184,17 +184,21 @@ class CCGQAAttention(nn.Module):
             return tile_linear(taps, weight, bias)
         return F.linear(taps, weight.to(taps.dtype), bias.to(taps.dtype))
 
-    def _conv_qk_prefill(self, window: torch.Tensor, slot: CacheSlot) -> tuple[torch.Tensor, torch.Tensor]:
+    def _conv_qk_prefill(self, window: torch.Tensor, slot: CacheSlot) -> torch.Tensor:
         """A short prompt's steps 2–3 with the decode steps' window weight: each token's window
         copied out in a decode step's memory order, one product (two launches where the
         head-wise form takes eight; at batch 1 a prefill is bound by its launches).
-        window [B, n + K−1, C] → q [B, n, n_heads, d], k [B, n, n_kv_heads, d]."""
+        window [B, n + K−1, C] → [B, n, n_heads + n_kv_heads, d]: the query heads, then the kv heads."""
         b, length, c = window.shape
         k_total = self.conv_context + 1
         n = length - self.conv_context
         taps = window.unfold(1, k_total, 1).transpose(2, 3).reshape(b * n, k_total * c)  # [B·n, s·C + c]
-        q, k = self._window_product(taps, slot).split([self.q_dim, self.kv_dim], dim=-1)
-        return q.view(b, n, self.n_heads, self.head_dim), k.view(b, n, self.n_kv_heads, self.head_dim)
+        return self._window_product(taps, slot).view(b, n, self.n_heads + self.n_kv_heads, self.head_dim)
+
+    def _joint_temperature(self, slot: CacheSlot) -> torch.Tensor:
+        """[n_heads + n_kv_heads]: 0 for the query heads (exp(0) = 1: their norm unchanged), the
+        key temperature for the kv heads; built once per generation with the conv weights."""
+        return self._folded(slot, "joint_temperature")[0]
 
     def _folded(
         self, slot: CacheSlot | None = None, form: str | None = None
@@ -244,11 +248,15 @@ class CCGQAAttention(nn.Module):
 
         # 2.–3. causal convs over the sequence (left context: zeros) and the q-k mean
         window = F.pad(u, (0, 0, self.conv_context, 0))  # [B, n + K−1, C]
+        scale = math.sqrt(d)
+        joint = None  # q and k as one [B, n, n_heads + n_kv_heads, d] tensor, where they are
         if slot is not None and OPTIONS.decode_conv != "headwise" and not torch.is_grad_enabled():
             # the decode steps' weight, built now: a captured step must find it (decode_graphs.py)
             self._folded(slot, window_form())
-            short = b * n <= PREFILL_WINDOW_ROWS
-            q, k = self._conv_qk_prefill(window, slot) if short else self._conv_qk(window, slot)
+            if b * n <= PREFILL_WINDOW_ROWS:
+                joint = self._conv_qk_prefill(window, slot)
+            else:
+                q, k = self._conv_qk(window, slot)
         else:
             q, k = self._conv_qk(window, slot)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
 
@@ -257,11 +265,16 @@ class CCGQAAttention(nn.Module):
         v = torch.cat([v_cur, v_prev], dim=-1).reshape(b, n, hkv, d)
 
         # 5. QK norm, 6. RoPE on the normalised latent q, k
-        scale = math.sqrt(d)
-        q = qk_norm(q, scale, None)
-        k = qk_norm(k, scale, self.temperature)
-        if self.rotary_dim:
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if joint is not None:  # a short prefill: both in one launch each (bound by launches)
+            joint = qk_norm(joint, scale, self._joint_temperature(slot))
+            if self.rotary_dim:
+                joint = rope(joint, cos, sin)
+            q, k = joint.split([self.n_heads, hkv], dim=2)
+        else:
+            q = qk_norm(q, scale, None)
+            k = qk_norm(k, scale, self.temperature)
+            if self.rotary_dim:
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
 
         # 7. causal GQA attention in the latent space, softmax scale 1/√d
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, d]

@@ -32,10 +32,13 @@ from functools import reduce
 import torch
 import torch.nn.functional as F
 
-from hydra_kernels.ops.tile_linear import TiledWeight, pack_tiles_many
+from hydra_kernels.ops.tile_linear import TiledWeight, TileLayout, pack_tiles_many, tile_layout
 
 #: the forms a module's conv weights come in (see the module docstring)
 FOLD_FORMS = ("headwise", "folded", "window", "window_tiles")
+#: what a bank keeps besides the conv weights: the QK norm's temperatures of a module's query
+#: heads (zeros) and kv heads, one [n_heads + n_kv_heads] vector (ccgqa.py's short prefill)
+JOINT_TEMPERATURE = "joint_temperature"
 #: the window weight's tile (rows, columns) for decode_conv="window_tiles" (hydra_kernels' tile_linear)
 WINDOW_TILE = (64, 64)
 
@@ -118,6 +121,10 @@ def _mean_mix(modules: list) -> torch.Tensor:
 def fold_many(modules: list, form: str) -> list[tuple[torch.Tensor | TiledWeight, torch.Tensor]]:
     """(weight, bias) in ``form`` for each of ``modules`` (CCGQA modules of one shape, dtype and
     device), built together: the launches of one module's build, not one build each."""
+    if form == JOINT_TEMPERATURE:  # not a conv weight: the QK norm's temperatures of q and k together
+        temps = torch.stack([m.temperature.detach() for m in modules])  # [L, n_kv_heads]
+        joint = F.pad(temps, (modules[0].n_heads, 0))  # [L, n_heads + n_kv_heads]
+        return [(t, None) for t in joint.unbind(0)]
     if form not in FOLD_FORMS:
         raise ValueError(f"conv weight form {form!r}; expected one of {', '.join(FOLD_FORMS)}")
     params = _params(modules)
@@ -130,14 +137,48 @@ def fold_many(modules: list, form: str) -> list[tuple[torch.Tensor | TiledWeight
         k_total = weight.shape[-1] // c
         weight = weight.view(n, c, c, k_total).transpose(2, 3).reshape(n, c, k_total * c)  # columns s·C + c
     if form == "window_tiles":
-        return list(zip(pack_tiles_many(weight, *WINDOW_TILE), bias.unbind(0), strict=True))
+        layout = window_tile_layout(modules[0], weight.device)
+        return list(zip(pack_tiles_many(weight, *WINDOW_TILE, layout=layout), bias.unbind(0), strict=True))
     return list(zip(weight.unbind(0), bias.unbind(0), strict=True))
 
 
-def fold_signature(module) -> tuple:
-    """What modules built together must share: their conv parameters' shapes, dtype and device."""
+#: (the fold's shapes, device) → the window weight's tile layout (:func:`window_tile_layout`)
+_LAYOUTS: dict[tuple, TileLayout] = {}
+
+
+def window_tile_layout(module, device: torch.device) -> TileLayout:
+    """The tiles of ``module``'s window weight (WINDOW_TILE) that may be non-zero whatever its
+    conv parameters are: those of the fold of all-one conv weights and the q-k mean (a constant
+    of the head counts), computed on the CPU once per shape and kept on ``device``. Packing with
+    it reads nothing back from the GPU (the tiles' count from the values took a host read, the
+    prefill's only one); a tile that is zero by value is kept, adding exact zeros."""
     seq, ch = module.conv_seq.weight, module.conv_ch.weight
-    return tuple(seq.shape), tuple(ch.shape), seq.dtype, seq.device, module.qk_mean_mix.dtype
+    key = (tuple(seq.shape), tuple(ch.shape), module.n_heads, module.n_kv_heads, module.head_dim, device)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        from hydra_model.ccgqa import qk_mean_matrix  # ccgqa imports this module
+
+        ones = (torch.ones(1, *seq.shape), torch.zeros(1, seq.shape[0]), torch.ones(1, *ch.shape),
+                torch.zeros(1, ch.shape[0]))  # fmt: skip
+        mix = qk_mean_matrix(module.n_heads, module.n_kv_heads, module.head_dim).abs().unsqueeze(0)
+        weight = folded_qk_weight(*ones, mix)[0]  # [1, C, C·K], every coefficient ≥ 0: no cancelling
+        c = weight.shape[1]
+        k_total = weight.shape[-1] // c
+        weight = weight.view(1, c, c, k_total).transpose(2, 3).reshape(c, k_total * c)
+        bn, bk = WINDOW_TILE
+        nb, kb = -(-c // bn), -(-k_total * c // bk)
+        padded = F.pad(weight, (0, kb * bk - k_total * c, 0, nb * bn - c))
+        nonzero = padded.view(nb, bn, kb, bk).ne(0).any(dim=(1, 3))  # [NB, KB]
+        layout = _LAYOUTS[key] = tile_layout(nonzero).to(device)
+    return layout
+
+
+def fold_signature(module) -> tuple:
+    """What modules built together must share: their conv parameters' shapes, dtype and device,
+    and their head counts (the joint temperature's layout)."""
+    seq, ch = module.conv_seq.weight, module.conv_ch.weight
+    heads = (module.n_heads, module.n_kv_heads, module.temperature.dtype)
+    return tuple(seq.shape), tuple(ch.shape), seq.dtype, seq.device, module.qk_mean_mix.dtype, *heads
 
 
 def fold_into_bank(bank, module, form: str) -> None:

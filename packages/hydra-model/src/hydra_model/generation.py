@@ -70,7 +70,12 @@ def generate(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be ≥ 0")
     was_training = model.training
-    model.eval()
+    # model.eval() and the train(was_training) after walk every module and set an attribute on
+    # each (about 0.4 ms a call for HYDRA's 100M preset, on the host at batch 1): skipped when
+    # no module is training, where both would leave every module as it is
+    switch = any(m.training for m in model.modules())
+    if switch:
+        model.eval()
     try:
         total = input_ids.shape[1] + max_new_tokens
         if model.rope is not None:
@@ -131,4 +136,5 @@ def generate(
             pending.finish()
         return torch.cat(pieces, dim=1)
     finally:
-        model.train(was_training)
+        if switch:
+            model.train(was_training)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hydra_kernels.ops.causal_select import causal_select
+from hydra_kernels.ops.gated_update import gated_update_
 from hydra_model.cache import kept_or_new
 from hydra_model.causal_routing import CAPACITY_BITS, CAPACITY_ONE, CausalRouter, take_first_k
 from hydra_model.fused_decide import decide_into, decision_buffers, fused_decide_applies
@@ -88,7 +89,13 @@ class CausalRouting(RoutingRule):
         hs = view.gather(h)  # [B, ⌈c·S⌉, E]
         hs_out, inner = wrapper.mor(hs, view.pos, view.member, ctx)
         merge_aux(aux, inner)
-        new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
+        if _fused_update(h, hs_out, weight):  # no gradients: one kernel on a copy of the stream
+            b, n, e = h.shape
+            new_h = h.clone(memory_format=torch.contiguous_format)
+            member = None if view.member is None else view.member.reshape(-1)
+            gated_update_(new_h.view(b * n, e), hs_out.reshape(-1, e), weight.reshape(-1), member, view.flat)
+        else:
+            new_h = view.scatter_add(h, view.gather_values(weight).unsqueeze(-1) * (hs_out - hs))
         if not ctx.generating:
             self._record(wrapper, logit, taken, weight)
         return new_h, aux
@@ -128,14 +135,28 @@ class CausalRouting(RoutingRule):
     def _fused(wrapper, h, pos) -> bool:
         return fused_decide_applies(h, pos, (wrapper.router.weight, wrapper.router.bias))
 
+    def decode_apply_into(self, wrapper, h, pos, ctx, taken, weight) -> None:
+        """:meth:`decode_apply` written into h in place: one kernel for the update where
+        :func:`_fused_update` applies (a graphed step captures one launch instead of seven)."""
+        h_out, _ = wrapper.mor(h, pos, taken, ctx)
+        if _fused_update(h, h_out, weight):
+            b, _, e = h.shape
+            gated_update_(h.view(b, e), h_out.reshape(b, e), weight.view(b), taken.view(b))
+        else:
+            h.copy_(self._gated(h, h_out, taken, weight))
+
     def decode_apply(self, wrapper, h, pos, ctx, taken, weight):
         """The MoR block on the decoded token, its update σ(logit)·(out − in) kept where taken (a
         token not taken leaves h and every cache slot of the block unchanged)."""
         h_out, aux = wrapper.mor(h, pos, taken, ctx)
+        return self._gated(h, h_out, taken, weight), aux
+
+    @staticmethod
+    def _gated(h, h_out, taken, weight) -> torch.Tensor:
         # the product in the weight's precision (fp32) as the full forward's, and a row not taken
         # masked by where (not multiplied by 0: its output is not read, whatever it holds)
         update = (weight.unsqueeze(-1) * (h_out - h)).to(h.dtype)
-        return h + torch.where(taken.unsqueeze(-1), update, torch.zeros_like(update)), aux
+        return h + torch.where(taken.unsqueeze(-1), update, torch.zeros_like(update))
 
     def mor_forward(self, block, h, pos, member, ctx, aux):
         """The candidates of recursion r are the tokens recursion r−1 took; its rows are gathered
@@ -173,3 +194,15 @@ class CausalRouting(RoutingRule):
             expected = expected + reach
             active = taken
         return h, depth, expected
+
+
+def _fused_update(h: torch.Tensor, out: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a routed block's gated update may run as hydra_kernels' ``gated_update_`` kernel:
+    no gradients, not inside torch.compile, out in the stream's dtype, fp32 router weights (the
+    op-by-op form's arithmetic, which the kernel reproduces bit for bit)."""
+    return (
+        not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and out.dtype == h.dtype
+        and weight.dtype == torch.float32
+    )

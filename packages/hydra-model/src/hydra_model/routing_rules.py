@@ -104,6 +104,10 @@ class RoutingRule:
     def decode_apply(self, wrapper, h, pos, ctx, taken, weight) -> tuple[torch.Tensor, AuxLists]:
         raise NotImplementedError(f"routing rule {self.name!r} has no staged decode step")
 
+    def decode_apply_into(self, wrapper, h, pos, ctx, taken, weight) -> None:
+        """:meth:`decode_apply`'s new h written into the stream buffer h (a gated decode stage)."""
+        h.copy_(self.decode_apply(wrapper, h, pos, ctx, taken, weight)[0])
+
     def mor_forward(
         self,
         block: CCGQAMoRBlock,

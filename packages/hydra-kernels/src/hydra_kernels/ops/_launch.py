@@ -99,10 +99,12 @@ class LaunchPlan:
         num_warps: int,
         num_stages: int,
         device: int,
+        options: dict[str, Any] | None = None,
     ):
         self.fn = fn
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.kwargs = {**constexprs, "num_warps": num_warps, "num_stages": num_stages}
+        # options: other compile options of Triton's launch (e.g. enable_fp_fusion)
+        self.kwargs = {**constexprs, "num_warps": num_warps, "num_stages": num_stages, **(options or {})}
         names = list(fn.arg_names)
         trailing = names[len(names) - len(constexprs) :]
         if sorted(trailing) != sorted(constexprs):

@@ -61,11 +61,43 @@ def pack_tiles(weight: torch.Tensor, block_n: int = 64, block_k: int = 64) -> Ti
     return pack_tiles_many(weight.unsqueeze(0), block_n, block_k)[0]
 
 
-def pack_tiles_many(weights: torch.Tensor, block_n: int = 64, block_k: int = 64) -> list[TiledWeight]:
+@dataclass(frozen=True)
+class TileLayout:
+    """Which tiles a packing keeps: per block row, its kept block columns (non-zero first, in
+    order), then padding. All [NB, NNZ]: ``order`` (int64, a padding slot repeats a column),
+    ``present`` (bool, False on padding) and ``index`` (int32, −1 on padding)."""
+
+    order: torch.Tensor
+    present: torch.Tensor
+    index: torch.Tensor
+
+    def to(self, device: torch.device) -> TileLayout:
+        return TileLayout(self.order.to(device), self.present.to(device), self.index.to(device))
+
+
+def tile_layout(nonzero: torch.Tensor) -> TileLayout:
+    """The layout of the tiles marked in ``nonzero`` [NB, KB] bool (on any device; one host read
+    of the densest block row's count)."""
+    if nonzero.dim() != 2 or nonzero.dtype != torch.bool:
+        raise ValueError(f"tile_layout: nonzero must be [NB, KB] bool, got {tuple(nonzero.shape)} "
+                         f"{nonzero.dtype}")  # fmt: skip
+    nnz = max(1, int(nonzero.sum(1).max()))
+    # the non-zero block columns first, in order (a stable sort of "is zero"), then padding
+    order = torch.sort(nonzero.logical_not().to(torch.int8), dim=1, stable=True).indices[:, :nnz]
+    present = nonzero.gather(1, order)  # [NB, NNZ]
+    index = torch.where(present, order, torch.full_like(order, -1)).to(torch.int32).contiguous()
+    return TileLayout(order, present, index)
+
+
+def pack_tiles_many(
+    weights: torch.Tensor, block_n: int = 64, block_k: int = 64, layout: TileLayout | None = None
+) -> list[TiledWeight]:
     """``weights`` [L, N, K] → L packed weights sharing one tile index: the tiles non-zero in any
     of them, so that packing L weights costs the launches (and the one host read) of packing one.
     A tile zero in one weight and not in another is kept, zeros, for both: y is unchanged (the
-    kernel adds exact zeros)."""
+    kernel adds exact zeros). ``layout`` (on the weights' device): the tiles to keep, known
+    beforehand (every tile that may be non-zero; :func:`tile_layout`), so that nothing is read on
+    the host; a tile it leaves out must be zero in every weight."""
     if weights.dim() != 3:
         raise ValueError(f"pack_tiles_many: weights must be [L, N, K], got {tuple(weights.shape)}")
     for name, size in (("block_n", block_n), ("block_k", block_k)):
@@ -75,16 +107,15 @@ def pack_tiles_many(weights: torch.Tensor, block_n: int = 64, block_k: int = 64)
     nb, kb = -(-n // block_n), -(-k // block_k)
     padded = F.pad(weights, (0, kb * block_k - k, 0, nb * block_n - n))
     blocks = padded.view(count, nb, block_n, kb, block_k).transpose(2, 3)  # [L, NB, KB, BN, BK]
-    nonzero = blocks.ne(0).any(dim=(0, 3, 4))  # [NB, KB]
-    nnz = max(1, int(nonzero.sum(1).max()))
-    # the non-zero block columns first, in order (a stable sort of "is zero"), then padding
-    order = torch.sort(nonzero.logical_not().to(torch.int8), dim=1, stable=True).indices[:, :nnz]
-    present = nonzero.gather(1, order)  # [NB, NNZ]
-    index = torch.where(present, order, torch.full_like(order, -1)).to(torch.int32).contiguous()
+    if layout is None:
+        layout = tile_layout(blocks.ne(0).any(dim=(0, 3, 4)))  # [NB, KB]
+    elif layout.order.shape[0] != nb:  # its columns are not checked: that would read the device
+        raise ValueError(f"pack_tiles_many: a layout of {layout.order.shape[0]} block rows, weights of {nb}")
+    nnz = layout.order.shape[1]
     rows = torch.arange(nb, device=weights.device).view(-1, 1)
-    tiles = blocks[:, rows, order] * present.view(1, nb, nnz, 1, 1).to(weights.dtype)  # [L, NB, NNZ, BN, BK]
-    tiles = tiles.contiguous()
-    return [TiledWeight(tiles[i], index, n, k) for i in range(count)]
+    tiles = blocks[:, rows, layout.order] * layout.present.view(1, nb, nnz, 1, 1).to(weights.dtype)
+    tiles = tiles.contiguous()  # [L, NB, NNZ, BN, BK]
+    return [TiledWeight(tiles[i], layout.index, n, k) for i in range(count)]
 
 
 # --- PyTorch reference ---------------------------------------------------------------------------
