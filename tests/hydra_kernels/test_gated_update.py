@@ -24,7 +24,7 @@ def _eager_scatter(h, out, weight, take, index):
     return h.index_add(0, b_rows, update.to(h.dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("n", "m", "dim", "indexed", "masked", "strided"),
     [(1, 1, 48, False, True, False), (5, 5, 200, False, True, True), (40, 9, 1100, True, True, False),
@@ -57,6 +57,12 @@ def test_gated_update_gives_the_op_by_op_bits(seed, dtype, n, m, dim, indexed, m
     want[rows[keep]] = hd[rows[keep]] + weight.double()[rows[keep]].unsqueeze(-1) * (od - hd[rows])[keep]
     tol = 4 * torch.finfo(dtype).eps * (want.abs() + hd.abs() + od.abs().max())
     assert ((got.cpu().double() - want).abs() <= tol).all(), f"seed {seed}"
+    if indexed:  # an int32 index, after the int64 one of the same shapes (a launch plan each)
+        again = wide.clone().to(DEVICE)
+        again = again[:, 8 : 8 + dim] if strided else again
+        gated_update_(again, out.to(DEVICE), weight.to(DEVICE), None if take is None else take.to(DEVICE),
+                      index.int().to(DEVICE))  # fmt: skip
+        assert torch.equal(again.cpu(), expected), f"seed {seed}: int32 index"
     untouched = torch.ones(n, dtype=torch.bool)
     untouched[rows[keep]] = False
     assert torch.equal(got.cpu()[untouched], h[untouched]), f"seed {seed}: a row not taken changed"

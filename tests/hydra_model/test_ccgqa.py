@@ -315,3 +315,22 @@ def test_folded_weight_is_built_once_per_decoding_slot_and_per_call_elsewhere(mo
             attn(x[:, t : t + 1], cos, sin, slot=slot)
         # once for the whole generation, with the short prefill's joint q/k temperatures
         assert built == ["headwise", "headwise", "window_tiles", "joint_temperature"]
+
+
+def test_a_short_prefill_with_a_slot_equals_the_plain_forward_with_random_temperatures():
+    """The short prefill normalises and rotates q and k as one tensor (the joint temperature: zeros
+    for the query heads, the key temperature for the kv heads); the plain forward does them apart.
+    With random temperatures (a swap of heads would show) and per-sequence positions, batch 3."""
+    seed = int(torch.seed() % 2**31)
+    attn = CCGQAAttention(48, 6, 2, 8, 4).eval()
+    rope = RotaryEmbedding(4, 32)
+    with torch.no_grad():
+        attn.temperature.normal_()
+        for p in (attn.conv_seq.weight, attn.conv_ch.weight):
+            p.normal_()
+        x = torch.randn(3, 7, 48)
+        pos = torch.randint(0, 20, (3, 1)) + torch.arange(7)  # [B, n]: each sequence's own positions
+        cos, sin = rope.tables(positions=pos)
+        plain = attn(x, cos, sin)
+        prefill = attn(x, cos, sin, slot=CacheSlot(16))
+    torch.testing.assert_close(prefill, plain, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")

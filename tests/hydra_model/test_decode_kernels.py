@@ -120,3 +120,35 @@ def test_fused_decode_steps_change_the_cache_only_in_place(arch):
         for t, _, old in before:
             if any(t is s.entry.bias or t is s.entry.length for s in cache.slots.values()):
                 assert not torch.equal(t, old)
+
+
+def test_the_routed_glue_kernels_give_the_op_by_op_bits():
+    """HYDRA's no-grad routed glue as hydra_kernels' gated_update_ and last_rows (interpreted)
+    against the same model with both switched off (the op-by-op forms they replace), batch 3 with
+    each sequence's own count of taken tokens: the eval forward's logits, the prefill's and every
+    staged decode step's are the same bits, and both kernels ran (no fallback)."""
+    hydra_kernels.set_use_triton_kernels(True)
+    seed = torch.seed() % 2**31
+    model = make_model("hydra", seed)
+    seq = torch.randint(0, model.config.vocab_size, (3, 12))
+    def run() -> list[torch.Tensor]:
+        outs = []
+        with torch.no_grad():
+            outs.append(model(seq).logits)
+            cache = ModelCache(capacity=16)
+            outs.append(model(seq[:, :8], cache=cache).logits)
+            for t in range(8, 12):
+                outs.append(model(seq[:, t : t + 1], cache=cache).logits)
+            outs.append(model.generate(seq[:, :8], 4, decode="staged"))
+        return outs
+
+    with KernelCount() as fused:
+        got = run()
+    for op in ("gated_update", "last_rows"):
+        assert fused.kernels[f"triton:_{op}_kernel"] > 0, f"seed {seed}: {op} did not run"
+        assert not controls.fallback_counts().get(op), f"seed {seed}: {op} fell back"
+    controls.set_op_enabled("gated_update", False)
+    controls.set_op_enabled("last_rows", False)
+    want = run()
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"seed {seed}: output {i} differs by {(a.float() - b.float()).abs().max()}"

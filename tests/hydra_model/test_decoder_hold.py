@@ -267,3 +267,47 @@ def test_a_generation_leaves_the_routing_statistics_of_the_last_forward(mode):
     with pytest.raises(ValueError, match="takes no targets"):
         ids = random_tokens(1, 6, seed=104)
         model(ids, targets=ids, cache=ModelCache(capacity=8))
+
+
+def test_the_fingerprint_walk_finds_what_the_three_walks_found():
+    """decoder_hold's one walk against named_buffers / parameters / named_modules with hasattr, on
+    HYDRA and on modules made to trip it: a buffer shared under a stat_ name first, a parameter
+    shared by two modules, a module answering ``mode`` from its own __getattr__, a property that
+    raises AttributeError, a submodule named ``rule``."""
+    from hydra_model import decoder_hold
+
+    def old_walk(model):
+        buffers = [b for name, b in model.named_buffers() if not name.rsplit(".", 1)[-1].startswith("stat_")]
+        tensors = [t for t in (*model.parameters(), *buffers) if t.numel()]
+        rules = tuple(
+            (name, getattr(m, "static", None), getattr(m, "rule", None), getattr(m, "mode", None))
+            for name, m in model.named_modules()
+            if hasattr(m, "static") or hasattr(m, "rule") or hasattr(m, "mode")
+        )
+        return tensors, rules
+
+    class Answers(torch.nn.Module):
+        def __getattr__(self, name):
+            if name == "mode":
+                return "answered"
+            return super().__getattr__(name)
+
+    class Raises(torch.nn.Module):
+        @property
+        def static(self):
+            raise AttributeError("not set")
+
+    shared = torch.randn(3)
+    a, b = torch.nn.Module(), torch.nn.Module()
+    a.register_buffer("stat_x", shared)
+    b.register_buffer("kept", shared)
+    lin = torch.nn.Linear(4, 4)
+    holder = torch.nn.Module()
+    holder.rule = torch.nn.Identity()
+    tricky = torch.nn.ModuleDict({"a": a, "b": b, "l1": lin, "l2": lin, "ans": Answers(), "raises": Raises(),
+                                  "holder": holder})  # fmt: skip
+    for model in (small_model().eval(), tricky):
+        tensors, rules = decoder_hold._walk(model)
+        want_tensors, want_rules = old_walk(model)
+        assert [id(t) for t in tensors] == [id(t) for t in want_tensors]
+        assert rules == want_rules

@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydra_kernels import qk_norm, rope
+from hydra_kernels.ops.last_rows import last_rows
 from hydra_kernels.ops.tile_linear import tile_linear
 from hydra_model import ccgqa_fold
 from hydra_model.attention_backend import flexible_attention
-from hydra_model.cache import CacheSlot, decode_attend, kept_or_new, prefill_kv, refill, zeroed
+from hydra_model.cache import CacheSlot, decode_attend, kept_or_new, prefill_kv
 from hydra_model.options import OPTIONS
 
 
@@ -343,15 +344,15 @@ class CCGQAAttention(nn.Module):
             last = shifted_src[:, n - 1]  # [B, half], a view of the projection
             entry.prev_v = kept_or_new(entry.prev_v, tuple(last.shape), last.dtype, last.device).copy_(last)
         else:
+            # each sequence's own count of real tokens (a routed block's): the last ctx real inputs
+            # (zeros before the first) and the last real token's value-shift source, one kernel
+            # each (hydra_kernels' last_rows) where op by op a pad, an arange, gathers and copies
             length = entry.length  # [B]: the real tokens, as prefill_kv counted them
-            row = zeroed(entry.window, u, shape)  # a restarted cache's, in place
+            row = kept_or_new(entry.window, shape, u.dtype, u.device)  # a restarted cache's, in place
             if ctx:
-                # last `ctx` real inputs: in the left-padded sequence they sit at length .. length+ctx−1
-                padded = F.pad(u, (0, 0, ctx, 0))  # [B, n + ctx, C]
-                idx = length.view(b, 1) + torch.arange(ctx, device=u.device).view(1, -1)  # [B, ctx]
-                row[:, : ctx * c] = padded.gather(1, idx.unsqueeze(-1).expand(b, ctx, c)).reshape(b, ctx * c)
-            prev = F.pad(shifted_src, (0, 0, 1, 0))  # [B, n + 1, half]: row j is token j−1
-            prev_v = prev.gather(1, length.view(b, 1, 1).expand(b, 1, prev.shape[-1])).squeeze(1)
-            entry.prev_v = refill(entry.prev_v, prev_v)
+                last_rows(u, length, ctx, out=row[:, : ctx * c])
+            half = shifted_src.shape[-1]
+            prev = kept_or_new(entry.prev_v, (b, half), shifted_src.dtype, shifted_src.device)
+            entry.prev_v = last_rows(shifted_src, length, 1, out=prev)
         entry.window = row
         entry.conv_state = row[:, : ctx * c].view(b, ctx, c)

@@ -74,9 +74,10 @@ def _walk(model: torch.nn.Module) -> tuple[list[torch.Tensor], tuple]:
                 seen.add(id(p))
                 params.append(p)
         for key, b in m._buffers.items():
-            if b is not None and id(b) not in seen and not key.startswith("stat_"):
-                seen.add(id(b))
-                buffers.append(b)
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))  # first seen under a stat_ name: left out, as named_buffers() was
+                if not key.startswith("stat_"):
+                    buffers.append(b)
         if any(_has(m, attr) for attr in _RULE_ATTRS):
             rules.append((name, *(getattr(m, attr, None) for attr in _RULE_ATTRS)))
     return [t for t in (*params, *buffers) if t.numel()], tuple(rules)
@@ -87,10 +88,12 @@ _RULE_ATTRS = ("static", "rule", "mode")
 
 def _has(m: torch.nn.Module, attr: str) -> bool:
     """``hasattr(m, attr)`` without Module.__getattr__'s AttributeError for a missing name (three
-    per module made most of the walk's time)."""
+    per module made most of the walk's time); a module with a ``__getattr__`` of its own is asked."""
+    if type(m).__getattr__ is not torch.nn.Module.__getattr__:
+        return hasattr(m, attr)
     return (
         attr in m.__dict__
-        or hasattr(type(m), attr)
+        or (hasattr(type(m), attr) and hasattr(m, attr))  # a property may raise AttributeError
         or attr in m._parameters
         or attr in m._buffers
         or attr in m._modules

@@ -129,7 +129,8 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
 
     def moe_layers(self) -> list[MoEFFN]:
         """The MoE layers, found once as :meth:`router_thresholds` are: every forward asks, and a
-        walk of every module cost a batch-1 prefill about 0.25 ms on the host."""
+        walk of every module cost a batch-1 prefill about 0.25 ms on the host. A layer swapped in
+        after the first forward is not seen (the block structure is fixed once built)."""
         found = self.__dict__.get("_moe_layers")
         if found is None:
             found = [m for m in self.modules() if isinstance(m, MoEFFN)]

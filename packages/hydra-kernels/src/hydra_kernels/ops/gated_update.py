@@ -14,7 +14,8 @@ r = ``index[j]`` of ``h`` [N, E] (r = j when ``index`` is None) becomes
 
 with ``round`` to h's dtype and the product in fp32 (weight is fp32): the roundings of the op-by-op
 form (``(w * (out − h)).to(h.dtype)`` then ``h + u``), so both give the same bits. Rows not taken
-are left as they are; the taken rows' indices must be distinct.
+are left as they are (bit for bit: the op-by-op form adds a zero to them, which turns a −0.0 into
++0.0, the one difference); the taken rows' indices must be distinct.
 
 Faces: the PyTorch reference :func:`gated_update_ref_`, the Triton kernel ``_gated_update_kernel``
 (one row a program, E in tiles) with its launcher :func:`gated_update_launch`, and
@@ -114,7 +115,8 @@ def gated_update_launch(
     if m == 0:
         return h
     has_take, has_index = take is not None, index is not None
-    key = (m, e, h.stride(0), out.stride(0), h.dtype, out.dtype, has_take, has_index, h.get_device())
+    index_dtype = index.dtype if has_index else None  # the kernel reads it at its own width
+    key = (m, e, h.stride(0), out.stride(0), h.dtype, out.dtype, has_take, index_dtype, h.get_device())
     plan = _PLANS.get(key)
     if plan is None:
         block_e = min(next_power_of_2(e), MAX_BLOCK_E)
