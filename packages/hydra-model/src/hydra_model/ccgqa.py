@@ -330,29 +330,18 @@ class CCGQAAttention(nn.Module):
 
     def _fill_slot(self, slot, kt, vt, u, shifted_src, count) -> None:
         entry = prefill_kv(slot, kt, vt, count)
-        b, n, c = u.shape
+        b, _, c = u.shape
         ctx = self.conv_context
         shape = (b, (ctx + 1) * c + self.kv_dim)
-        if count is None and n >= ctx:
-            # every token real, at least ctx of them: the conv state is the last ctx inputs and the
-            # value shift's source the last token's, slices (two copies where the general case
-            # below gathers: at batch 1 a prefill is bound by its launches). The row's columns
-            # after the state are written by each decode step's projection before it reads them.
-            row = kept_or_new(entry.window, shape, u.dtype, u.device)  # a restarted cache's, in place
-            if ctx:
-                row[:, : ctx * c].view(b, ctx, c).copy_(u[:, n - ctx :])
-            last = shifted_src[:, n - 1]  # [B, half], a view of the projection
-            entry.prev_v = kept_or_new(entry.prev_v, tuple(last.shape), last.dtype, last.device).copy_(last)
-        else:
-            # each sequence's own count of real tokens (a routed block's): the last ctx real inputs
-            # (zeros before the first) and the last real token's value-shift source, one kernel
-            # each (hydra_kernels' last_rows) where op by op a pad, an arange, gathers and copies
-            length = entry.length  # [B]: the real tokens, as prefill_kv counted them
-            row = kept_or_new(entry.window, shape, u.dtype, u.device)  # a restarted cache's, in place
-            if ctx:
-                last_rows(u, length, ctx, out=row[:, : ctx * c])
-            half = shifted_src.shape[-1]
-            prev = kept_or_new(entry.prev_v, (b, half), shifted_src.dtype, shifted_src.device)
-            entry.prev_v = last_rows(shifted_src, length, 1, out=prev)
+        # the conv state is each sequence's last ctx real inputs (zeros before the first) and the
+        # value shift's source its last real token's, one kernel each (hydra_kernels' last_rows:
+        # at batch 1 a prefill is bound by its launches). The row's columns after the state are
+        # written by each decode step's projection before it reads them.
+        length = entry.length  # [B]: the real tokens, as prefill_kv counted them
+        row = kept_or_new(entry.window, shape, u.dtype, u.device)  # a restarted cache's, in place
+        if ctx:
+            last_rows(u, length, ctx, out=row[:, : ctx * c])
+        prev = kept_or_new(entry.prev_v, (b, shifted_src.shape[-1]), shifted_src.dtype, shifted_src.device)
+        entry.prev_v = last_rows(shifted_src, length, 1, out=prev)
         entry.window = row
         entry.conv_state = row[:, : ctx * c].view(b, ctx, c)

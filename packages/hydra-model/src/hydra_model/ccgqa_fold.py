@@ -32,7 +32,7 @@ from functools import reduce
 import torch
 import torch.nn.functional as F
 
-from hydra_kernels.ops.tile_linear import TiledWeight, TileLayout, pack_tiles_many, tile_layout
+from hydra_kernels.ops.tile_linear import TiledWeight, TileLayout, pack_tiles_many, tile_layout, tile_nonzero
 
 #: the forms a module's conv weights come in (see the module docstring)
 FOLD_FORMS = ("headwise", "folded", "window", "window_tiles")
@@ -133,13 +133,18 @@ def fold_many(modules: list, form: str) -> list[tuple[torch.Tensor | TiledWeight
     else:
         weight, bias = folded_qk_weight(*params, _mean_mix(modules))  # [L, C, C·K], columns c·K + s
     if form in ("window", "window_tiles"):
-        n, c = len(modules), modules[0].qk_channels
-        k_total = weight.shape[-1] // c
-        weight = weight.view(n, c, c, k_total).transpose(2, 3).reshape(n, c, k_total * c)  # columns s·C + c
+        weight = _window_columns(weight)
     if form == "window_tiles":
         layout = window_tile_layout(modules[0], weight.device)
         return list(zip(pack_tiles_many(weight, *WINDOW_TILE, layout=layout), bias.unbind(0), strict=True))
     return list(zip(weight.unbind(0), bias.unbind(0), strict=True))
+
+
+def _window_columns(weight: torch.Tensor) -> torch.Tensor:
+    """The folded weight [L, C, C·K] (columns c·K + s) in a decode window's order (s·C + c)."""
+    n, c, width = weight.shape
+    k_total = width // c
+    return weight.view(n, c, c, k_total).transpose(2, 3).reshape(n, c, width)
 
 
 #: (the fold's shapes, device) → the window weight's tile layout (:func:`window_tile_layout`)
@@ -162,13 +167,7 @@ def window_tile_layout(module, device: torch.device) -> TileLayout:
                 torch.zeros(1, ch.shape[0]))  # fmt: skip
         mix = qk_mean_matrix(module.n_heads, module.n_kv_heads, module.head_dim).abs().unsqueeze(0)
         weight = folded_qk_weight(*ones, mix)[0]  # [1, C, C·K], every coefficient ≥ 0: no cancelling
-        c = weight.shape[1]
-        k_total = weight.shape[-1] // c
-        weight = weight.view(1, c, c, k_total).transpose(2, 3).reshape(c, k_total * c)
-        bn, bk = WINDOW_TILE
-        nb, kb = -(-c // bn), -(-k_total * c // bk)
-        padded = F.pad(weight, (0, kb * bk - k_total * c, 0, nb * bn - c))
-        nonzero = padded.view(nb, bn, kb, bk).ne(0).any(dim=(1, 3))  # [NB, KB]
+        nonzero = tile_nonzero(_window_columns(weight), *WINDOW_TILE)  # [NB, KB]
         layout = _LAYOUTS[key] = tile_layout(nonzero).to(device)
     return layout
 

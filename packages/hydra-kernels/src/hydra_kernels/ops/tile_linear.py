@@ -75,6 +75,19 @@ class TileLayout:
         return TileLayout(self.order.to(device), self.present.to(device), self.index.to(device))
 
 
+def _blocks(weights: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """[L, N, K] → its tiles [L, NB, KB, BN, BK] (edges zero-padded; a view of the padded copy)."""
+    count, n, k = weights.shape
+    nb, kb = -(-n // block_n), -(-k // block_k)
+    padded = F.pad(weights, (0, kb * block_k - k, 0, nb * block_n - n))
+    return padded.view(count, nb, block_n, kb, block_k).transpose(2, 3)
+
+
+def tile_nonzero(weights: torch.Tensor, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """[NB, KB] bool: the ``block_n × block_k`` tiles non-zero in any of ``weights`` [L, N, K]."""
+    return _blocks(weights, block_n, block_k).ne(0).any(dim=(0, 3, 4))
+
+
 def tile_layout(nonzero: torch.Tensor) -> TileLayout:
     """The layout of the tiles marked in ``nonzero`` [NB, KB] bool (on any device; one host read
     of the densest block row's count)."""
@@ -104,9 +117,8 @@ def pack_tiles_many(
         if size < 1 or size & (size - 1):  # the kernel's tile loads need powers of two
             raise ValueError(f"pack_tiles: {name}={size} must be a power of two")
     count, n, k = weights.shape
-    nb, kb = -(-n // block_n), -(-k // block_k)
-    padded = F.pad(weights, (0, kb * block_k - k, 0, nb * block_n - n))
-    blocks = padded.view(count, nb, block_n, kb, block_k).transpose(2, 3)  # [L, NB, KB, BN, BK]
+    blocks = _blocks(weights, block_n, block_k)  # [L, NB, KB, BN, BK]
+    nb = blocks.shape[1]
     if layout is None:
         layout = tile_layout(blocks.ne(0).any(dim=(0, 3, 4)))  # [NB, KB]
     elif layout.order.shape[0] != nb:  # its columns are not checked: that would read the device
