@@ -123,10 +123,11 @@ def test_fused_decode_steps_change_the_cache_only_in_place(arch):
 
 
 def test_the_routed_glue_kernels_give_the_op_by_op_bits():
-    """HYDRA's no-grad routed glue as hydra_kernels' gated_update_ and last_rows (interpreted)
-    against the same model with both switched off (the op-by-op forms they replace), batch 3 with
-    each sequence's own count of taken tokens: the eval forward's logits, the prefill's and every
-    staged decode step's are the same bits, and both kernels ran (no fallback)."""
+    """HYDRA's no-grad glue as hydra_kernels' gated_update_, ccgqa_prefill and kv_prefill_
+    (interpreted) against the same model with the three switched off (the op-by-op forms they
+    replace), batch 3 with each sequence's own count of taken tokens: the eval forward's logits,
+    the prefill's and every staged decode step's are the same bits, and each kernel ran (no
+    fallback)."""
     hydra_kernels.set_use_triton_kernels(True)
     seed = torch.seed() % 2**31
     model = make_model("hydra", seed)
@@ -144,11 +145,12 @@ def test_the_routed_glue_kernels_give_the_op_by_op_bits():
 
     with KernelCount() as fused:
         got = run()
-    for op in ("gated_update", "last_rows"):
+    for op in ("gated_update", "ccgqa_prefill", "kv_prefill"):
         assert fused.kernels[f"triton:_{op}_kernel"] > 0, f"seed {seed}: {op} did not run"
         assert not controls.fallback_counts().get(op), f"seed {seed}: {op} fell back"
     controls.set_op_enabled("gated_update", False)
-    controls.set_op_enabled("last_rows", False)
+    controls.set_op_enabled("ccgqa_prefill", False)
+    controls.set_op_enabled("kv_prefill", False)
     want = run()
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"seed {seed}: output {i} differs by {(a.float() - b.float()).abs().max()}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +49,16 @@ def test_rotary_tables_by_length_and_by_positions():
     full_c, full_s = rope.tables(11)
     torch.testing.assert_close(pc, full_c[pos])
     torch.testing.assert_close(ps, full_s[pos])
+
+
+@pytest.mark.parametrize("rotary_dim", [0, 6, 16])  # none; sin's view off / on a 16-byte boundary
+def test_rotary_tables_by_positions_read_one_gather_and_grow_with_the_table(rotary_dim):
+    rope = RotaryEmbedding(rotary_dim, max_seq_len=5)
+    rope.ensure(13)
+    pos = torch.randint(0, 13, (3, 4))
+    pc, ps = rope.tables(positions=pos)
+    assert torch.equal(pc, rope.cos[pos]) and torch.equal(ps, rope.sin[pos])
+    assert pc.stride() == ps.stride()  # the kernels take one stride set for both
 
 
 def test_rotary_table_grows_and_stays_fp32():

@@ -53,7 +53,8 @@ DECODE_OPS: dict[str, str] = {
     "causal_select": "CAUSAL_SELECT",  # a whole sequence's routing selection (no-grad forwards)
     "router_logit": "ROUTER_LOGIT",  # a whole sequence's router logits (no-grad forwards)
     "gated_update": "GATED_UPDATE",  # a routed block's gated residual update (no-grad forwards)
-    "last_rows": "LAST_ROWS",  # a routed prefill's conv and value-shift state (generation)
+    "ccgqa_prefill": "CCGQA_PREFILL",  # CCGQA's window, shifted values, a prefill's state (no-grad)
+    "kv_prefill": "KV_PREFILL",  # a prefill's attention cache: keys, values, mask, lengths (generation)
 }
 
 # op -> (environment stem of the forward switch, stem of the backward switch or None)

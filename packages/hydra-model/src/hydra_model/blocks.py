@@ -198,8 +198,11 @@ class CCGQAMoRBlock(nn.Module):
         slot = ctx.cache.slot(self.block_index, r) if ctx.cache is not None else None
         if view is None:
             cos, sin = ctx.tables(h.shape[1], pos)
-            if gate is None and ctx.decoding and autocast_dtype_for(h) == h.dtype:
-                # eager and staged decoding sum alike; a stage that owns h gets it in place
+            summed_as_decoding = ctx.decoding or not torch.is_grad_enabled()
+            if gate is None and summed_as_decoding and autocast_dtype_for(h) == h.dtype:
+                # (h + a) + m, as decoding sums: a forward without gradients (a prefill, an
+                # evaluation) then adds as its decode steps do, in one launch fewer a block; a
+                # stage that owns h gets it in place
                 into = h if ctx.residual_in_place else None
                 return self.block.forward_residual(h, cos, sin, slot=slot, member=member, into=into)
             delta, moe_loss = self.block(h, cos, sin, slot=slot, member=member)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hydra_kernels.ops.kv_decode import kv_decode_step
+from hydra_kernels.ops.kv_prefill import kv_prefill_
 from hydra_model.attention_backend import flexible_attention
 
 
@@ -194,36 +195,28 @@ class ModelCache:
         return self.slots[key]
 
 
-def valid_length(count: torch.Tensor | None, batch: int, n: int, device: torch.device) -> torch.Tensor:
-    """Per-sequence count of real tokens at the front of a (permuted) sequence; all n when None."""
-    if count is None:
-        return torch.full((batch,), n, dtype=torch.long, device=device)
-    return count.to(torch.long)
-
-
 def prefill_kv(
     slot: CacheSlot, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor | None
 ) -> AttentionCache:
-    """Start ``slot`` from a full pass: k, v [B, n_kv, n, d] whose first ``count[b]`` are real."""
+    """Start ``slot`` from a full pass: k, v [B, n_kv, n, d] whose first ``count[b]`` are real
+    (all n when None). The keys, values, lengths and mask in one kernel (hydra_kernels'
+    kv_prefill_: at batch 1 a prefill is bound by its launches), into a restarted cache's tensors
+    where it has them (a captured decode step reads those)."""
     b, h, n, d = k.shape
     if n > slot.capacity:
         raise ValueError(f"prompt of {n} tokens does not fit a cache of {slot.capacity}")
     old, slot.spare = slot.spare, None  # a restarted cache's entry: its tensors are rewritten
-    valid = valid_length(count, b, n, k.device)
-    # new, a copy: decoding advances it in place, and ``count`` may be the caller's tensor
-    length = old.length.copy_(valid) if old is not None and old.length.shape == valid.shape else valid.clone()
+    shape, dev = (b, h, slot.capacity, d), k.device
     entry = AttentionCache(
-        zeroed(None if old is None else old.k, k, (b, h, slot.capacity, d)),
-        zeroed(None if old is None else old.v, v, (b, h, slot.capacity, d)),
-        length,
-        zeroed(None if old is None else old.bias, k, (b, slot.capacity)),
+        kept_or_new(None if old is None else old.k, shape, k.dtype, dev),
+        kept_or_new(None if old is None else old.v, shape, v.dtype, dev),
+        # a copy: decoding advances it in place, and ``count`` may be the caller's tensor
+        kept_or_new(None if old is None else old.length, (b,), torch.long, dev),
+        kept_or_new(None if old is None else old.bias, (b, slot.capacity), k.dtype, dev),
     )
     if old is not None:  # CCGQA's conv and value-shift state, rewritten by its prefill (ccgqa.py)
         entry.window, entry.conv_state, entry.prev_v = old.window, old.conv_state, old.prev_v
-    entry.k[:, :, :n] = k
-    entry.v[:, :, :n] = v
-    keys = torch.arange(slot.capacity, device=k.device)
-    entry.bias.masked_fill_(keys.view(1, -1) >= entry.length.view(-1, 1), float("-inf"))
+    kv_prefill_(k, v, entry.k, entry.v, entry.bias, entry.length, count)
     slot.entry = entry
     return entry
 
@@ -237,12 +230,6 @@ def kept_or_new(
     if old is not None and old.shape == shape and old.dtype == dtype and old.device == device:
         return old
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def zeroed(old: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Zeros of ``shape`` in like's dtype and device: ``old`` zeroed in place where it is such a
-    tensor (:func:`kept_or_new`), else new."""
-    return kept_or_new(old, shape, like.dtype, like.device).zero_()
 
 
 def refill(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

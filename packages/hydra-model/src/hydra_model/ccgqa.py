@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydra_kernels import qk_norm, rope
-from hydra_kernels.ops.last_rows import last_rows
+from hydra_kernels.ops.ccgqa_prefill import ccgqa_prefill
 from hydra_kernels.ops.tile_linear import tile_linear
 from hydra_model import ccgqa_fold
 from hydra_model.attention_backend import flexible_attention
@@ -240,15 +240,26 @@ class CCGQAAttention(nn.Module):
             return self._decode_step(x, cos, sin, slot, member)
         b, n, _ = x.shape
         hkv, d = self.n_kv_heads, self.head_dim
-        proj = self.w_qkv(x)  # [B, n, C + kv_dim]
-        half = self.kv_dim // 2
-        # split, not slices: the backward then writes one [B, n, C + kv_dim] gradient (a cat)
-        # instead of a zero-filled copy per slice summed together
-        u, v_cur, shifted_src = proj.split([self.qk_channels, half, half], dim=-1)
-        # u: packed pre-conv [q;k] [B, n, C]; v_cur = x·W_v1, shifted_src = x·W_v2 [B, n, half]
+        proj = self.w_qkv(x)  # [B, n, C + kv_dim]: [u | x·W_v1 | x·W_v2]
+        c, half, ctx = self.qk_channels, self.kv_dim // 2, self.conv_context
+        count = None if member is None else member.sum(dim=1)  # [B] real tokens (a prefill's)
+        state = None if slot is None else self._state_buffers(slot, proj)
+        if torch.is_grad_enabled():
+            # split, not slices: the backward then writes one [B, n, C + kv_dim] gradient (a cat)
+            # instead of a zero-filled copy per slice summed together
+            u, v_cur, shifted_src = proj.split([c, half, half], dim=-1)
+            # u: packed pre-conv [q;k] [B, n, C]; v_cur = x·W_v1, shifted_src = x·W_v2 [B, n, half]
+            window = F.pad(u, (0, 0, ctx, 0))  # [B, n + K−1, C]: left context zeros
+            # 4. value shift: channels [0, half) from x_t, [half, kv_dim) from x_{t−1} (zero at t=0)
+            v_prev = F.pad(shifted_src[:, : n - 1], (0, 0, 1, 0))  # [B, n, half], row t = x_{t−1}·W_v2
+            v = torch.cat([v_cur, v_prev], dim=-1)
+        else:  # the same copies (and a prefill's slot state) in one launch: bound by launches
+            window, v, *_ = ccgqa_prefill(proj, c, ctx, count, state=state is not None,
+                                          state_out=None if state is None else state[0][:, : ctx * c],
+                                          prev_out=None if state is None else state[1])  # fmt: skip
+        v = v.reshape(b, n, hkv, d)
 
-        # 2.–3. causal convs over the sequence (left context: zeros) and the q-k mean
-        window = F.pad(u, (0, 0, self.conv_context, 0))  # [B, n + K−1, C]
+        # 2.–3. causal convs over the sequence and the q-k mean
         scale = math.sqrt(d)
         joint = None  # q and k as one [B, n, n_heads + n_kv_heads, d] tensor, where they are
         if slot is not None and OPTIONS.decode_conv != "headwise" and not torch.is_grad_enabled():
@@ -260,10 +271,6 @@ class CCGQAAttention(nn.Module):
                 q, k = self._conv_qk(window, slot)
         else:
             q, k = self._conv_qk(window, slot)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
-
-        # 4. value shift: channels [0, half) from x_t, [half, kv_dim) from x_{t−1} (zero at t=0)
-        v_prev = F.pad(shifted_src[:, : n - 1], (0, 0, 1, 0))  # [B, n, half], row t = x_{t−1}·W_v2
-        v = torch.cat([v_cur, v_prev], dim=-1).reshape(b, n, hkv, d)
 
         # 5. QK norm, 6. RoPE on the normalised latent q, k
         if joint is not None:  # a short prefill: both in one launch each (bound by launches)
@@ -281,8 +288,7 @@ class CCGQAAttention(nn.Module):
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, d]
         out = flexible_attention(qt, kt, vt, causal=True, scale=1.0 / scale)
         if slot is not None:
-            count = None if member is None else member.sum(dim=1)
-            self._fill_slot(slot, kt, vt, u, shifted_src, count)
+            self._fill_slot(slot, kt, vt, proj, count, state, written=not torch.is_grad_enabled())
 
         # 8. output projection
         return self.w_o(out.transpose(1, 2).reshape(b, n, self.q_dim))
@@ -328,20 +334,28 @@ class CCGQAAttention(nn.Module):
         else:
             out.copy_(self.w_qkv(x))
 
-    def _fill_slot(self, slot, kt, vt, u, shifted_src, count) -> None:
+    def _state_buffers(self, slot: CacheSlot, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's decode row [B, ctx·C + C + kv_dim] (the conv state, then what each decode
+        step's projection writes) and value-shift source [B, kv_dim/2]: a restarted cache's, which
+        a captured decode step reads (cache.kept_or_new), else new."""
+        old, b = slot.spare, proj.shape[0]
+        shape = (b, (self.conv_context + 1) * self.qk_channels + self.kv_dim)
+        row = kept_or_new(None if old is None else old.window, shape, proj.dtype, proj.device)
+        half = (b, self.kv_dim // 2)
+        prev = kept_or_new(None if old is None else old.prev_v, half, proj.dtype, proj.device)
+        return row, prev
+
+    def _fill_slot(self, slot, kt, vt, proj, count, state, written: bool) -> None:
+        """The slot's cache from the prefill's keys and values, its conv state each sequence's last
+        ctx real inputs (zeros before the first) and its value-shift source the last real token's
+        (hydra_kernels' ccgqa_prefill, into ``state``'s buffers: already ``written`` by the
+        forward's own call without gradients). The row's columns after the state are written by
+        each decode step's projection before it reads them."""
+        row, prev = state
+        c, ctx = self.qk_channels, self.conv_context
+        if not written:
+            ccgqa_prefill(proj, c, ctx, count, views=False, state=True,
+                          state_out=row[:, : ctx * c], prev_out=prev)  # fmt: skip
         entry = prefill_kv(slot, kt, vt, count)
-        b, _, c = u.shape
-        ctx = self.conv_context
-        shape = (b, (ctx + 1) * c + self.kv_dim)
-        # the conv state is each sequence's last ctx real inputs (zeros before the first) and the
-        # value shift's source its last real token's, one kernel each (hydra_kernels' last_rows:
-        # at batch 1 a prefill is bound by its launches). The row's columns after the state are
-        # written by each decode step's projection before it reads them.
-        length = entry.length  # [B]: the real tokens, as prefill_kv counted them
-        row = kept_or_new(entry.window, shape, u.dtype, u.device)  # a restarted cache's, in place
-        if ctx:
-            last_rows(u, length, ctx, out=row[:, : ctx * c])
-        prev = kept_or_new(entry.prev_v, (b, shifted_src.shape[-1]), shifted_src.dtype, shifted_src.device)
-        entry.prev_v = last_rows(shifted_src, length, 1, out=prev)
-        entry.window = row
-        entry.conv_state = row[:, : ctx * c].view(b, ctx, c)
+        entry.window, entry.prev_v = row, prev
+        entry.conv_state = row[:, : ctx * c].view(row.shape[0], ctx, c)

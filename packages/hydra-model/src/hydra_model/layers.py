@@ -98,6 +98,8 @@ class RotaryEmbedding(nn.Module):
         self.base = base
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        # both side by side [max_seq_len, rotary_dim]: a gather at positions reads them in one launch
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self._build(max_seq_len)
 
     @property
@@ -110,12 +112,14 @@ class RotaryEmbedding(nn.Module):
         if device.type == "meta":
             self.cos = torch.empty(length, half, device=device)
             self.sin = torch.empty(length, half, device=device)
+            self.cos_sin = torch.empty(length, 2 * half, device=device)
             return
         exponents = torch.arange(half, device=device, dtype=torch.float64) * 2 / max(1, self.rotary_dim)
         inv_freq = self.base**-exponents  # [R/2]
         angles = torch.outer(torch.arange(length, device=device, dtype=torch.float64), inv_freq)
         self.cos = angles.cos().float()
         self.sin = angles.sin().float()
+        self.cos_sin = torch.cat([self.cos, self.sin], dim=-1)
 
     def _apply(self, fn, recurse=True):
         # model.to(dtype) must not round the fp32 table to bf16: rebuild it on the new device.
@@ -134,7 +138,11 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin): [seq_len, R/2] for positions 0..seq_len−1, or [B, n, R/2] for ``positions``."""
         if positions is not None:
-            return F.embedding(positions, self.cos), F.embedding(positions, self.sin)
+            half = self.cos.shape[1]
+            if half % 4 or not half:  # sin's view would start off a 16-byte boundary (fast launches)
+                return F.embedding(positions, self.cos), F.embedding(positions, self.sin)
+            # views of one gather: the rope kernels take two tables of equal strides
+            return F.embedding(positions, self.cos_sin).split(half, dim=-1)
         if seq_len is None:
             raise ValueError("tables() needs seq_len or positions")
         if seq_len > self.max_seq_len:
