@@ -146,6 +146,23 @@ def test_compiles_fullgraph_without_graph_breaks(recursions):
     assert 0 < frac <= 0.75
 
 
+@pytest.mark.skipif(
+    not hydra_kernels.controls.device_supports_triton(torch.device("cpu")), reason="needs TRITON_INTERPRET=1"
+)
+def test_a_no_grad_forward_with_the_kernels_on_compiles_fullgraph():
+    """The no-grad forward's kernels (a routed block's glue, CCGQA's copies, a prefill's cache)
+    are raw Triton launches: inside torch.compile the references run, so an evaluation forward
+    traces as one graph with hydra_kernels' Triton path on, and its logits match eager's."""
+    hydra_kernels.set_use_triton_kernels(True)
+    model = small_model(n_mor_blocks=1, mod_dense_first_last=False).eval()
+    x = random_tokens(2, 12)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(x).logits
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(x).logits
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
 def test_triton_kernels_under_the_interpreter_match_the_references():
     """One tiny forward+backward with the hydra_kernels Triton paths on (interpreted on CPU)."""
     cfg = dict(

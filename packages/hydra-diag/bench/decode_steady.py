@@ -1,5 +1,5 @@
 """A decode step's steady-state time on one GPU, without prefill or capture: the GPT and HYDRA (100M
-presets, bf16, batch 1, random weights), each decode mode's step replayed 200 times after its
+presets, bf16, batch BATCH (default 1), random weights), each decode mode's step replayed 200 times after its
 capture (CUDA events), and the GPU kernel time of the same step run eagerly as stages (profiler:
 kernel durations only, no launch gaps), with its 25 costliest kernels. HYDRA with each form of
 CCGQA's decode convs (hydra_model.options.decode_conv). Writes $OUT/decode_steady.json.
@@ -30,18 +30,19 @@ from hydra_model.graph_compose import ComposedGraph
 from hydra_model.options import OPTIONS
 
 PROMPT, CAPACITY, REPLAYS, PROFILED = 64, 600, 200, 20
+BATCH = int(os.environ.get("BATCH", "1"))
 
 
 def step_times(model, dev: torch.device) -> dict:
     """Per mode: ms per replayed step (graphs, masked) and the staged step's kernel profile."""
-    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), device=dev)
-    tok = torch.ones(1, dtype=torch.long, device=dev)
+    prompt = torch.randint(0, model.config.vocab_size, (BATCH, PROMPT), device=dev)
+    tok = torch.ones(BATCH, dtype=torch.long, device=dev)
     row: dict = {}
     for mode in ("graphs", "masked", "staged"):
         with torch.no_grad():
             cache = ModelCache(capacity=CAPACITY)
             model(prompt, cache=cache)
-            dec = StagedDecoder(model, cache, 1, dev, mode)
+            dec = StagedDecoder(model, cache, BATCH, dev, mode)
             for _ in range(11):  # the first captures; the rest settle clocks and caches
                 dec.step(tok)
             torch.cuda.synchronize()
@@ -112,7 +113,7 @@ def main() -> None:
             print(cfg.name, conv, {k: v for k, v in row.items() if k != "top"}, flush=True)
             for entry in row["top"]:
                 print("   ", entry)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "decode_steady.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"decode_steady_b{BATCH}.json"), "w") as f:
         json.dump(out, f, indent=1)
 
 

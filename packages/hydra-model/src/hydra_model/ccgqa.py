@@ -80,8 +80,10 @@ def window_form() -> str:
 
 
 #: a prefill of at most this many tokens (batch × prompt) runs its convs with the decode steps'
-#: window weight (``CCGQAAttention._conv_qk_prefill``), longer ones head-wise
-PREFILL_WINDOW_ROWS = 256
+#: window weight (``CCGQAAttention._conv_qk_prefill``), longer ones head-wise. A prefill this size
+#: is bound by its host launches (two a block here, eight head-wise): on an H100 the window form
+#: took 1.9–2.4 ms less host time at 512, 1024 and 2048 tokens (packages/hydra-model/BENCHMARKS.md)
+PREFILL_WINDOW_ROWS = 2048
 #: how the convs run: "headwise" (a GEMM per head plus an elementwise q-k mean) or "folded"
 #: (one block-diagonal GEMM with the q-k mean inside); see the module docstring
 CONV_IMPLS = ("headwise", "folded")
@@ -242,9 +244,13 @@ class CCGQAAttention(nn.Module):
         hkv, d = self.n_kv_heads, self.head_dim
         proj = self.w_qkv(x)  # [B, n, C + kv_dim]: [u | x·W_v1 | x·W_v2]
         c, half, ctx = self.qk_channels, self.kv_dim // 2, self.conv_context
-        count = None if member is None else member.sum(dim=1)  # [B] real tokens (a prefill's)
+        # a prefill's [B] real tokens (member: a prefix mask; None = all)
+        count = None if member is None or slot is None else member.sum(dim=1)
         state = None if slot is None else self._state_buffers(slot, proj)
-        if torch.is_grad_enabled():
+        # the copies as one kernel without gradients; not inside torch.compile (a raw Triton
+        # launch would break its graph), where its own fusion takes the pads and the cat
+        copies_fused = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if not copies_fused:
             # split, not slices: the backward then writes one [B, n, C + kv_dim] gradient (a cat)
             # instead of a zero-filled copy per slice summed together
             u, v_cur, shifted_src = proj.split([c, half, half], dim=-1)
@@ -288,7 +294,7 @@ class CCGQAAttention(nn.Module):
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, d]
         out = flexible_attention(qt, kt, vt, causal=True, scale=1.0 / scale)
         if slot is not None:
-            self._fill_slot(slot, kt, vt, proj, count, state, written=not torch.is_grad_enabled())
+            self._fill_slot(slot, kt, vt, proj, count, state, written=copies_fused)
 
         # 8. output projection
         return self.w_o(out.transpose(1, 2).reshape(b, n, self.q_dim))
@@ -353,8 +359,8 @@ class CCGQAAttention(nn.Module):
         each decode step's projection before it reads them."""
         row, prev = state
         c, ctx = self.qk_channels, self.conv_context
-        if not written:
-            ccgqa_prefill(proj, c, ctx, count, views=False, state=True,
+        if not written:  # (the cache keeps no autograd history)
+            ccgqa_prefill(proj.detach(), c, ctx, count, views=False, state=True,
                           state_out=row[:, : ctx * c], prev_out=prev)  # fmt: skip
         entry = prefill_kv(slot, kt, vt, count)
         entry.window, entry.prev_v = row, prev

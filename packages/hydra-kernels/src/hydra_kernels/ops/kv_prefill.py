@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from hydra_kernels import controls
-from hydra_kernels.ops._custom_op import cdiv, device_guard, next_power_of_2, run_with_fallback
+from hydra_kernels.ops._custom_op import cdiv, compiling, device_guard, next_power_of_2, run_with_fallback
 from hydra_kernels.ops._launch import LaunchPlan, plan_cache
 
 #: Elements of one of k and v a program copies at most (its positions × the padded head width).
@@ -152,7 +152,9 @@ def kv_prefill_(
             f"{length.dtype}, count {None if count is None else (tuple(count.shape), count.dtype)}"
         )
     outputs = (k_cache, v_cache, bias, length)
-    kernel = controls.triton_path("kv_prefill", k, v) and all(t.is_contiguous() for t in outputs)
+    # inside torch.compile the reference (a raw launch would break the graph)
+    kernel = not compiling() and controls.triton_path("kv_prefill", k, v)
+    kernel = kernel and all(t.is_contiguous() for t in outputs)
     if not kernel:
         kv_prefill_ref_(k, v, k_cache, v_cache, bias, length, count)
         return
