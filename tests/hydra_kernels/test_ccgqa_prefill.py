@@ -79,6 +79,8 @@ def test_switched_off_it_runs_the_reference_and_bad_inputs_raise():
     assert all(torch.equal(g, r) for g, r in zip(got, ref, strict=True))
     with pytest.raises(ValueError, match="length must be"):
         ccgqa_prefill(proj, 8, 2, length.float())
+    with pytest.raises(ValueError, match="n >= 1"):
+        ccgqa_prefill(proj[:, :0], 8, 2)
     with pytest.raises(ValueError, match="must be even"):
         ccgqa_prefill(proj, 9, 2)
     with pytest.raises(ValueError, match="state_out must be"):
@@ -88,8 +90,10 @@ def test_switched_off_it_runs_the_reference_and_bad_inputs_raise():
 def _compile_for_sm90() -> None:
     """Runs in a subprocess without TRITON_INTERPRET (see the test below)."""
     sig = {"P": "*bf16", "WIN": "*bf16", "V": "*bf16", "STATE": "*bf16", "PREV": "*bf16", "LEN": "*i64",
-           "batch": "i32", "n": "i32", "stride_pb": "i32", "stride_pt": "i32", "stride_sb": "i32",
-           "stride_qb": "i32", "PROGS_WIN": "i32", "PROGS_V": "i32", "PROGS_STATE": "i32"}  # fmt: skip
+           "n": "i32", "per_win": "i32", "per_v": "i32", "total_win": "i64", "total_v": "i64",
+           "total_state": "i32", "total_prev": "i32", "stride_pb": "i32", "stride_pt": "i32",
+           "stride_sb": "i32", "stride_qb": "i32", "PROGS_WIN": "i32", "PROGS_V": "i32",
+           "PROGS_STATE": "i32"}  # fmt: skip
     consts = {"C": 1024, "KV": 256, "CTX": 2, "HAS_LEN": True, "BLOCK": cp_mod.BLOCK}
     build_sm90(cp_mod._ccgqa_prefill_kernel, sig, consts, 4, 1)
 
@@ -97,3 +101,26 @@ def _compile_for_sm90() -> None:
 def test_kernel_compiles_for_hopper_without_a_gpu():
     """The interpreter skips Triton's compiler: compile for sm_90 so GPU-only errors show here."""
     assert_compiles_for_sm90(__file__)
+
+
+def test_inside_torch_compile_the_reference_runs_and_traces_as_one_graph():
+    """A raw Triton launch would break the graph: compiled, the op runs its reference (fullgraph)."""
+    proj, length = torch.randn(2, 5, 8 + 6), torch.tensor([3, 5])
+    torch._dynamo.reset()
+    def copies(p, n):
+        return ccgqa_prefill(p, 8, 2, n, state=True)
+
+    got = torch.compile(copies, backend="aot_eager", fullgraph=True)(proj, length)
+    want = _by_loop(proj, 8, 2, length)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="2^31 elements: a GPU's memory")
+def test_an_output_past_2_31_elements_is_copied_whole_on_cuda():
+    """Element counts past int32 (the window here: 2.3e9) come from the host: an in-kernel product
+    of int32 arguments wrapped and masked every store, leaving the output uninitialised."""
+    proj = torch.randn(1, 140000, 16416, dtype=torch.bfloat16, device="cuda")
+    got = ccgqa_prefill(proj, 16384, 2)
+    assert got.window.numel() >= 2**31
+    assert torch.equal(got.window[0, 2:], proj[0, :, :16384]) and not got.window[0, :2].any()
+    assert torch.equal(got.v[0, :, :16], proj[0, :, 16384:16400])

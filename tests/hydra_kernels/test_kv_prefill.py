@@ -39,6 +39,7 @@ def _garbage(shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("b", "h", "n", "d", "capacity", "counted"), [
     (1, 2, 7, 16, 12, False), (3, 3, 9, 24, 80, True), (2, 1, 5, 64, 5, True), (4, 2, 1, 8, 300, True),
+    (2, 2, 5, 64, 1000, True),  # the positions in 16 blocks of programs
 ])  # fmt: skip
 def test_kv_prefill_writes_the_cache_of_its_definition(seed, dtype, b, h, n, d, capacity, counted):
     # k, v as attention has them: [B, n, H, d] transposed to [B, H, n, d] (strided)
@@ -90,3 +91,20 @@ def _compile_for_sm90() -> None:
 def test_kernel_compiles_for_hopper_without_a_gpu():
     """The interpreter skips Triton's compiler: compile for sm_90 so GPU-only errors show here."""
     assert_compiles_for_sm90(__file__)
+
+
+def test_inside_torch_compile_the_reference_runs_and_traces_as_one_graph():
+    """A raw Triton launch would break the graph: compiled, the op runs its reference (fullgraph)."""
+    k, v = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)
+    count = torch.tensor([3, 1])
+
+    def fill(k, v, count):
+        outs = [torch.empty(2, 2, 6, 8), torch.empty(2, 2, 6, 8), torch.empty(2, 6)]
+        outs.append(torch.empty(2, dtype=torch.long))
+        kv_prefill_(k, v, *outs, count)
+        return outs
+
+    torch._dynamo.reset()
+    got = torch.compile(fill, backend="aot_eager", fullgraph=True)(k, v, count)
+    want = _by_loop(k, v, 6, count)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

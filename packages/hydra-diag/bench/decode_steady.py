@@ -2,7 +2,7 @@
 presets, bf16, batch BATCH (default 1), random weights), each decode mode's step replayed 200 times after its
 capture (CUDA events), and the GPU kernel time of the same step run eagerly as stages (profiler:
 kernel durations only, no launch gaps), with its 25 costliest kernels. HYDRA with each form of
-CCGQA's decode convs (hydra_model.options.decode_conv). Writes $OUT/decode_steady.json.
+CCGQA's decode convs (hydra_model.options.decode_conv). Writes $OUT/decode_steady_b{BATCH}.json.
 
     source tools/gpu_env.sh
     python packages/hydra-diag/bench/decode_steady.py

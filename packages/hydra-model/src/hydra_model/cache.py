@@ -216,7 +216,8 @@ def prefill_kv(
     )
     if old is not None:  # CCGQA's conv and value-shift state, rewritten by its prefill (ccgqa.py)
         entry.window, entry.conv_state, entry.prev_v = old.window, old.conv_state, old.prev_v
-    kv_prefill_(k, v, entry.k, entry.v, entry.bias, entry.length, count)
+    # detached: the cache keeps no autograd history (the op's reference runs where the kernel can't)
+    kv_prefill_(k.detach(), v.detach(), entry.k, entry.v, entry.bias, entry.length, count)
     slot.entry = entry
     return entry
 

@@ -89,38 +89,37 @@ def ccgqa_prefill_ref(
 
 @triton.jit
 def _ccgqa_prefill_kernel(
-    P, WIN, V, STATE, PREV, LEN, batch, n, stride_pb, stride_pt, stride_sb, stride_qb,
-    PROGS_WIN, PROGS_V, PROGS_STATE,
+    P, WIN, V, STATE, PREV, LEN, n, per_win, per_v, total_win, total_v, total_state, total_prev,
+    stride_pb, stride_pt, stride_sb, stride_qb, PROGS_WIN, PROGS_V, PROGS_STATE,
     C: tl.constexpr, KV: tl.constexpr, CTX: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # One flat grid: the window's programs, then the values', the state's, then prev's (the
     # launcher gives each output its share). A program copies BLOCK consecutive elements of one
-    # output; masked loads give the zeros.
+    # output; masked loads give the zeros. Element counts come from the host (per sequence and in
+    # all): they may pass 2^31, where a product of int32 arguments would wrap.
     pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK).to(tl.int64)
     half = KV // 2
     if pid < PROGS_WIN:  # window [B, CTX + n, C]
-        per = (n + CTX) * C
         q = pid.to(tl.int64) * BLOCK + lane
-        inside = q < batch * per
-        b = q // per
-        t = (q % per) // C - CTX
+        inside = q < total_win
+        b = q // per_win
+        t = (q % per_win) // C - CTX
         c = q % C
         val = tl.load(P + b * stride_pb + t * stride_pt + c, mask=inside & (t >= 0), other=0.0)
         tl.store(WIN + q, val, mask=inside)
     elif pid < PROGS_WIN + PROGS_V:  # v [B, n, KV]: the second half one row back
-        per = n * KV
         q = (pid - PROGS_WIN).to(tl.int64) * BLOCK + lane
-        inside = q < batch * per
-        b = q // per
+        inside = q < total_v
+        b = q // per_v
         j = q % KV
-        t = (q % per) // KV - (j >= half).to(tl.int64)
+        t = (q % per_v) // KV - (j >= half).to(tl.int64)
         val = tl.load(P + b * stride_pb + t * stride_pt + C + j, mask=inside & (t >= 0), other=0.0)
         tl.store(V + q, val, mask=inside)
     elif pid < PROGS_WIN + PROGS_V + PROGS_STATE:  # state [B, CTX·C]: the last CTX real rows of u
         per = CTX * C
         q = (pid - PROGS_WIN - PROGS_V).to(tl.int64) * BLOCK + lane
-        inside = q < batch * per
+        inside = q < total_state
         b = q // per
         real = tl.load(LEN + b, mask=inside, other=0).to(tl.int64) if HAS_LEN else n
         t = real - CTX + (q % per) // C
@@ -130,7 +129,7 @@ def _ccgqa_prefill_kernel(
         tl.store(STATE + b * stride_sb + q % per, val, mask=inside)
     else:  # prev [B, KV/2]: the last real row of v₂
         q = (pid - PROGS_WIN - PROGS_V - PROGS_STATE).to(tl.int64) * BLOCK + lane
-        inside = q < batch * half
+        inside = q < total_prev
         b = q // half
         c = q % half
         t = (tl.load(LEN + b, mask=inside, other=0).to(tl.int64) if HAS_LEN else n + lane * 0) - 1
@@ -154,10 +153,14 @@ def ccgqa_prefill_launch(
     The outputs not wanted are None (views: window and v both or neither; state: both or neither)."""
     b, n, width = proj.shape
     kv = width - qk_channels
-    progs_win = cdiv(b * (n + context) * qk_channels, BLOCK) if window is not None else 0
-    progs_v = cdiv(b * n * kv, BLOCK) if v is not None else 0
-    progs_state = cdiv(b * context * qk_channels, BLOCK) if state is not None else 0
-    progs_prev = cdiv(b * (kv // 2), BLOCK) if prev is not None else 0
+    per_win, per_v = (n + context) * qk_channels, n * kv
+    totals = [
+        b * per_win if window is not None else 0,
+        b * per_v if v is not None else 0,
+        b * context * qk_channels if state is not None else 0,
+        b * (kv // 2) if prev is not None else 0,
+    ]
+    progs_win, progs_v, progs_state, progs_prev = (cdiv(t, BLOCK) for t in totals)
     total = progs_win + progs_v + progs_state + progs_prev
     if total == 0:
         return
@@ -173,8 +176,8 @@ def ccgqa_prefill_launch(
     # an absent output's pointer: any tensor (its programs are not launched)
     args = [t if t is not None else proj for t in (window, v, state, prev, length)]
     with device_guard(proj):
-        plan(proj, *args, b, n, proj.stride(0), proj.stride(1), stride_sb, stride_qb,
-             progs_win, progs_v, progs_state)  # fmt: skip
+        plan(proj, *args, n, per_win, per_v, *totals, proj.stride(0), proj.stride(1), stride_sb,
+             stride_qb, progs_win, progs_v, progs_state)  # fmt: skip
 
 
 # --- public function -----------------------------------------------------------------------------
@@ -198,8 +201,8 @@ def ccgqa_prefill(
     where those are written, else new tensors. The Triton kernel runs where hydra_kernels'
     Triton path is on for proj's device; a switched-off path or another device run
     :func:`ccgqa_prefill_ref`. No autograd."""
-    if proj.dim() != 3 or not 0 <= qk_channels <= proj.shape[2] or context < 0:
-        raise ValueError(f"ccgqa_prefill: proj [B, n, C + kv] with 0 <= C, context >= 0; got "
+    if proj.dim() != 3 or proj.shape[1] < 1 or not 0 <= qk_channels <= proj.shape[2] or context < 0:
+        raise ValueError(f"ccgqa_prefill: proj [B, n >= 1, C + kv] with 0 <= C, context >= 0; got "
                          f"{tuple(proj.shape)}, qk_channels={qk_channels}, context={context}")  # fmt: skip
     b, n, width = proj.shape
     kv = width - qk_channels
@@ -220,7 +223,8 @@ def ccgqa_prefill(
     )
     if not kernel:
         ref = ccgqa_prefill_ref(proj, qk_channels, context, length, views=views, state=state)
-        return ref._replace(state=_into(state_out, ref.state), prev=_into(prev_out, ref.prev))
+        # a new tuple, not ref._replace: torch 2.11's torch.compile cannot trace _replace
+        return PrefillCopies(ref.window, ref.v, _into(state_out, ref.state), _into(prev_out, ref.prev))
     if width and proj.stride(2) != 1:
         proj = proj.contiguous()
     if length is not None:
