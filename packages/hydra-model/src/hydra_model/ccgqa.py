@@ -247,10 +247,7 @@ class CCGQAAttention(nn.Module):
         # a prefill's [B] real tokens (member: a prefix mask; None = all)
         count = None if member is None or slot is None else member.sum(dim=1)
         state = None if slot is None else self._state_buffers(slot, proj)
-        # the copies as one kernel without gradients; not inside torch.compile (a raw Triton
-        # launch would break its graph), where its own fusion takes the pads and the cat
-        copies_fused = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        if not copies_fused:
+        if torch.is_grad_enabled():
             # split, not slices: the backward then writes one [B, n, C + kv_dim] gradient (a cat)
             # instead of a zero-filled copy per slice summed together
             u, v_cur, shifted_src = proj.split([c, half, half], dim=-1)
@@ -259,10 +256,10 @@ class CCGQAAttention(nn.Module):
             # 4. value shift: channels [0, half) from x_t, [half, kv_dim) from x_{t−1} (zero at t=0)
             v_prev = F.pad(shifted_src[:, : n - 1], (0, 0, 1, 0))  # [B, n, half], row t = x_{t−1}·W_v2
             v = torch.cat([v_cur, v_prev], dim=-1)
-        else:  # the same copies (and a prefill's slot state) in one launch: bound by launches
-            window, v, *_ = ccgqa_prefill(proj, c, ctx, count, state=state is not None,
-                                          state_out=None if state is None else state[0][:, : ctx * c],
-                                          prev_out=None if state is None else state[1])  # fmt: skip
+            if state is not None:  # the slot's state, from a detached projection: no autograd history
+                self._write_state(proj.detach(), count, state, views=False)
+        else:  # the same copies and a prefill's slot state in one launch (bound by launches)
+            window, v, *_ = self._write_state(proj, count, state, views=True)
         v = v.reshape(b, n, hkv, d)
 
         # 2.–3. causal convs over the sequence and the q-k mean
@@ -294,7 +291,7 @@ class CCGQAAttention(nn.Module):
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, d]
         out = flexible_attention(qt, kt, vt, causal=True, scale=1.0 / scale)
         if slot is not None:
-            self._fill_slot(slot, kt, vt, proj, count, state, written=copies_fused)
+            self._fill_slot(slot, kt, vt, count, state)
 
         # 8. output projection
         return self.w_o(out.transpose(1, 2).reshape(b, n, self.q_dim))
@@ -351,17 +348,22 @@ class CCGQAAttention(nn.Module):
         prev = kept_or_new(None if old is None else old.prev_v, half, proj.dtype, proj.device)
         return row, prev
 
-    def _fill_slot(self, slot, kt, vt, proj, count, state, written: bool) -> None:
-        """The slot's cache from the prefill's keys and values, its conv state each sequence's last
-        ctx real inputs (zeros before the first) and its value-shift source the last real token's
-        (hydra_kernels' ccgqa_prefill, into ``state``'s buffers: already ``written`` by the
-        forward's own call without gradients). The row's columns after the state are written by
-        each decode step's projection before it reads them."""
+    def _write_state(self, proj, count, state, views: bool):
+        """hydra_kernels' ccgqa_prefill on the projection: the conv window and shifted values
+        (``views``) and, with a slot's ``state`` buffers (row, prev), each sequence's conv state
+        (its last ctx real inputs, zeros before the first) and value-shift source (its last real
+        token's) written into them. Outside torch.compile one launch; inside, its reference."""
+        row, prev = (None, None) if state is None else state
+        c, ctx = self.qk_channels, self.conv_context
+        return ccgqa_prefill(proj, c, ctx, count, views=views, state=state is not None,
+                             state_out=None if row is None else row[:, : ctx * c], prev_out=prev)  # fmt: skip
+
+    def _fill_slot(self, slot, kt, vt, count, state) -> None:
+        """The slot's cache from the prefill's keys and values and its ``state`` buffers, written
+        by :meth:`_write_state`. The row's columns after the conv state are written by each decode
+        step's projection before it reads them."""
         row, prev = state
         c, ctx = self.qk_channels, self.conv_context
-        if not written:  # (the cache keeps no autograd history)
-            ccgqa_prefill(proj.detach(), c, ctx, count, views=False, state=True,
-                          state_out=row[:, : ctx * c], prev_out=prev)  # fmt: skip
         entry = prefill_kv(slot, kt, vt, count)
         entry.window, entry.prev_v = row, prev
         entry.conv_state = row[:, : ctx * c].view(row.shape[0], ctx, c)
