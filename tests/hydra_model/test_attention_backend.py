@@ -167,3 +167,49 @@ def test_switches_live_in_one_options_object(monkeypatch):
         monkeypatch.delenv("HYDRA_COMPILED_ROUTING")
         monkeypatch.delenv("HYDRA_ATTENTION_BACKEND")
         options.reload_env()
+
+
+def test_a_compiled_forward_keeps_the_choice_it_traced_with():
+    """Under torch.compile auto's pick is a constant of the trace: a measurement made after it
+    (an eager evaluation's, say) neither recompiles the forward nor changes what it runs; a new
+    trace sees the measurement. Reading the choices as a dict had made them guards, and hydra-train
+    compiled the whole forward twice."""
+    from torch._dynamo.testing import CompileCounter
+
+    sig = ("cuda:0", "bfloat16", 2, 4, 2, 16, 16, 8, True, True)
+    family = ("bfloat16", 4, 2, 8, True, True)
+    ab._auto_choice.pop(sig, None)
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def scaled(x):
+        return x * (2.0 if ab._traced_choice(sig, family) == "sdpa_cudnn" else 3.0)
+
+    x = torch.randn(5)
+    try:
+        torch.testing.assert_close(scaled(x), 3 * x)  # nothing measured when traced
+        ab._auto_choice[sig] = "sdpa_cudnn"  # measured afterwards
+        torch.testing.assert_close(scaled(x), 3 * x)
+        assert counter.frame_count == 1
+        torch._dynamo.reset()
+        torch.testing.assert_close(scaled(x), 2 * x)
+        assert counter.frame_count == 2
+    finally:
+        ab._auto_choice.pop(sig, None)
+        torch._dynamo.reset()
+
+
+def test_switching_backends_keeps_measured_choices_and_reloading_the_env_forgets_them():
+    sig = ("cuda:0", "bfloat16", 1, 4, 2, 8, 8, 8, True, False)
+    before = get_attention_backend()
+    ab._auto_choice[sig] = "sdpa_flash"
+    try:
+        set_attention_backend("sdpa")
+        set_attention_backend("auto")
+        assert ab._auto_choice.get(sig) == "sdpa_flash"
+        assert ab._traced_choice(None, ("bfloat16", 4, 2, 8, True, False)) == "sdpa_flash"
+        ab.reload_attention_env()
+        assert sig not in ab._auto_choice
+    finally:
+        ab._auto_choice.pop(sig, None)
+        set_attention_backend(before)

@@ -311,3 +311,51 @@ def test_the_fingerprint_walk_finds_what_the_three_walks_found():
         want_tensors, want_rules = old_walk(model)
         assert [id(t) for t in tensors] == [id(t) for t in want_tensors]
         assert rules == want_rules
+
+
+def _prefill_and_steps(model, cache, prompt, steps):
+    vocab = model.config.vocab_size
+    out = [model(prompt, cache=cache).logits]
+    for i in range(steps):
+        out.append(model(random_tokens(prompt.shape[0], 1, vocab, seed=200 + i), cache=cache).logits)
+    return out
+
+
+@pytest.mark.parametrize("name", ["hydra_mor", "hydra_mod", "gpt"])
+def test_a_restarted_cache_takes_a_prompt_of_another_batch_size(name):
+    """Restarted after a generation at batch 2, a cache prefills and decodes a batch of 3 as a
+    new cache does (the kept position tensor had two rows: causal routing failed on it)."""
+    model = case_model(name)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        cache = ModelCache(capacity=20)
+        _prefill_and_steps(model, cache, random_tokens(2, 6, vocab, seed=21), 2)
+        cache.restart()
+        prompt = random_tokens(3, 7, vocab, seed=22)
+        got = _prefill_and_steps(model, cache, prompt, 3)
+        want = _prefill_and_steps(model, ModelCache(capacity=20), prompt, 3)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("name", ["hydra_mor", "hydra_mod"])
+def test_a_restarted_cache_of_a_cast_model_rebuilds_its_conv_weights(name):
+    """After model.to(bf16) a restarted cache decodes as a new one: its conv bank held the
+    weights folded from the fp32 parameters. An unchanged model keeps them (the same objects)."""
+    model = case_model(name)
+    vocab = model.config.vocab_size
+    prompt = random_tokens(1, 6, vocab, seed=23)
+    with torch.no_grad():
+        cache = ModelCache(capacity=20)
+        _prefill_and_steps(model, cache, prompt, 1)
+        kept = dict(cache.conv_bank.weights)
+        assert kept
+        cache.restart()
+        assert all(cache.conv_bank.weights[k] is w for k, w in kept.items())
+        model.to(torch.bfloat16)
+        cache.restart()
+        assert not cache.conv_bank.weights
+        got = _prefill_and_steps(model, cache, prompt, 2)
+        want = _prefill_and_steps(model, ModelCache(capacity=20), prompt, 2)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, w)

@@ -74,11 +74,14 @@ def reload_attention_env() -> None:
 
 
 def set_attention_backend(name: str) -> None:
-    """Use ``name`` (auto|flash|xformers|sdpa) from now on; clears auto's measured choices."""
+    """Use ``name`` (auto|flash|xformers|sdpa) from now on. auto's measured choices are kept: they
+    depend on the shapes, the machine and the SDPA switches (:func:`reload_attention_env` forgets
+    them), not on which backend was requested in between. Forgetting them here made every switch
+    back to auto (hydra-train's fa3 pretest arm does one before its compile arm) trace the whole
+    forward unmeasured, and the run compiled it a second time once a measurement came in."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
     OPTIONS.attention_backend = name
-    _auto_choice.clear()
 
 
 def get_attention_backend() -> str:
@@ -288,8 +291,7 @@ def _auto_impl(q, k, v, causal, mask, scale) -> tuple[str, _Impl]:
     if torch.compiler.is_compiling() or _capturing(q.device):
         # nothing can be measured here: the exact shape's measured pick (a CUDA graph or a
         # static-shape compile of an eager-warmed step has one), else the family's usual pick
-        choice = _auto_choice.get(sig) if sig is not None else None
-        choice = choice if choice is not None else _family_choice(family)
+        choice = _traced_choice(sig, family)
         if choice is None:
             _count("auto->sdpa: signature not measured before compile/capture")
             return "sdpa", _run_sdpa
@@ -298,6 +300,17 @@ def _auto_impl(q, k, v, causal, mask, scale) -> tuple[str, _Impl]:
     if choice is None:
         choice = _measure(sig, q, k, v, causal, scale, needs_grad)
     return choice, _candidates(q, k).get(choice, _run_sdpa)
+
+
+@torch.compiler.assume_constant_result
+def _traced_choice(sig: tuple | None, family: tuple) -> str | None:
+    """What a compile or a capture uses: the exact signature's measured pick, else the family's.
+    Under torch.compile the pick is taken once, when the forward is traced, and kept as a constant:
+    read there as a dict, the measured choices became guards, and the first measurement after the
+    trace (say, an eager evaluation's) recompiled the whole forward (15 s on an H100 at the 100M
+    preset, packages/hydra-train/BENCHMARKS.md)."""
+    choice = _auto_choice.get(sig) if sig is not None else None
+    return choice if choice is not None else _family_choice(family)
 
 
 def _family_choice(family: tuple) -> str | None:

@@ -59,6 +59,24 @@ class ConvBank:
 
     modules: list = field(default_factory=list)
     weights: dict = field(default_factory=dict)
+    #: (module, form) → the conv parameters the weights were built from (ccgqa_fold.conv_sources)
+    sources: dict = field(default_factory=dict)
+
+    def drop_replaced(self) -> None:
+        """Forget the weights of modules whose conv parameters are no longer the tensors they were
+        built from (a model cast or moved since: ``model.to(torch.bfloat16)``); the next prefill
+        builds them again. Weights changed in place are not seen here: a kept decoder's
+        fingerprint checks the content (decoder_hold.py)."""
+        from hydra_model.ccgqa_fold import conv_sources
+
+        now: dict = {}  # per module, not per (module, form)
+        for key in list(self.weights):
+            module = key[0]
+            if module not in now:
+                now[module] = conv_sources(module)
+            if self.sources.get(key) != now[module]:
+                del self.weights[key]
+                self.sources.pop(key, None)
 
 
 @dataclass
@@ -103,7 +121,7 @@ class ModelCache:
 
     def positions(self, batch: int, device: torch.device) -> torch.Tensor:
         """The decode step's positions [B, 1] (all ``seq_len``: prompts have equal lengths)."""
-        if self.position is None:
+        if self.position is None or self.position.shape[0] != batch:  # new, or a restart's of another batch
             self.position = torch.full((batch, 1), self.seq_len, dtype=torch.long, device=device)
         return self.position
 
@@ -120,7 +138,11 @@ class ModelCache:
     def restart(self) -> None:
         """Empty the cache for a new prompt but keep its tensors: the next prefill writes into
         them in place, so a decode step captured on them replays the new generation
-        (decoder_hold.py). Counters and the position go back to zero as in a new cache."""
+        (decoder_hold.py). Counters and the position go back to zero as in a new cache; the next
+        prompt may have another batch size (the tensors of the old one are then replaced). The
+        conv weights are kept unless the model's conv parameters were replaced since
+        (:meth:`ConvBank.drop_replaced`); after changing weights in place, use a new cache."""
+        self.conv_bank.drop_replaced()
         self._kept = self._storage()
         self.seq_len = 0
         for slot in self.slots.values():

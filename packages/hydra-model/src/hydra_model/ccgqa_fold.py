@@ -180,6 +180,13 @@ def fold_signature(module) -> tuple:
     return tuple(seq.shape), tuple(ch.shape), seq.dtype, seq.device, module.qk_mean_mix.dtype, *heads
 
 
+def conv_sources(module) -> tuple:
+    """The tensors a module's bank entries are built from, by storage, shape, dtype and device."""
+    tensors = (module.conv_seq.weight, module.conv_seq.bias, module.conv_ch.weight, module.conv_ch.bias,
+               module.qk_mean_mix, module.temperature)  # fmt: skip
+    return tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in tensors)
+
+
 def fold_into_bank(bank, module, form: str) -> None:
     """Build ``form`` for ``module`` and, together with it, for every module of the bank's model
     that shares its signature and lacks the form (:class:`~hydra_model.cache.ConvBank`)."""
@@ -188,3 +195,4 @@ def fold_into_bank(bank, module, form: str) -> None:
     group = [module, *(m for m in peers if fold_signature(m) == sig)]
     for m, built in zip(group, fold_many(group, form), strict=True):
         bank.weights[(m, form)] = built
+        bank.sources[(m, form)] = conv_sources(m)

@@ -211,6 +211,23 @@ def driver() -> _Driver:
     return _driver
 
 
+def add_if_node(
+    graph: c_void_p, after: c_void_p | None, handle: c_uint64, ctx: c_void_p
+) -> tuple[c_void_p, c_void_p]:
+    """An IF node on ``handle`` in ``graph``, after node ``after`` (None: a root) → (the node, its
+    body graph, empty: the caller adds what it runs)."""
+    params = GraphNodeParams()
+    params.type = _NODE_CONDITIONAL
+    params.conditional.handle = handle.value
+    params.conditional.type = _COND_IF
+    params.conditional.size = 1
+    params.conditional.ctx = ctx
+    node = c_void_p()
+    deps, n = (byref(after), 1) if after is not None else (None, 0)
+    driver().add_node("conditional IF", byref(node), graph, deps, n, byref(params))
+    return node, c_void_p(params.conditional.phGraph_out[0])
+
+
 class ComposedGraph:
     """A parent graph of captured torch graphs (``keep_graph=True``), each piece either run
     always or under an IF node on a bool flag: ``pieces`` is [(graph, flag or None)] in order."""
@@ -238,15 +255,7 @@ class ComposedGraph:
             handle = c_uint64()
             drv.call("cuGraphConditionalHandleCreate", byref(handle), parent, ctx, 0, 0)
             setter = self._set_if(parent, prev, handle, flag.data_ptr())
-            params = GraphNodeParams()
-            params.type = _NODE_CONDITIONAL
-            params.conditional.handle = handle.value
-            params.conditional.type = _COND_IF
-            params.conditional.size = 1
-            params.conditional.ctx = ctx
-            node = c_void_p()
-            drv.add_node("conditional IF", byref(node), parent, byref(setter), 1, byref(params))
-            body = c_void_p(params.conditional.phGraph_out[0])
+            node, body = add_if_node(parent, setter, handle, ctx)
             self._child(body, None, raw)
             prev = node
         drv.call("cuGraphInstantiateWithFlags", byref(self._exec), parent, 0)
