@@ -3,6 +3,7 @@ and a generation builds each form once, for every CCGQA module of the model toge
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -145,3 +146,48 @@ def test_the_window_tile_layout_keeps_every_tile_a_fold_can_fill(dim, heads, kv_
             want = x.double() @ w.double().T + bias.double()
             got = tile_linear_ref(x, tiled, bias)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4, msg=f"seed {seed}")
+
+
+def _dense_folded_weight(seq_weight, ch_weight, mean_mix):
+    """The folded weight built densely: the grouped conv as a block-diagonal [C, C, k_ch] (an
+    identity over heads times each head's taps), times the depthwise taps, summed per window
+    offset, plus the q-k mean on the newest offset (how ccgqa_fold built it before it computed
+    the diagonal blocks alone)."""
+    *lead, c, d, k_ch = ch_weight.shape
+    k_seq = seq_weight.shape[-1]
+    heads, k_total = c // d, k_seq + k_ch - 1
+    eye = torch.eye(heads, dtype=ch_weight.dtype).view(heads, 1, heads, 1, 1)
+    diag = (eye * ch_weight.reshape(*lead, heads, d, 1, d, k_ch)).reshape(*lead, c, c, k_ch)
+    per_pair = diag.unsqueeze(-1) * seq_weight[..., 0, :].reshape(*lead, 1, c, 1, k_seq)
+    taps = (torch.nn.functional.pad(per_pair[..., a, :], (a, k_total - k_seq - a)) for a in range(k_ch))
+    summed = functools.reduce(torch.add, taps)  # as the builders sum: no leading 0 to flip a -0.0
+    newest = torch.nn.functional.pad(mean_mix.unsqueeze(-1), (k_total - 1, 0))
+    return (summed + newest).reshape(*lead, c, c * k_total)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("lead", "heads", "d", "k_seq", "k_ch"),
+    [((), 3, 5, 2, 2), ((4,), 16, 8, 2, 2), ((2,), 5, 4, 3, 2), ((3,), 2, 6, 1, 3)],
+)
+def test_the_folded_weight_from_its_diagonal_blocks_equals_the_dense_construction(
+    dtype, lead, heads, d, k_seq, k_ch
+):
+    """Bit for bit, signed zeros included, on fresh random parameters and a full q-k mix."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    c = heads * d
+    seq_w, ch_w = (
+        torch.randn(*lead, c, 1, k_seq, generator=gen),
+        torch.randn(*lead, c, d, k_ch, generator=gen),
+    )
+    seq_b, ch_b, mix = (
+        torch.randn(*lead, c, generator=gen),
+        torch.randn(*lead, c, generator=gen),
+        torch.randn(*lead, c, c, generator=gen),
+    )
+    seq_w, ch_w, seq_b, ch_b, mix = (t.to(dtype) for t in (seq_w, ch_w, seq_b, ch_b, mix))
+    weight, _ = ccgqa_fold.folded_qk_weight(seq_w, seq_b, ch_w, ch_b, mix)
+    want = _dense_folded_weight(seq_w, ch_w, mix)
+    assert weight.dtype == want.dtype and torch.equal(weight, want), f"seed {seed}"
+    assert torch.equal(torch.signbit(weight), torch.signbit(want)), f"seed {seed}"

@@ -61,18 +61,17 @@ def folded_qk_weight(
     conv (``seq_weight`` [..., C, 1, k_seq]) → head-wise grouped conv (``ch_weight`` [..., C, d,
     k_ch], C/d groups) → + q-k mean (``mean_mix`` [..., C, C] applied to the newest input), where
     ``taps[c·K + s]`` is the input at window offset s (s = K−1 is the current token)."""
-    *lead, c, d, k_ch = ch_weight.shape
-    k_seq = seq_weight.shape[-1]
+    *lead, c, d, _ = ch_weight.shape
     heads = c // d
-    k_total = k_seq + k_ch - 1
-    w_seq = seq_weight[..., 0, :]  # [..., C, k_seq]
-    eye = torch.eye(heads, device=ch_weight.device, dtype=ch_weight.dtype).view(heads, 1, heads, 1, 1)
-    # block diagonal [..., C_out, C_in, k_ch]: out channel (g, o) reads in channels (g, i) only
-    diag = (eye * ch_weight.reshape(*lead, heads, d, 1, d, k_ch)).reshape(*lead, c, c, k_ch)
-    per_pair = diag.unsqueeze(-1) * w_seq.reshape(*lead, 1, c, 1, k_seq)  # [..., C_out, C_in, k_ch, k_seq]
-    newest = F.pad(mean_mix.to(diag.dtype).unsqueeze(-1), (k_total - 1, 0))  # [..., C, C, K]
-    weight = (_tap_sum(per_pair, k_seq, k_total) + newest).reshape(*lead, c, c * k_total)
-    return weight, _conv_bias(seq_bias, ch_weight, ch_bias)
+    blocks = _head_blocks(seq_weight, ch_weight)  # [..., g, o, i, K]
+    k_total = blocks.shape[-1]
+    # the q-k mean on the newest tap, then each head's block added on the diagonal: out channel
+    # (g, o) reads in channels (g, i) only. Only the blocks are computed: the dense product with
+    # an identity over heads this replaces did heads× the work (packages/hydra-model/BENCHMARKS.md)
+    weight = F.pad(mean_mix.to(blocks.dtype).unsqueeze(-1), (k_total - 1, 0))  # [..., C, C, K]
+    diagonal = weight.view(*lead, heads, d, heads, d, k_total).diagonal(dim1=-5, dim2=-3)  # [..., o, i, K, g]
+    diagonal.add_(blocks.movedim(-4, -1))
+    return weight.reshape(*lead, c, c * k_total), _conv_bias(seq_bias, ch_weight, ch_bias)
 
 
 def _conv_bias(seq_bias: torch.Tensor, ch_weight: torch.Tensor, ch_bias: torch.Tensor) -> torch.Tensor:
@@ -94,15 +93,22 @@ def headwise_qk_weight(
     grouped conv (``ch_weight`` [..., C, d, k_ch], ``ch_bias``, C/d groups), where ``taps_g[i·K + s]``
     is input channel i of head g at window offset s (s = K−1 is the current token). The q-k mean is
     not included (it crosses heads; the caller adds it)."""
+    *lead, c, d, _ = ch_weight.shape
+    blocks = _head_blocks(seq_weight, ch_weight)
+    return blocks.reshape(*lead, c // d, d, -1), _conv_bias(seq_bias, ch_weight, ch_bias)
+
+
+def _head_blocks(seq_weight: torch.Tensor, ch_weight: torch.Tensor) -> torch.Tensor:
+    """[..., heads, d, d, K]: per head g, output channel o's coefficient on input channel i at
+    window offset s, both convs folded (depthwise ``seq_weight`` [..., C, 1, k_seq], then head-wise
+    ``ch_weight`` [..., C, d, k_ch])."""
     *lead, c, d, k_ch = ch_weight.shape
     k_seq = seq_weight.shape[-1]
     heads = c // d
-    k_total = k_seq + k_ch - 1
     w_seq = seq_weight[..., 0, :].reshape(*lead, heads, 1, d, 1, k_seq)  # [..., g, ·, i, ·, seq tap]
     w_ch = ch_weight.reshape(*lead, heads, d, d, k_ch)  # [..., g, o, i, ch tap]
     per_pair = w_ch.unsqueeze(-1) * w_seq  # [..., g, o, i, ch tap, seq tap]
-    weight = _tap_sum(per_pair, k_seq, k_total).reshape(*lead, heads, d, d * k_total)
-    return weight, _conv_bias(seq_bias, ch_weight, ch_bias)
+    return _tap_sum(per_pair, k_seq, k_seq + k_ch - 1)
 
 
 def _params(modules: list) -> tuple[torch.Tensor, ...]:
