@@ -307,7 +307,7 @@ def _traced_choice(sig: tuple | None, family: tuple) -> str | None:
     """What a compile or a capture uses: the exact signature's measured pick, else the family's.
     Under torch.compile the pick is taken once, when the forward is traced, and kept as a constant:
     read there as a dict, the measured choices became guards, and the first measurement after the
-    trace (say, an eager evaluation's) recompiled the whole forward (15 s on an H100 at the 100M
+    trace (say, an eager evaluation's) recompiled the whole forward (about 14 s on an H100 at the 100M
     preset, packages/hydra-train/BENCHMARKS.md)."""
     choice = _auto_choice.get(sig) if sig is not None else None
     return choice if choice is not None else _family_choice(family)
