@@ -169,33 +169,45 @@ def test_switches_live_in_one_options_object(monkeypatch):
         options.reload_env()
 
 
-def test_a_compiled_forward_keeps_the_choice_it_traced_with():
+def _compile_branch_on_cpu(monkeypatch) -> None:
+    """auto's compile branch made to run on CPU tensors, with one more candidate, ``probe``: plain
+    SDPA doubled, so that an output shows which pick a compiled forward runs."""
+    monkeypatch.setattr(ab, "_measurable", lambda q, mask: mask is None)
+    plain = {"sdpa": lambda *a: ab._run_sdpa(*a), "probe": lambda *a: 2 * ab._run_sdpa(*a)}
+    monkeypatch.setattr(ab, "_candidates", lambda q, k: plain)
+
+
+def test_a_compiled_forward_keeps_the_choice_it_traced_with(monkeypatch):
     """Under torch.compile auto's pick is a constant of the trace: a measurement made after it
     (an eager evaluation's, say) neither recompiles the forward nor changes what it runs; a new
-    trace sees the measurement. Reading the choices as a dict had made them guards, and hydra-train
-    compiled the whole forward twice."""
+    trace takes the measurement. Reading the choices as a dict had made them guards, and
+    hydra-train compiled the whole forward twice."""
     from torch._dynamo.testing import CompileCounter
 
-    sig = ("cuda:0", "bfloat16", 2, 4, 2, 16, 16, 8, True, True)
-    family = ("bfloat16", 4, 2, 8, True, True)
+    _compile_branch_on_cpu(monkeypatch)
+    before = get_attention_backend()
+    set_attention_backend("auto")
+    sig = ("cpu", "float32", 3, 4, 2, 9, 9, 8, True, False)
     ab._auto_choice.pop(sig, None)
     counter = CompileCounter()
-
-    @torch.compile(backend=counter, fullgraph=True)
-    def scaled(x):
-        return x * (2.0 if ab._traced_choice(sig, family) == "sdpa_cudnn" else 3.0)
-
-    x = torch.randn(5)
+    attend = torch.compile(flexible_attention, backend=counter, fullgraph=True)
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    want = _reference(q, k, v, True)
     try:
-        torch.testing.assert_close(scaled(x), 3 * x)  # nothing measured when traced
-        ab._auto_choice[sig] = "sdpa_cudnn"  # measured afterwards
-        torch.testing.assert_close(scaled(x), 3 * x)
-        assert counter.frame_count == 1
         torch._dynamo.reset()
-        torch.testing.assert_close(scaled(x), 2 * x)
+        with torch.no_grad():
+            first = attend(q, k, v)  # traced with nothing measured for the family: plain SDPA
+            ab._auto_choice[sig] = "probe"  # measured afterwards (another batch and length)
+            second = attend(q, k, v)
+            assert counter.frame_count == 1
+            torch._dynamo.reset()
+            third = attend(q, k, v)  # a new trace takes the measurement
         assert counter.frame_count == 2
+        for out, factor in ((first, 1), (second, 1), (third, 2)):
+            torch.testing.assert_close(out.double(), factor * want, atol=1e-5, rtol=1e-5)
     finally:
         ab._auto_choice.pop(sig, None)
+        set_attention_backend(before)
         torch._dynamo.reset()
 
 
@@ -207,9 +219,37 @@ def test_switching_backends_keeps_measured_choices_and_reloading_the_env_forgets
         set_attention_backend("sdpa")
         set_attention_backend("auto")
         assert ab._auto_choice.get(sig) == "sdpa_flash"
-        assert ab._traced_choice(None, ("bfloat16", 4, 2, 8, True, False)) == "sdpa_flash"
+        assert (("bfloat16", 4, 2, 8, True, False), "sdpa_flash") in ab._measured_families()
         ab.reload_attention_env()
         assert sig not in ab._auto_choice
     finally:
         ab._auto_choice.pop(sig, None)
         set_attention_backend(before)
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_auto_under_compile_takes_the_family_pick_at_symbolic_shapes(monkeypatch, dynamic):
+    """auto's compile branch traces at three lengths, with dynamic shapes or after one length was
+    seen: the family's pick is found with symbolic shapes (a constant function cannot take them),
+    without a recompile per length, and gives the fp64 reference's results."""
+    from torch._dynamo.testing import CompileCounter
+
+    _compile_branch_on_cpu(monkeypatch)
+    before = get_attention_backend()
+    set_attention_backend("auto")
+    family_sig = ("cpu", "float32", 1, 4, 2, 5, 5, 8, True, False)  # a measured shape of the family
+    ab._auto_choice[family_sig] = "probe"
+    counter = CompileCounter()
+    attend = torch.compile(flexible_attention, backend=counter, dynamic=dynamic, fullgraph=True)
+    try:
+        torch._dynamo.reset()
+        for n in (7, 11, 13):
+            q, k, v = torch.randn(2, 4, n, 8), torch.randn(2, 2, n, 8), torch.randn(2, 2, n, 8)
+            with torch.no_grad():
+                out = attend(q, k, v)
+            torch.testing.assert_close(out.double(), 2 * _reference(q, k, v, True), atol=1e-5, rtol=1e-5)
+        assert counter.frame_count <= 2  # dynamic: one trace; None: a static one, then a dynamic one
+    finally:
+        ab._auto_choice.pop(family_sig, None)
+        set_attention_backend(before)
+        torch._dynamo.reset()

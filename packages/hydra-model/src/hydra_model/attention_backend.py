@@ -139,7 +139,8 @@ def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def _run_sdpa(q, k, v, causal, mask, scale, restrict: str | None = None, expand: bool = False):
     if expand:
         k, v = _expand_kv(q, k), _expand_kv(q, v)
-    gqa = q.shape[1] != k.shape[1]
+    # a branch, not bool(): where a trace's head counts are symbolic, SDPA's flag must be a bool
+    gqa = True if q.shape[1] != k.shape[1] else False  # noqa: SIM210
     kernels = _sdpa_kernels(restrict)
     ctx = sdpa_kernel(kernels) if kernels is not None else contextlib.nullcontext()
     with ctx:
@@ -272,45 +273,58 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _measurable(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether auto chooses by measuring for these inputs (CUDA, no explicit mask), else plain SDPA."""
+    return q.device.type == "cuda" and mask is None
+
+
 def _auto_impl(q, k, v, causal, mask, scale) -> tuple[str, _Impl]:
-    if q.device.type != "cuda" or mask is not None:
+    if not _measurable(q, mask):
         return "sdpa", _run_sdpa
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    # head counts and size are static ints even when torch.compile treats B and S as symbolic
-    family = (
-        str(q.dtype).removeprefix("torch."),
-        q.shape[1],
-        k.shape[1],
-        q.shape[3],
-        bool(causal),
-        needs_grad,
-    )
-    static = all(type(x) is int for x in (*q.shape, *k.shape))  # False for symbolic compile shapes
-    sig = (str(q.device), family[0], q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
-           bool(causal), needs_grad) if static else None  # fmt: skip
-    if torch.compiler.is_compiling() or _capturing(q.device):
-        # nothing can be measured here: the exact shape's measured pick (a CUDA graph or a
-        # static-shape compile of an eager-warmed step has one), else the family's usual pick
-        choice = _traced_choice(sig, family)
-        if choice is None:
-            _count("auto->sdpa: signature not measured before compile/capture")
-            return "sdpa", _run_sdpa
-        return choice, _candidates(q, k).get(choice, _run_sdpa)
+    dtype = str(q.dtype).removeprefix("torch.")
+    if torch.compiler.is_compiling():
+        # nothing can be measured in a trace: the family's usual pick, from the choices as they
+        # were when the forward was traced (_measured_families); compared with the trace's head
+        # counts and size, which the comparison fixes where they are symbolic
+        for (f_dtype, hq, hkv, d, f_causal, f_grad), pick in _measured_families():
+            if (f_dtype, f_causal, f_grad) == (dtype, bool(causal), needs_grad) and (
+                hq == q.shape[1] and hkv == k.shape[1] and d == q.shape[3]
+            ):
+                return _pick(pick, q, k)
+        return _pick(None, q, k)
+    family = (dtype, q.shape[1], k.shape[1], q.shape[3], bool(causal), needs_grad)
+    sig = (str(q.device), dtype, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+           bool(causal), needs_grad)  # fmt: skip
+    if _capturing(q.device):
+        # nothing can be measured in a CUDA-graph capture: the exact shape's measured pick (an
+        # eager-warmed step has one), else the family's
+        return _pick(_auto_choice.get(sig) or _family_choice(family), q, k)
     choice = _auto_choice.get(sig)
     if choice is None:
         choice = _measure(sig, q, k, v, causal, scale, needs_grad)
     return choice, _candidates(q, k).get(choice, _run_sdpa)
 
 
+def _pick(choice: str | None, q: torch.Tensor, k: torch.Tensor) -> tuple[str, _Impl]:
+    """A compile's or a capture's pick, or plain SDPA (counted) where nothing was measured."""
+    if choice is None:
+        _count("auto->sdpa: signature not measured before compile/capture")
+        return "sdpa", _run_sdpa
+    return choice, _candidates(q, k).get(choice, _run_sdpa)
+
+
 @torch.compiler.assume_constant_result
-def _traced_choice(sig: tuple | None, family: tuple) -> str | None:
-    """What a compile or a capture uses: the exact signature's measured pick, else the family's.
-    Under torch.compile the pick is taken once, when the forward is traced, and kept as a constant:
-    read there as a dict, the measured choices became guards, and the first measurement after the
-    trace (say, an eager evaluation's) recompiled the whole forward (about 14 s on an H100 at the 100M
-    preset, packages/hydra-train/BENCHMARKS.md)."""
-    choice = _auto_choice.get(sig) if sig is not None else None
-    return choice if choice is not None else _family_choice(family)
+def _measured_families() -> tuple:
+    """((dtype, heads, kv heads, head size, causal, grad), pick) for each family measured so far,
+    its pick the backend measured most often at its batches and lengths. Under torch.compile this
+    is taken once, when the forward is traced, and kept as a constant: read there as a dict, the
+    measured choices became guards, and the first measurement after the trace (say, an eager
+    evaluation's) recompiled the whole forward (about 14 s on an H100 at the 100M preset,
+    packages/hydra-train/BENCHMARKS.md). It takes no arguments: a constant function's must be
+    constants, and a trace's shapes may be symbolic."""
+    families = {(s[1], s[3], s[4], s[7], s[8], s[9]) for s in _auto_choice}
+    return tuple((family, _family_choice(family)) for family in sorted(families, key=repr))
 
 
 def _family_choice(family: tuple) -> str | None:

@@ -65,8 +65,9 @@ class ConvBank:
     def drop_replaced(self) -> None:
         """Forget the weights of modules whose conv parameters are no longer the tensors they were
         built from (a model cast or moved since: ``model.to(torch.bfloat16)``); the next prefill
-        builds them again. Weights changed in place are not seen here: a kept decoder's
-        fingerprint checks the content (decoder_hold.py)."""
+        builds them again. Tensors are told apart by address, dtype, shape and device, so weights
+        changed in place are not seen here, nor a new tensor that took a freed one's address and
+        layout: a kept decoder's fingerprint checks the content (decoder_hold.py)."""
         from hydra_model.ccgqa_fold import conv_sources
 
         now: dict = {}  # per module, not per (module, form)
