@@ -74,8 +74,8 @@ def test_a_prefill_that_replaces_a_tensor_builds_a_new_decoder(monkeypatch):
     model.generate(prompt, 10, decode="staged")
     restart = cache_mod.ModelCache.restart
 
-    def restart_dropping_spares(self):
-        restart(self)
+    def restart_dropping_spares(self, **kwargs):
+        restart(self, **kwargs)
         for slot in self.slots.values():
             slot.spare = None
 

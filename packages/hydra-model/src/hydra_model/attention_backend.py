@@ -323,19 +323,19 @@ def _measured_families() -> tuple:
     evaluation's) recompiled the whole forward (about 14 s on an H100 at the 100M preset,
     packages/hydra-train/BENCHMARKS.md). It takes no arguments: a constant function's must be
     constants, and a trace's shapes may be symbolic."""
-    families = {(s[1], s[3], s[4], s[7], s[8], s[9]) for s in _auto_choice}
+    families = {_family_of(sig) for sig in _auto_choice}
     return tuple((family, _family_choice(family)) for family in sorted(families, key=repr))
+
+
+def _family_of(sig: tuple) -> tuple:
+    """A measured signature's family: (dtype, heads, kv heads, head size, causal, grad)."""
+    return sig[1], sig[3], sig[4], sig[7], sig[8], sig[9]
 
 
 def _family_choice(family: tuple) -> str | None:
     """Under compile/capture (no measuring there): the backend measured most often for these
     heads and head size at any batch and length, or None if none was measured."""
-    dtype, hq, hkv, d, causal, grad = family
-    picks = [
-        c
-        for s, c in _auto_choice.items()
-        if (s[1], s[3], s[4], s[7], s[8], s[9]) == (dtype, hq, hkv, d, causal, grad)
-    ]
+    picks = [c for sig, c in _auto_choice.items() if _family_of(sig) == family]
     return Counter(picks).most_common(1)[0][0] if picks else None
 
 

@@ -136,14 +136,17 @@ class ModelCache:
                 "(make the cache with a larger capacity, e.g. prompt + max_new_tokens)"
             )
 
-    def restart(self) -> None:
+    def restart(self, weights_checked: bool = False) -> None:
         """Empty the cache for a new prompt but keep its tensors: the next prefill writes into
         them in place, so a decode step captured on them replays the new generation
         (decoder_hold.py). Counters and the position go back to zero as in a new cache; the next
         prompt may have another batch size (the tensors of the old one are then replaced). The
         conv weights are kept unless the model's conv parameters were replaced since
-        (:meth:`ConvBank.drop_replaced`); after changing weights in place, use a new cache."""
-        self.conv_bank.drop_replaced()
+        (:meth:`ConvBank.drop_replaced`); after changing weights in place, use a new cache.
+        ``weights_checked``: the caller has already found every model tensor to be the one the
+        cache was filled with (a kept decoder's fingerprint), so the bank is not looked at again."""
+        if not weights_checked:
+            self.conv_bank.drop_replaced()
         self._kept = self._storage()
         self.seq_len = 0
         for slot in self.slots.values():

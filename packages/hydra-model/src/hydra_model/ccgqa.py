@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydra_kernels import qk_norm, rope
-from hydra_kernels.ops.ccgqa_prefill import ccgqa_prefill
+from hydra_kernels.ops.ccgqa_prefill import ccgqa_prefill, ccgqa_prefill_ref
 from hydra_kernels.ops.tile_linear import tile_linear
 from hydra_model import ccgqa_fold
 from hydra_model.attention_backend import flexible_attention
@@ -243,19 +243,15 @@ class CCGQAAttention(nn.Module):
         b, n, _ = x.shape
         hkv, d = self.n_kv_heads, self.head_dim
         proj = self.w_qkv(x)  # [B, n, C + kv_dim]: [u | x·W_v1 | x·W_v2]
-        c, half, ctx = self.qk_channels, self.kv_dim // 2, self.conv_context
+        c, ctx = self.qk_channels, self.conv_context
         # a prefill's [B] real tokens (member: a prefix mask; None = all)
         count = None if member is None or slot is None else member.sum(dim=1)
         state = None if slot is None else self._state_buffers(slot, proj)
         if torch.is_grad_enabled():
-            # split, not slices: the backward then writes one [B, n, C + kv_dim] gradient (a cat)
-            # instead of a zero-filled copy per slice summed together
-            u, v_cur, shifted_src = proj.split([c, half, half], dim=-1)
-            # u: packed pre-conv [q;k] [B, n, C]; v_cur = x·W_v1, shifted_src = x·W_v2 [B, n, half]
-            window = F.pad(u, (0, 0, ctx, 0))  # [B, n + K−1, C]: left context zeros
-            # 4. value shift: channels [0, half) from x_t, [half, kv_dim) from x_{t−1} (zero at t=0)
-            v_prev = F.pad(shifted_src[:, : n - 1], (0, 0, 1, 0))  # [B, n, half], row t = x_{t−1}·W_v2
-            v = torch.cat([v_cur, v_prev], dim=-1)
+            # the op's reference, differentiable: window [B, n + K−1, C] (left context zeros) and
+            # 4. the value shift (channels [0, half) from x_t, [half, kv_dim) from x_{t−1}, zero at
+            # t=0); it splits proj, so the backward writes one [B, n, C + kv_dim] gradient (a cat)
+            window, v, *_ = ccgqa_prefill_ref(proj, c, ctx)
             if state is not None:  # the slot's state, from a detached projection: no autograd history
                 self._write_state(proj.detach(), count, state, views=False)
         else:  # the same copies and a prefill's slot state in one launch (bound by launches)

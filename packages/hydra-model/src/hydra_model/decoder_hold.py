@@ -206,7 +206,7 @@ class PrefillGraph:
         self.seq_len = input_ids.shape[1]
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):  # records only: run() replays it
-            cache.restart()
+            cache.restart(weights_checked=True)  # take() compared the fingerprint
             self.logits = model(self.ids, cache=cache).logits[:, -1]
 
     def run(self, cache, input_ids: torch.Tensor) -> torch.Tensor:
@@ -253,7 +253,7 @@ class HeldDecoder:
         if graph is not None:
             return graph.run(cache, input_ids), True
         self.last_prefill = "eager" if s not in self.failed else f"eager (capture failed: {self.failed[s]})"
-        cache.restart()
+        cache.restart(weights_checked=True)  # take() compared the fingerprint
         logits = model(input_ids, cache=cache).logits[:, -1]
         in_place = cache.refilled_in_place()
         if in_place:

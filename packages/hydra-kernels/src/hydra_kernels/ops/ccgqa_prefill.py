@@ -218,17 +218,24 @@ def ccgqa_prefill(
             raise ValueError(f"ccgqa_prefill: {name} must be {list(shape)} {proj.dtype} with state=True, "
                              f"got {tuple(out.shape)} {out.dtype}")  # fmt: skip
     # inside torch.compile the reference (a raw launch would break the graph; the compiler fuses it)
-    kernel = not compiling() and controls.triton_path("ccgqa_prefill", proj) and all(
-        o is None or o.stride(1) == 1 for o in (state_out, prev_out)
+    kernel = (
+        not compiling()
+        and controls.triton_path("ccgqa_prefill", proj)
+        and all(o is None or o.stride(1) == 1 for o in (state_out, prev_out))
     )
-    if not kernel:
-        ref = ccgqa_prefill_ref(proj, qk_channels, context, length, views=views, state=state)
+
+    def reference(out: PrefillCopies) -> PrefillCopies:
         # a new tuple, not ref._replace: torch 2.11's torch.compile cannot trace _replace
-        return PrefillCopies(ref.window, ref.v, _into(state_out, ref.state), _into(prev_out, ref.prev))
+        ref = ccgqa_prefill_ref(proj, qk_channels, context, length, views=views, state=state)
+        return PrefillCopies(*(_into(o, r) for o, r in zip(out, ref, strict=True)))
+
+    if not kernel:
+        return reference(PrefillCopies(None, None, state_out, prev_out))
     if width and proj.stride(2) != 1:
         proj = proj.contiguous()
     if length is not None:
         length = length.contiguous()
+
     def new(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=proj.dtype, device=proj.device)
 
@@ -243,12 +250,9 @@ def ccgqa_prefill(
         ccgqa_prefill_launch(proj, qk_channels, context, length, *out)
         return out
 
-    def reference() -> PrefillCopies:
-        ref = ccgqa_prefill_ref(proj, qk_channels, context, length, views=views, state=state)
-        return PrefillCopies(*(_into(o, r) for o, r in zip(out, ref, strict=True)))
-
-    return run_with_fallback("ccgqa_prefill", launch, reference)
+    return run_with_fallback("ccgqa_prefill", launch, lambda: reference(out))
 
 
 def _into(out: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor | None:
+    """``value`` written into ``out`` where there is one, else ``value`` itself."""
     return value if out is None or value is None else out.copy_(value)
