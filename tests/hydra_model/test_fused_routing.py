@@ -191,3 +191,18 @@ def test_a_no_grad_router_call_under_autocast_keeps_fp32():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         got, _ = fr.router_logits(h, w, b, with_detached=False)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_traced_router_logits_are_the_same_under_autocast_without_switching_it_off():
+    """The compiled form has no autocast context (one in a traced forward makes torch skip its
+    AOTAutograd cache); its ops are ones autocast leaves alone, so under a bf16 autocast its
+    logits are bit for bit those with autocast off (a matmul there would run in bf16)."""
+    g = _gen(11)
+    h = (1 + torch.randn(2, 7, 96, generator=g)).to(torch.bfloat16)
+    w, b = torch.randn(96, generator=g), torch.randn((), generator=g)
+    with torch.autocast("cpu", enabled=False):
+        want = fr._router_logits(h, w, b, 1e-6, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fr._router_logits(h, w, b, 1e-6, True)
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == torch.float32 and torch.equal(x, y)

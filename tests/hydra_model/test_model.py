@@ -146,6 +146,36 @@ def test_compiles_fullgraph_without_graph_breaks(recursions):
     assert 0 < frac <= 0.75
 
 
+def test_compiled_training_and_evaluation_graphs_are_ones_torch_can_cache():
+    """torch's own check (the one AOTAutograd runs before caching a compiled graph) finds nothing
+    in HYDRA's traced graphs, training under autocast and evaluation: an autocast context or an
+    autograd.Function in the graph made every warm compile trace the joint graph again."""
+    cache = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache")
+    reasons: list[str] = []
+    targets: set = set()
+
+    def backend(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        try:
+            cache.check_cacheable(gm)
+        except cache.BypassAOTAutogradCache as exc:
+            reasons.append(str(exc).split("\n")[0])
+        return gm.forward
+
+    model = small_model(n_mor_blocks=2, recursions_per_block=2).train()
+    x, y = random_tokens(2, 16), random_tokens(2, 16, seed=3)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x, targets=y)
+    out.loss.backward()
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(x, targets=y)
+    assert reasons == []
+    assert "hydra_model.gather_rows.default" in targets  # the routed gather was in the graph
+
+
 @pytest.mark.skipif(
     not hydra_kernels.controls.device_supports_triton(torch.device("cpu")), reason="needs TRITON_INTERPRET=1"
 )

@@ -87,6 +87,34 @@ def test_gather_rows_backward_is_a_plain_scatter_and_gradchecks():
     assert torch.equal(src.grad, ref)
 
 
+def test_gather_rows_under_compile_is_the_custom_op_with_the_same_values_and_gradient():
+    """Traced, gather_rows is the hydra_model::gather_rows op (an autograd.Function in a graph
+    makes torch skip its AOTAutograd cache): the same rows, the same plain-scatter gradient."""
+    from hydra_model.routing import gather_rows
+
+    g = torch.Generator().manual_seed(4)
+    src = torch.randn(17, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    idx = torch.randperm(17, generator=g)[:7]
+    grad = torch.randn(7, 6, generator=g, dtype=torch.float64)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(gather_rows, backend=backend, fullgraph=True)
+    out = compiled(src, idx)
+    assert torch.equal(out, src.detach()[idx])
+    out.backward(grad)
+    ref = torch.zeros_like(src)
+    for j, i in enumerate(idx.tolist()):
+        ref[i] += grad[j]
+    assert torch.equal(src.grad, ref)
+    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert "hydra_model.gather_rows.default" in targets
+    torch.autograd.gradcheck(torch.compile(gather_rows, backend="aot_eager", fullgraph=True), (src, idx))
+
+
 def test_masked_means_with_known_count_and_per_channel():
     from hydra_model.routing import masked_mean, masked_mean_last
 

@@ -123,16 +123,20 @@ def _dispatch(name: str, fn: Callable, *args):
 
 
 def _router_logits(h, weight, bias, eps: float, with_detached: bool):
-    with torch.autocast(h.device.type, enabled=False):
-        ct = torch.promote_types(h.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-        hf, w, b = h.to(ct), weight.to(ct), bias.to(ct)
-        inv = torch.rsqrt(hf.pow(2).mean(-1) + eps)  # [B, n]
-        # a product-and-sum reduction rather than a matrix-vector product: compiled, it fuses
-        # with the norm's reduction into one read of h
-        logit = (hf * w).sum(-1) * inv + b
-        if not with_detached:
-            return logit, None
-        detached = (hf.detach() * w).sum(-1) * inv.detach() + b
+    # No autocast context here, unlike the eager form: every op below is elementwise or a
+    # reduction on fp32 (fp64) tensors, which autocast leaves as they are (it recasts matmuls and
+    # the like, and never doubles), so the values are the same; and a `with torch.autocast` in a
+    # traced forward puts _enter_autocast nodes in the graph, which makes torch skip its
+    # AOTAutograd cache for the whole compiled model (a warm compile traced the joint graph again)
+    ct = torch.promote_types(h.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    hf, w, b = h.to(ct), weight.to(ct), bias.to(ct)
+    inv = torch.rsqrt(hf.pow(2).mean(-1) + eps)  # [B, n]
+    # a product-and-sum reduction rather than a matrix-vector product: compiled, it fuses
+    # with the norm's reduction into one read of h
+    logit = (hf * w).sum(-1) * inv + b
+    if not with_detached:
+        return logit, None
+    detached = (hf.detach() * w).sum(-1) * inv.detach() + b
     return logit, detached
 
 

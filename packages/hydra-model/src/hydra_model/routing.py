@@ -45,8 +45,36 @@ class _GatherRows(torch.autograd.Function):
         return out.index_copy_(0, index, grad), None
 
 
+# Under torch.compile the same gather is a custom op with the same backward: an autograd.Function
+# traced into a graph makes torch skip its AOTAutograd cache for the whole compiled model (a warm
+# compile traced the joint graph again, packages/hydra-train/BENCHMARKS.md), a custom op does not.
+@torch.library.custom_op("hydra_model::gather_rows", mutates_args=())
+def _gather_rows_op(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return src.index_select(0, index)
+
+
+@_gather_rows_op.register_fake
+def _(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return src.new_empty((index.shape[0], *src.shape[1:]))
+
+
+def _gather_rows_setup_context(ctx, inputs, output) -> None:
+    src, index = inputs
+    ctx.save_for_backward(index)
+    ctx.n_rows = src.shape[0]
+
+
+def _gather_rows_backward(ctx, grad: torch.Tensor):
+    return _GatherRows.backward(ctx, grad)
+
+
+_gather_rows_op.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup_context)
+
+
 def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows ``src[index]`` of src [N, ...] for distinct indices [M] → [M, ...] (see _GatherRows)."""
+    if torch.compiler.is_compiling():
+        return _gather_rows_op(src, index)
     return _GatherRows.apply(src, index)
 
 
