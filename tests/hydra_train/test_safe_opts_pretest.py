@@ -104,6 +104,63 @@ def test_injected_slowness_fails_when_timing_is_judged(tmp_path):
     res = r.run(["prefetch_threads"])["results"]["prefetch_threads"]
     assert res["status"] == "FAIL" and res["reason"].startswith("slower:")
     assert res["timing"]["speedup"] < 0.5
+    # a speed FAIL is timed again after its reference arm, and stands only when slow again
+    assert res["timed_again"] is True and res["first_timing"]["speedup"] < 0.5
+    assert "the first timing: slower:" in res["reason"]
+
+
+class SlowFirstTime(Optimization):
+    """Stands in for prefetch_threads: correct, but its first arm's steps each sleep on the host
+    (what a drifting host does to one arm and not to the next)."""
+
+    name = "prefetch_threads"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.runs = 0
+        self._wrapped = None
+
+    def requested(self):
+        return True
+
+    def activate(self, trainer):
+        self.runs += 1
+        if self.runs == 1:
+            inner = trainer.step_impl
+
+            def slow_step(batches):
+                time.sleep(0.3)
+                return inner(batches)
+
+            trainer.step_impl, self._wrapped = slow_step, (trainer, inner)
+        self.active = True
+
+    def deactivate(self, trainer):
+        if self._wrapped is not None:
+            owner, inner = self._wrapped
+            owner.step_impl, self._wrapped = inner, None
+        self.active = False
+
+
+def test_a_speed_fail_that_does_not_come_back_when_timed_again_is_a_pass(tmp_path):
+    tr, batches = make_trainer(tmp_path)
+    reg = build_registry(tr.cfg)
+    reg["prefetch_threads"] = SlowFirstTime(tr.cfg)
+    lines: list[str] = []
+    settings = PretestSettings(warmup_steps=1, steps=2, judge_timing=True)
+    r = PretestRunner(tr, reg, make_batch=batches, start_index=5, settings=settings, log=lines.append)
+    res = r.run(["prefetch_threads"])["results"]["prefetch_threads"]
+    assert reg["prefetch_threads"].runs == 2  # the arm ran again, after the default arm
+    assert res["status"] == "PASS" and res["reason"] is None, res
+    assert res["timed_again"] is True and res["first_timing"]["speedup"] < 0.5
+    assert res["timing"]["speedup"] > 0.5
+    assert any("prefetch_threads: timed again after its reference arm: PASS" in m for m in lines)
+    assert [m.split(":")[0] for m in lines if m.startswith("[SafeOpts] pretest arm")] == [
+        "[SafeOpts] pretest arm default",
+        "[SafeOpts] pretest arm prefetch_threads",
+        "[SafeOpts] pretest arm default",
+        "[SafeOpts] pretest arm prefetch_threads",
+    ]
 
 
 class ScaledWeights(Optimization):
