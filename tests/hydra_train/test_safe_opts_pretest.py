@@ -163,6 +163,40 @@ def test_a_speed_fail_that_does_not_come_back_when_timed_again_is_a_pass(tmp_pat
     ]
 
 
+class NoOpOnTop(Optimization):
+    """Stands in for compile: changes nothing, pretested on top of prefetch_threads."""
+
+    name = "compile"
+    pretest_on_top_of = ("prefetch_threads",)
+
+    def requested(self):
+        return True
+
+    def activate(self, trainer):
+        self.active = True
+
+    def deactivate(self, trainer):
+        self.active = False
+
+
+def test_a_stacked_arm_compares_with_its_bases_second_timing(tmp_path):
+    """The base's first timing was slow (and ruled out when timed again): the arm stacked on it is
+    judged against the second timing, not against the slow one, which would flatter it."""
+    tr, batches = make_trainer(tmp_path)
+    reg = build_registry(tr.cfg)
+    reg["prefetch_threads"] = SlowFirstTime(tr.cfg)
+    reg["compile"] = NoOpOnTop(tr.cfg)
+    settings = PretestSettings(warmup_steps=1, steps=4, judge_timing=True)
+    r = PretestRunner(tr, reg, make_batch=batches, start_index=5, settings=settings, log=lambda m: None)
+    res = r.run(["prefetch_threads", "compile"])["results"]
+    assert res["prefetch_threads"]["timed_again"] is True
+    assert res["prefetch_threads"]["first_timing"]["median_ms"] > 1000.0  # the 1 s sleeps
+    stacked = res["compile"]
+    assert stacked["ref"] == "prefetch_threads" and stacked["status"] == "PASS"
+    assert stacked["timing"]["default_median_ms"] == res["prefetch_threads"]["timing"]["median_ms"]
+    assert stacked["timing"]["default_median_ms"] < 1000.0
+
+
 class ScaledWeights(Optimization):
     """A deliberately wrong 'optimization': doubles one weight matrix while active."""
 
