@@ -146,11 +146,16 @@ def test_compiles_fullgraph_without_graph_breaks(recursions):
     assert 0 < frac <= 0.75
 
 
-def test_compiled_training_and_evaluation_graphs_are_ones_torch_can_cache():
+@pytest.mark.parametrize("restricted_sdpa", [False, True])
+def test_compiled_training_and_evaluation_graphs_are_ones_torch_can_cache(restricted_sdpa, monkeypatch):
     """torch's own check (the one AOTAutograd runs before caching a compiled graph) finds nothing
     in HYDRA's traced graphs, training under autocast and evaluation: an autocast context or an
-    autograd.Function in the graph made every warm compile trace the joint graph again."""
+    autograd.Function in the graph made every warm compile trace the joint graph again. With
+    SDPA restricted to one kernel the ``sdpa_kernel`` context is traced too (compile_cache.py)."""
+    from hydra_model.options import OPTIONS
+
     cache = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache")
+    monkeypatch.setattr(OPTIONS, "sdpa_flash_only", restricted_sdpa)
     reasons: list[str] = []
     targets: set = set()
 
@@ -174,6 +179,7 @@ def test_compiled_training_and_evaluation_graphs_are_ones_torch_can_cache():
         compiled(x, targets=y)
     assert reasons == []
     assert "hydra_model.gather_rows.default" in targets  # the routed gather was in the graph
+    assert any("_sdpa_kernel" in t for t in targets) == restricted_sdpa
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's GPU code needs a CUDA device")

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from hydra_model import options
+from hydra_model.compile_cache import vouch_for_sdpa_kernel_context
 from hydra_model.options import BACKENDS, OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.3
     SDPBackend = None
     sdpa_kernel = None
+
+
+vouch_for_sdpa_kernel_context()  # a restricted pick's compiled graphs stay cacheable
 
 _lock = threading.Lock()
 _fallbacks: Counter[str] = Counter()
