@@ -45,11 +45,9 @@ def make_trainer(tmp_path, **kw):
     return tr, batches
 
 
-def runner(tr, batches, reg, **kw):
-    settings = PretestSettings(warmup_steps=1, steps=2, **kw.pop("settings", {}))
-    return PretestRunner(
-        tr, reg, make_batch=batches, start_index=5, settings=settings, log=lambda m: None, **kw
-    )
+def runner(tr, batches, reg, log=lambda m: None, **kw):
+    settings = PretestSettings(**{"warmup_steps": 1, "steps": 2, **kw.pop("settings", {})})
+    return PretestRunner(tr, reg, make_batch=batches, start_index=5, settings=settings, log=log, **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -147,8 +145,8 @@ def test_a_speed_fail_that_does_not_come_back_when_timed_again_is_a_pass(tmp_pat
     reg = build_registry(tr.cfg)
     reg["prefetch_threads"] = SlowFirstTime(tr.cfg)
     lines: list[str] = []
-    settings = PretestSettings(warmup_steps=1, steps=4, judge_timing=True)  # medians of four steps
-    r = PretestRunner(tr, reg, make_batch=batches, start_index=5, settings=settings, log=lines.append)
+    # medians of four steps
+    r = runner(tr, batches, reg, log=lines.append, settings={"steps": 4, "judge_timing": True})
     res = r.run(["prefetch_threads"])["results"]["prefetch_threads"]
     assert reg["prefetch_threads"].runs == 2  # the arm ran again, after the default arm
     assert res["status"] == "PASS" and res["reason"] is None, res
@@ -186,8 +184,7 @@ def test_a_stacked_arm_compares_with_its_bases_second_timing(tmp_path):
     reg = build_registry(tr.cfg)
     reg["prefetch_threads"] = SlowFirstTime(tr.cfg)
     reg["compile"] = NoOpOnTop(tr.cfg)
-    settings = PretestSettings(warmup_steps=1, steps=4, judge_timing=True)
-    r = PretestRunner(tr, reg, make_batch=batches, start_index=5, settings=settings, log=lambda m: None)
+    r = runner(tr, batches, reg, settings={"steps": 4, "judge_timing": True})
     res = r.run(["prefetch_threads", "compile"])["results"]
     assert res["prefetch_threads"]["timed_again"] is True
     assert res["prefetch_threads"]["first_timing"]["median_ms"] > 1000.0  # the 1 s sleeps

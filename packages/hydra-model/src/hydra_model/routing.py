@@ -27,6 +27,13 @@ def flat_index(idx: torch.Tensor, n: int) -> torch.Tensor:
     return (idx + torch.arange(b, device=idx.device).unsqueeze(1) * n).reshape(-1)
 
 
+def _gather_rows_setup(ctx, inputs: tuple, output) -> None:
+    """What the gather's backward keeps: the indices and the source's row count."""
+    src, index = inputs
+    ctx.save_for_backward(index)
+    ctx.n_rows = src.shape[0]
+
+
 class _GatherRows(torch.autograd.Function):
     """``src[index]`` along dim 0 for DISTINCT indices. The backward writes each gradient row to
     its one source row (``index_copy``) instead of ``index_select``'s generic ``index_add``:
@@ -34,8 +41,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.n_rows = src.shape[0]
+        _gather_rows_setup(ctx, (src, index), None)
         return src.index_select(0, index)
 
     @staticmethod
@@ -45,9 +51,10 @@ class _GatherRows(torch.autograd.Function):
         return out.index_copy_(0, index, grad), None
 
 
-# Under torch.compile the same gather is a custom op with the same backward: an autograd.Function
-# traced into a graph makes torch skip its AOTAutograd cache for the whole compiled model (a warm
-# compile traced the joint graph again, packages/hydra-train/BENCHMARKS.md), a custom op does not.
+# Under torch.compile the same gather is a custom op with the same setup and backward: an
+# autograd.Function traced into a graph makes torch skip its AOTAutograd cache for the whole
+# compiled model (a warm compile traced the joint graph again, packages/hydra-train/BENCHMARKS.md),
+# a custom op does not.
 @torch.library.custom_op("hydra_model::gather_rows", mutates_args=())
 def _gather_rows_op(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return src.index_select(0, index)
@@ -58,17 +65,7 @@ def _(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return src.new_empty((index.shape[0], *src.shape[1:]))
 
 
-def _gather_rows_setup_context(ctx, inputs, output) -> None:
-    src, index = inputs
-    ctx.save_for_backward(index)
-    ctx.n_rows = src.shape[0]
-
-
-def _gather_rows_backward(ctx, grad: torch.Tensor):
-    return _GatherRows.backward(ctx, grad)
-
-
-_gather_rows_op.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup_context)
+_gather_rows_op.register_autograd(_GatherRows.backward, setup_context=_gather_rows_setup)
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

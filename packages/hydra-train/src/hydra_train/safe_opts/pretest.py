@@ -177,7 +177,7 @@ class PretestRunner:
             for arm in arms:
                 if not arm.hidden and arm.tested is not None:
                     results[arm.key] = self._verdict(arm, numbers, errors, details, bounds)
-            self._confirm_slow(arms, results, snap, ref, (numbers, errors, details), bounds)
+            self._confirm_slow(arms, results, snap, ref, numbers, errors, details, bounds)
             # under torchrun every rank must run the same second phase (its steps are collective):
             # rank 0's verdicts decide, as they decide the run (activation.py)
             results = broadcast_object(self.tr.dist, results)
@@ -193,7 +193,7 @@ class PretestRunner:
                 self._timed_arm(arm, snap, ref, numbers, errors, details)
                 if not arm.hidden:
                     results[arm.key] = self._verdict(arm, numbers, errors, details, bounds)
-            self._confirm_slow([*arms, *stacked], results, snap, ref, (numbers, errors, details), bounds)
+            self._confirm_slow([*arms, *stacked], results, snap, ref, numbers, errors, details, bounds)
         finally:
             self._restore(snap, final=True)
             del snap
@@ -204,14 +204,15 @@ class PretestRunner:
         body["results"] = results
         return body
 
-    def _confirm_slow(self, arms: list[Arm], results, snap: _Snapshot, ref, measured, bounds) -> None:
+    def _confirm_slow(
+        self, arms: list[Arm], results, snap: _Snapshot, ref, numbers, errors, details, bounds
+    ) -> None:
         """Time again each arm that FAILed on speed alone, right after its reference arm, and let
         the FAIL stand only when this second pair finds it slower too. Arms run one after another
         and a lent host's speed drifts between them: four eager steps each put compile 10%
         behind its reference under DDP on two H100s, and fa3 12% behind once, where every other
         run passed them (packages/hydra-train/BENCHMARKS.md). The second pair's numbers are the
         verdict's; the first's are kept in it as ``first_timing`` (``timed_again`` marks it)."""
-        numbers, errors, details = measured
         by_key = {a.key: a for a in arms}
         # under torchrun the arms' steps are collective: every rank re-runs rank 0's list
         slow = [
