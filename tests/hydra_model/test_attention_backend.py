@@ -253,3 +253,39 @@ def test_auto_under_compile_takes_the_family_pick_at_symbolic_shapes(monkeypatch
         ab._auto_choice.pop(family_sig, None)
         set_attention_backend(before)
         torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="auto times CUDA candidates on the GPU")
+def test_auto_times_candidates_by_their_gpu_time_not_the_hosts(monkeypatch):
+    """On CUDA a candidate's time is what it keeps the GPU busy, which the compiled and graphed
+    step sees: one with 3 ms of host work a call before plain SDPA's kernels (an eager timing
+    puts it above 3 ms) times within 0.5 ms of plain SDPA here; the pick is the fastest time,
+    and the device is left usable (an fp32 call after it matches an fp64 reference)."""
+    import time
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 256, 64, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 256, 64, device=dev, dtype=torch.bfloat16) for _ in range(2))
+
+    def slow_host(*a):
+        time.sleep(0.003)
+        return ab._run_sdpa(*a)
+
+    real = ab._candidates
+    monkeypatch.setattr(ab, "_candidates", lambda q, k: {**real(q, k), "slow_host": slow_host})
+    sig = ("cuda:test", "bfloat16", 2, 4, 2, 256, 256, 64, True, True)
+    try:
+        choice = ab._measure(sig, q, k, v, True, None, needs_grad=True)
+        report = ab._auto_report[sig]
+        timed = {n: t for n, t in report.items() if isinstance(t, float)}
+        assert {"sdpa", "slow_host"} <= set(timed)
+        assert timed["slow_host"] < timed["sdpa"] + 0.5, report
+        assert choice == min(timed, key=timed.get) == report["chosen"]
+    finally:
+        ab._auto_choice.pop(sig, None)
+        ab._auto_report.pop(sig, None)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    out = flexible_attention(qf, kf, vf)
+    want = _reference(qf.cpu(), kf.cpu(), vf.cpu(), True)
+    torch.testing.assert_close(out.double().cpu(), want, atol=1e-4, rtol=1e-4)

@@ -4,7 +4,8 @@ Backends: ``flash`` (flash-attn 2/3 when importable), ``xformers``, ``sdpa`` (Py
 scaled_dot_product_attention and its cuDNN / flash / efficient kernels), and ``auto``.
 
 ``auto`` on CUDA measures, once per shape signature, every candidate that is importable and valid
-(forward+backward when gradients are needed) and keeps the fastest; the choice is logged once and
+(forward+backward when gradients are needed) and keeps the fastest on the GPU's own time (the step
+it serves runs compiled and graphed, without the host's share); the choice is logged once and
 cached. Off CUDA ``auto`` is plain SDPA. Under torch.compile or CUDA-graph capture nothing can be
 measured: ``auto`` takes the backend measured most often for the same heads and head size (any
 batch and length, so run one eager step first), else plain SDPA, counted as a fallback.
@@ -236,17 +237,76 @@ def _measure(sig: tuple, q, k, v, causal, scale, needs_grad: bool) -> str:
 
 
 def _time_candidate(report, name, impl, inputs, causal, scale, needs_grad: bool) -> None:
-    """Median ms of 5 timed forward(+backward) calls after 2 untimed ones, or the error.
-    CUDA events on the GPU; a host clock elsewhere (only tests time on the CPU)."""
-    cuda = inputs[0].is_cuda
+    """The candidate's median ms into ``report[name]`` (or its error there): on CUDA the time it
+    keeps the GPU busy (:func:`_gpu_ms`), elsewhere the host clock (only tests time on the CPU)."""
     # a candidate that cannot run these shapes makes torch warn why, on every rank's stderr; the
     # reason goes into the report, so the probe keeps those warnings to itself
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        _time_calls(report, name, impl, inputs, causal, scale, needs_grad, cuda)
+        if inputs[0].is_cuda:
+            try:
+                report[name] = _gpu_ms(impl, inputs, causal, scale, needs_grad)
+            except Exception as exc:  # a candidate that cannot run these shapes is not chosen
+                report[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            return
+        _time_calls(report, name, impl, inputs, causal, scale, needs_grad, cuda=False)
+
+
+def _call(impl, args, causal, scale, needs_grad: bool) -> None:
+    with torch.enable_grad() if needs_grad else torch.no_grad():
+        out = impl(*args, causal, None, scale)
+        if needs_grad:
+            out.backward(torch.ones_like(out))
+
+
+_sleep_cycles_per_ms: list[float] = []  # the GPU's spin rate, measured once per process
+
+
+def _cycles_per_ms() -> float:
+    if not _sleep_cycles_per_ms:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(2_000_000)
+        end.record()
+        end.synchronize()
+        _sleep_cycles_per_ms.append(2_000_000 / max(start.elapsed_time(end), 1e-3))
+    return _sleep_cycles_per_ms[0]
+
+
+def _gpu_ms(impl, inputs, causal, scale, needs_grad: bool, calls: int = 5) -> float:
+    """Median over three rounds of the GPU time per call (forward, and backward where gradients
+    are needed) of ``calls`` calls queued behind a spin kernel that outlasts their launching, so
+    the events time the kernels back to back, not the host. Why not the eager calls' own time: at
+    these sizes that is mostly the host's, which moves with the host's load and is not what the
+    compiled, graphed step that uses the pick pays. Timed eagerly on an H100, flash-attention 2
+    came out fastest in 2 of 5 measurements at 8 x 256, where it keeps the GPU 1.4x longer than
+    cuDNN's kernel, and the race's compiled steps once ran it at every length
+    (packages/hydra-model/BENCHMARKS.md, 2026-11-26)."""
+    args = [t.detach().requires_grad_(needs_grad) for t in inputs]
+    with torch.cuda.device(args[0].device):  # the spin must hold the stream the calls run on
+        for _ in range(2):  # kernel selection, plan building
+            _call(impl, args, causal, scale, needs_grad)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _call(impl, args, causal, scale, needs_grad)
+        host_ms = (time.perf_counter() - t0) * 1000  # launching one call (the GPU may still run it)
+        torch.cuda.synchronize()
+        spin = int(_cycles_per_ms() * min(2.0 * calls * host_ms + 1.0, 500.0))
+        times = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(spin)
+            start.record()
+            for _ in range(calls):
+                _call(impl, args, causal, scale, needs_grad)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def _time_calls(report, name, impl, inputs, causal, scale, needs_grad: bool, cuda: bool) -> None:
+    """Eagerly: median ms of 5 timed calls after 2 untimed ones (CUDA events on the GPU)."""
     try:
         times = []
         for it in range(7):
@@ -256,10 +316,7 @@ def _time_calls(report, name, impl, inputs, causal, scale, needs_grad: bool, cud
                 start.record()
             else:
                 t0 = time.perf_counter()
-            with torch.enable_grad() if needs_grad else torch.no_grad():
-                out = impl(*args, causal, None, scale)
-                if needs_grad:
-                    out.backward(torch.ones_like(out))
+            _call(impl, args, causal, scale, needs_grad)
             if cuda:
                 end.record()
                 end.synchronize()
