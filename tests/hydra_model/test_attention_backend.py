@@ -138,7 +138,7 @@ def test_measurement_picks_a_working_candidate_even_inside_a_checkpoint():
         # measured in the forward and again in the recompute (this test calls _measure itself)
         assert len(choices) == 2
         assert report["chosen"] == choices[-1] and isinstance(report[choices[-1]], float)
-        assert set(report) >= {"sdpa", "sdpa_cudnn", "sdpa_efficient", "chosen"}
+        assert set(report) >= {"sdpa", "sdpa_cudnn", "sdpa_efficient", "chosen", "sdpa_runs"}
         assert ab._family_choice(("float32", 4, 2, 8, True, True)) == choices[-1]
         assert ab._family_choice(("float32", 4, 2, 16, True, True)) is None
     finally:
@@ -289,3 +289,34 @@ def test_auto_times_candidates_by_their_gpu_time_not_the_hosts(monkeypatch):
     out = flexible_attention(qf, kf, vf)
     want = _reference(qf.cpu(), kf.cpu(), vf.cpu(), True)
     torch.testing.assert_close(out.double().cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_sdpa_own_kernel_names_the_kernel_plain_sdpa_runs(device):
+    """The kernel named for plain SDPA's own dispatch gives plain SDPA's output bit for bit when
+    SDPA is restricted to it (fresh inputs, causal GQA, with and without gradients; bf16 on CUDA,
+    where SDPA has several kernels to choose from)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+    for needs_grad in (False, True):
+        q, k, v = (torch.randn(2, h, 128, 64, device=device, dtype=dtype) for h in (4, 2, 2))
+        name = ab.sdpa_own_kernel(q, k, v, True, None, needs_grad)
+        assert name in backends
+        plain = ab._run_sdpa(q, k, v, True, None, None)
+        with sdpa_kernel([backends[name]]):
+            only = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert torch.equal(plain, only)
+
+
+def test_a_pick_is_sdpas_own_kernel_only_when_it_runs_that_kernel_unchanged():
+    assert ab.same_kernel_as_sdpa({"chosen": "sdpa", "sdpa_runs": "cudnn"})
+    assert ab.same_kernel_as_sdpa({"chosen": "sdpa_cudnn", "sdpa_runs": "cudnn"})
+    assert not ab.same_kernel_as_sdpa({"chosen": "sdpa_flash", "sdpa_runs": "cudnn"})
+    assert not ab.same_kernel_as_sdpa({"chosen": "sdpa_cudnn+expand", "sdpa_runs": "cudnn"})  # K/V copied
+    assert not ab.same_kernel_as_sdpa({"chosen": "sdpa_unknown", "sdpa_runs": "unknown"})
+    assert not ab.same_kernel_as_sdpa({"chosen": "flash", "sdpa_runs": "flash"})  # flash-attn's own

@@ -107,6 +107,25 @@ def test_injected_slowness_fails_when_timing_is_judged(tmp_path):
     assert "the first timing: slower:" in res["reason"]
 
 
+def slow_steps(trainer, seconds: float):
+    """Every step of ``trainer`` sleeps ``seconds`` on the host first; returns what
+    :func:`restore_steps` needs to undo it."""
+    inner = trainer.step_impl
+
+    def slow_step(batches):
+        time.sleep(seconds)
+        return inner(batches)
+
+    trainer.step_impl = slow_step
+    return trainer, inner
+
+
+def restore_steps(wrapped) -> None:
+    if wrapped is not None:
+        owner, inner = wrapped
+        owner.step_impl = inner
+
+
 class SlowFirstTime(Optimization):
     """Stands in for prefetch_threads: correct, but its first arm's steps each sleep on the host
     (what a drifting host does to one arm and not to the next)."""
@@ -124,19 +143,11 @@ class SlowFirstTime(Optimization):
     def activate(self, trainer):
         self.runs += 1
         if self.runs == 1:
-            inner = trainer.step_impl
-
-            def slow_step(batches):
-                time.sleep(1.0)  # far beyond any margin a loaded host's noise gives
-                return inner(batches)
-
-            trainer.step_impl, self._wrapped = slow_step, (trainer, inner)
+            self._wrapped = slow_steps(trainer, 1.0)  # far beyond any margin a loaded host's noise gives
         self.active = True
 
     def deactivate(self, trainer):
-        if self._wrapped is not None:
-            owner, inner = self._wrapped
-            owner.step_impl, self._wrapped = inner, None
+        self._wrapped = restore_steps(self._wrapped)
         self.active = False
 
 
@@ -387,3 +398,74 @@ def test_a_stacked_arm_is_bounded_by_its_bases_error(tmp_path, own, status):
 
 def test_tiny_overrides_are_the_real_preset_narrowed():
     assert TINY_OVERRIDES["dim"] == 64  # the tests above use the real tiny preset, only narrower
+
+
+class PicksAsSDPA(Optimization):
+    """Stands in for fa3 with its real verdict logic (``FlashAttention.no_effect``): every step of
+    its arm sleeps (a host slower during that arm), and its ``describe()`` reports auto's picks
+    as ``same`` says: the kernels plain SDPA runs itself, or not."""
+
+    name = "fa3"
+
+    def __init__(self, cfg, same: bool):
+        super().__init__(cfg)
+        self.same = same
+        self._wrapped = None
+
+    def requested(self):
+        return True
+
+    def activate(self, trainer):
+        self._wrapped = slow_steps(trainer, 0.4)
+        self.active = True
+
+    def deactivate(self, trainer):
+        self._wrapped = restore_steps(self._wrapped)
+        self.active = False
+
+    def describe(self):
+        picks = ["sdpa_cudnn"]
+        return {"flash_attn_installed": False, "auto_picked": picks, "same_kernels_as_sdpa": self.same}
+
+    def no_effect(self, details):
+        from hydra_train.safe_opts.toggles import FlashAttention
+
+        return FlashAttention.no_effect(self, details)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_an_attention_pick_of_sdpas_own_kernels_is_not_judged_on_speed(tmp_path, same):
+    """fa3's arm ran the kernels the default arm runs (auto picked plain SDPA's own): its timing
+    is the host's noise, so the verdict is N/A with that reason, not a speed FAIL (and no second
+    timing); when the picks differ, the same slow arm fails on speed."""
+    tr, batches = make_trainer(tmp_path)
+    reg = build_registry(tr.cfg)
+    reg["fa3"] = PicksAsSDPA(tr.cfg, same)
+    res = runner(tr, batches, reg, settings={"judge_timing": True}).run(["fa3"])["results"]["fa3"]
+    if same:
+        assert res["status"] == "N/A" and "plain SDPA runs itself" in res["reason"], res
+        assert "sdpa_cudnn" in res["reason"] and "timed_again" not in res
+        assert res["numerics"]  # the gradient check still ran and passed
+    else:
+        assert res["status"] == "FAIL" and "slower:" in res["reason"], res
+
+
+def test_fa3_describes_whether_auto_picked_sdpas_own_kernels(tmp_path, monkeypatch):
+    """The real fa3 toggle's description, from auto's measurements: the same kernels only when
+    every measured shape's pick is plain SDPA's own dispatch."""
+    import hydra_model.attention_backend as ab
+    from hydra_train.safe_opts.toggles import FlashAttention
+
+    fa3 = FlashAttention(tiny_config(tmp_path, tmp_path / "ck"))
+    own = {"chosen": "sdpa_cudnn", "sdpa_runs": "cudnn"}
+    other = {"chosen": "sdpa_flash", "sdpa_runs": "cudnn"}
+    cases = (([own], True), ([own, {"chosen": "sdpa"}], True), ([own, other], False), ([], False))
+    for reports, same in cases:
+        # measured signatures: (device, dtype, B, Hq, Hkv, S, L, d, causal, grad)
+        sigs = {("cuda:0", "bfloat16", 8, 12, 4, 256 * (i + 1), 256 * (i + 1), 64, True, True): r
+                for i, r in enumerate(reports)}  # fmt: skip
+        monkeypatch.setattr(ab, "_auto_report", sigs)
+        got = fa3.describe()
+        assert got["same_kernels_as_sdpa"] is same
+        details = {f"fa3.{key}": value for key, value in got.items()}
+        assert (fa3.no_effect(details) is not None) is (same and not ab.FLASH_ATTN_AVAILABLE)

@@ -12,6 +12,7 @@ from hydra_model.attention_backend import (
     flexible_attention,
     get_attention_backend,
     reset_attention_fallback_counts,
+    same_kernel_as_sdpa,
     set_attention_backend,
 )
 from hydra_model.blocks import CCGQABlock, CCGQAMoDBlockWrapper, CCGQAMoRBlock
@@ -83,6 +84,7 @@ __all__ = [
     "preset_config",
     "reset_attention_fallback_counts",
     "routing_stats_to_python",
+    "same_kernel_as_sdpa",
     "set_attention_backend",
     "set_compiled_routing",
 ]

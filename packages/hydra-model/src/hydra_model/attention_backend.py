@@ -225,6 +225,7 @@ def _measure(sig: tuple, q, k, v, causal, scale, needs_grad: bool) -> str:
     timed = {n: t for n, t in report.items() if isinstance(t, float)}
     choice = min(timed, key=timed.get) if timed else "sdpa"
     report["chosen"] = choice
+    report["sdpa_runs"] = sdpa_own_kernel(tq, tk, tv, causal, scale, needs_grad)
     _auto_choice[sig] = choice
     _auto_report[sig] = report
     logger.info(
@@ -234,6 +235,30 @@ def _measure(sig: tuple, q, k, v, causal, scale, needs_grad: bool) -> str:
         ", ".join(f"{n} {t:.3f} ms" for n, t in sorted(timed.items(), key=lambda kv: kv[1])),
     )
     return choice
+
+
+_KERNEL_NAMES = {"CUDNN_ATTENTION": "cudnn", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient"}
+
+
+def sdpa_own_kernel(q, k, v, causal: bool, scale: float | None, needs_grad: bool) -> str:
+    """The kernel plain SDPA dispatches these inputs to, as auto's candidates name it ("cudnn",
+    "flash", "efficient", "math"), or "unknown" where torch cannot say."""
+    if SDPBackend is None or not hasattr(torch, "_fused_sdp_choice"):  # pragma: no cover - old torch
+        return "unknown"
+    try:
+        args = [t.detach().requires_grad_(needs_grad) for t in (q, k, v)]
+        gqa = q.shape[1] != k.shape[1]
+        picked = SDPBackend(torch._fused_sdp_choice(*args, None, 0.0, causal, scale=scale, enable_gqa=gqa))
+    except Exception:  # a torch whose dispatch query differs: not known, never guessed
+        return "unknown"
+    return _KERNEL_NAMES.get(picked.name, picked.name.lower())
+
+
+def same_kernel_as_sdpa(report: dict) -> bool:
+    """Whether a measured signature's pick (``attention_autotune_report()`` entry) runs the kernel
+    plain SDPA would have run itself: plain SDPA, or SDPA restricted to that very kernel."""
+    chosen, runs = report.get("chosen"), report.get("sdpa_runs")
+    return chosen == "sdpa" or (runs not in (None, "unknown") and chosen == f"sdpa_{runs}")
 
 
 def _time_candidate(report, name, impl, inputs, causal, scale, needs_grad: bool) -> None:
@@ -292,16 +317,24 @@ def _gpu_ms(impl, inputs, causal, scale, needs_grad: bool, calls: int = 5) -> fl
         host_ms = (time.perf_counter() - t0) * 1000  # launching one call (the GPU may still run it)
         torch.cuda.synchronize()
         spin = int(_cycles_per_ms() * min(2.0 * calls * host_ms + 1.0, 500.0))
-        times = []
-        for _ in range(3):
+        times, doubled = [], 0
+        while len(times) < 3:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(spin)
             start.record()
             for _ in range(calls):
                 _call(impl, args, causal, scale, needs_grad)
             end.record()
+            # the spin still running once every call is queued: no gap waited on the host. Else
+            # (a faster clock than when the spin rate was taken, a slower host) again with a spin
+            # twice as long, four times at most (a call that waits on the GPU itself never gets
+            # ahead: it is timed with its waits)
+            ahead = not start.query()
             end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
+            if ahead or doubled >= 4:
+                times.append(start.elapsed_time(end) / calls)
+            else:
+                spin, doubled = 2 * spin, doubled + 1
     return statistics.median(times)
 
 

@@ -114,6 +114,11 @@ class Optimization(ABC):
         """Settings worth recording beside a pretest result."""
         return {}
 
+    def no_effect(self, details: dict[str, Any]) -> str | None:
+        """Why its pretest arm ran exactly what the reference arm runs (an N/A reason: its timing
+        can only be noise), from the arm's ``describe()`` details; None when it changed something."""
+        return None
+
 
 def build_registry(cfg: TrainConfig) -> dict[str, Optimization]:
     """All nine optimizations, in risk order, configured from ``cfg``."""
