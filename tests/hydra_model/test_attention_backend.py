@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -304,13 +305,22 @@ def test_sdpa_own_kernel_names_the_kernel_plain_sdpa_runs(device):
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
     for needs_grad in (False, True):
-        q, k, v = (torch.randn(2, h, 128, 64, device=device, dtype=dtype) for h in (4, 2, 2))
-        name = ab.sdpa_own_kernel(q, k, v, True, None, needs_grad)
+        qkv = [torch.randn(2, h, 128, 64, device=device, dtype=dtype) for h in (4, 2, 2)]
+        name = ab.sdpa_own_kernel(*qkv, True, None, needs_grad)
         assert name in backends
-        plain = ab._run_sdpa(q, k, v, True, None, None)
-        with sdpa_kernel([backends[name]]):
-            only = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        assert torch.equal(plain, only)
+        results = []
+        for kernels in (None, [backends[name]]):
+            q, k, v = (t.clone().requires_grad_(needs_grad) for t in qkv)
+            with torch.enable_grad() if needs_grad else torch.no_grad():
+                with sdpa_kernel(kernels) if kernels else contextlib.nullcontext():
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, enable_gqa=True
+                    )
+                if needs_grad:
+                    out.backward(torch.ones_like(out))
+            results.append([out.detach(), *([q.grad, k.grad, v.grad] if needs_grad else [])])
+        for plain, only in zip(*results, strict=True):
+            assert torch.equal(plain, only)
 
 
 def test_a_pick_is_sdpas_own_kernel_only_when_it_runs_that_kernel_unchanged():

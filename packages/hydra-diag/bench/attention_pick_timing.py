@@ -29,7 +29,7 @@ def main() -> None:
             eager, gpu = {}, {}
             for name, impl in candidates.items():
                 ab._time_calls(eager, name, impl, (q, k, v), True, None, True, True)
-                gpu[name] = ab._gpu_ms(impl, (q, k, v), True, None, True)
+                gpu[name] = ab._gpu_ms(impl, (q, k, v), True, None, True)[0]
             row = {"eager": eager, "gpu": gpu, "eager_pick": min(eager, key=eager.get)}
             row["gpu_pick"] = min(gpu, key=gpu.get)
             rows.append(row)

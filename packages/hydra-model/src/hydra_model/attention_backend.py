@@ -73,9 +73,10 @@ _auto_report: dict[tuple, dict[str, float | str]] = {}
 
 def reload_attention_env() -> None:
     """Re-read HYDRA_ATTENTION_BACKEND, HYDRA_SDPA_FLASH_ONLY and HYDRA_SDPA_NO_FLASH (into
-    hydra_model.options.OPTIONS) and forget auto's measured choices."""
+    hydra_model.options.OPTIONS) and forget auto's measured choices and their reports."""
     options.reload_env()
     _auto_choice.clear()
+    _auto_report.clear()
 
 
 def set_attention_backend(name: str) -> None:
@@ -246,7 +247,10 @@ def sdpa_own_kernel(q, k, v, causal: bool, scale: float | None, needs_grad: bool
     if SDPBackend is None or not hasattr(torch, "_fused_sdp_choice"):  # pragma: no cover - old torch
         return "unknown"
     try:
-        args = [t.detach().requires_grad_(needs_grad) for t in (q, k, v)]
+        args = [t.detach() for t in (q, k, v)]
+        if torch.is_autocast_enabled(q.device.type):  # SDPA runs in the autocast dtype there
+            args = [t.to(torch.get_autocast_dtype(q.device.type)) for t in args]
+        args = [t.requires_grad_(needs_grad) for t in args]
         gqa = q.shape[1] != k.shape[1]
         picked = SDPBackend(torch._fused_sdp_choice(*args, None, 0.0, causal, scale=scale, enable_gqa=gqa))
     except Exception:  # a torch whose dispatch query differs: not known, never guessed
@@ -270,9 +274,12 @@ def _time_candidate(report, name, impl, inputs, causal, scale, needs_grad: bool)
         warnings.simplefilter("ignore", UserWarning)
         if inputs[0].is_cuda:
             try:
-                report[name] = _gpu_ms(impl, inputs, causal, scale, needs_grad)
+                report[name], host_bound = _gpu_ms(impl, inputs, causal, scale, needs_grad)
             except Exception as exc:  # a candidate that cannot run these shapes is not chosen
                 report[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                return
+            if host_bound:  # its calls waited on the GPU: timed with the host's share in it
+                report[f"{name} (host-bound)"] = "the GPU went idle between its calls"
             return
         _time_calls(report, name, impl, inputs, causal, scale, needs_grad, cuda=False)
 
@@ -281,6 +288,8 @@ def _call(impl, args, causal, scale, needs_grad: bool) -> None:
     with torch.enable_grad() if needs_grad else torch.no_grad():
         out = impl(*args, causal, None, scale)
         if needs_grad:
+            for t in args:
+                t.grad = None  # each call writes its gradients, as in a step (no accumulating add)
             out.backward(torch.ones_like(out))
 
 
@@ -298,7 +307,7 @@ def _cycles_per_ms() -> float:
     return _sleep_cycles_per_ms[0]
 
 
-def _gpu_ms(impl, inputs, causal, scale, needs_grad: bool, calls: int = 5) -> float:
+def _gpu_ms(impl, inputs, causal, scale, needs_grad: bool, calls: int = 5) -> tuple[float, bool]:
     """Median over three rounds of the GPU time per call (forward, and backward where gradients
     are needed) of ``calls`` calls queued behind a spin kernel that outlasts their launching, so
     the events time the kernels back to back, not the host. Why not the eager calls' own time: at
@@ -306,7 +315,9 @@ def _gpu_ms(impl, inputs, causal, scale, needs_grad: bool, calls: int = 5) -> fl
     compiled, graphed step that uses the pick pays. Timed eagerly on an H100, flash-attention 2
     came out fastest in 2 of 5 measurements at 8 x 256, where it keeps the GPU 1.4x longer than
     cuDNN's kernel, and the race's compiled steps once ran it at every length
-    (packages/hydra-model/BENCHMARKS.md, 2026-11-26)."""
+    (packages/hydra-model/BENCHMARKS.md, 2026-11-26). Returns (ms, host_bound): host_bound where
+    the spin ended before the calls were queued even at its longest (a call that waits on the GPU
+    itself, a host far slower than its kernels), so the time holds the host's gaps."""
     args = [t.detach().requires_grad_(needs_grad) for t in inputs]
     with torch.cuda.device(args[0].device):  # the spin must hold the stream the calls run on
         for _ in range(2):  # kernel selection, plan building
@@ -317,7 +328,8 @@ def _gpu_ms(impl, inputs, causal, scale, needs_grad: bool, calls: int = 5) -> fl
         host_ms = (time.perf_counter() - t0) * 1000  # launching one call (the GPU may still run it)
         torch.cuda.synchronize()
         spin = int(_cycles_per_ms() * min(2.0 * calls * host_ms + 1.0, 500.0))
-        times, doubled = [], 0
+        longest = int(_cycles_per_ms() * 1000.0)  # a second: the cap of the doubling below
+        times, doubled, host_bound = [], 0, False
         while len(times) < 3:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(spin)
@@ -328,14 +340,15 @@ def _gpu_ms(impl, inputs, causal, scale, needs_grad: bool, calls: int = 5) -> fl
             # the spin still running once every call is queued: no gap waited on the host. Else
             # (a faster clock than when the spin rate was taken, a slower host) again with a spin
             # twice as long, four times at most (a call that waits on the GPU itself never gets
-            # ahead: it is timed with its waits)
+            # ahead: it is timed with its waits, and flagged)
             ahead = not start.query()
             end.synchronize()
-            if ahead or doubled >= 4:
+            if ahead or doubled >= 4 or spin >= longest:
                 times.append(start.elapsed_time(end) / calls)
+                host_bound = host_bound or not ahead
             else:
-                spin, doubled = 2 * spin, doubled + 1
-    return statistics.median(times)
+                spin, doubled = min(2 * spin, longest), doubled + 1
+    return statistics.median(times), host_bound
 
 
 def _time_calls(report, name, impl, inputs, causal, scale, needs_grad: bool, cuda: bool) -> None:

@@ -55,8 +55,9 @@ class PretestSettings:
     arm_timeout_s: float | None = None
 
 
-class ArmTimeout(Exception):
-    pass
+class ArmTimeout(BaseException):
+    """An arm over its time limit. Not an Exception: code the arm runs that catches its own
+    failures (auto's attention measurement, say) must not swallow it and leave the arm unlimited."""
 
 
 @contextlib.contextmanager
