@@ -17,6 +17,7 @@ from hydra_train.safe_opts.faults import FaultInjector
 from hydra_train.safe_opts.pretest import PretestRunner, PretestSettings
 from hydra_train.safe_opts.registry import Optimization, build_registry
 from hydra_train.safe_opts.standalone import RandomBatches
+from hydra_train.safe_opts.toggles import FlashAttention
 from hydra_train.trainer import Trainer
 
 from .conftest import TINY_OVERRIDES, VOCAB, tiny_config
@@ -147,8 +148,8 @@ class SlowFirstTime(Optimization):
         self.active = True
 
     def deactivate(self, trainer):
-        self._wrapped = restore_steps(self._wrapped)
-        self.active = False
+        restore_steps(self._wrapped)
+        self._wrapped, self.active = None, False
 
 
 def test_a_speed_fail_that_does_not_come_back_when_timed_again_is_a_pass(tmp_path):
@@ -400,12 +401,10 @@ def test_tiny_overrides_are_the_real_preset_narrowed():
     assert TINY_OVERRIDES["dim"] == 64  # the tests above use the real tiny preset, only narrower
 
 
-class PicksAsSDPA(Optimization):
-    """Stands in for fa3 with its real verdict logic (``FlashAttention.no_effect``): every step of
-    its arm sleeps (a host slower during that arm), and its ``describe()`` reports auto's picks
-    as ``same`` says: the kernels plain SDPA runs itself, or not."""
-
-    name = "fa3"
+class PicksAsSDPA(FlashAttention):
+    """The real fa3 toggle's verdict logic (``FlashAttention.no_effect``) with a stand-in arm: it
+    applies on the CPU, every step sleeps (a host slower during that arm), and ``describe()``
+    reports auto's picks as ``same`` says: the kernels plain SDPA runs itself, or not."""
 
     def __init__(self, cfg, same: bool):
         super().__init__(cfg)
@@ -415,22 +414,20 @@ class PicksAsSDPA(Optimization):
     def requested(self):
         return True
 
+    def not_applicable(self, trainer):
+        return None
+
     def activate(self, trainer):
         self._wrapped = slow_steps(trainer, 1.0)  # beyond a loaded 2-core host's noise
         self.active = True
 
     def deactivate(self, trainer):
-        self._wrapped = restore_steps(self._wrapped)
-        self.active = False
+        restore_steps(self._wrapped)
+        self._wrapped, self.active = None, False
 
     def describe(self):
         picks = ["sdpa_cudnn"]
         return {"flash_attn_installed": False, "auto_picked": picks, "same_kernels_as_sdpa": self.same}
-
-    def no_effect(self, details):
-        from hydra_train.safe_opts.toggles import FlashAttention
-
-        return FlashAttention.no_effect(self, details)
 
 
 @pytest.mark.parametrize("same", [True, False])
@@ -454,7 +451,6 @@ def test_fa3_describes_whether_auto_picked_sdpas_own_kernels(tmp_path, monkeypat
     """The real fa3 toggle's description, from auto's measurements: the same kernels only when
     every measured shape's pick is plain SDPA's own dispatch."""
     import hydra_model.attention_backend as ab
-    from hydra_train.safe_opts.toggles import FlashAttention
 
     fa3 = FlashAttention(tiny_config(tmp_path, tmp_path / "ck"))
     own = {"chosen": "sdpa_cudnn", "sdpa_runs": "cudnn"}
@@ -467,8 +463,7 @@ def test_fa3_describes_whether_auto_picked_sdpas_own_kernels(tmp_path, monkeypat
         monkeypatch.setattr(ab, "_auto_report", sigs)
         got = fa3.describe()
         assert got["same_kernels_as_sdpa"] is same
-        details = {f"fa3.{key}": value for key, value in got.items()}
-        assert (fa3.no_effect(details) is not None) is (same and not ab.FLASH_ATTN_AVAILABLE)
+        assert (fa3.no_effect(got) is not None) is (same and not ab.FLASH_ATTN_AVAILABLE)
 
 
 def test_an_attention_pick_of_sdpas_own_kernels_still_fails_on_bad_numerics(tmp_path):
@@ -484,9 +479,7 @@ def test_an_attention_pick_of_sdpas_own_kernels_still_fails_on_bad_numerics(tmp_
 
 def test_fa3_with_flash_attn_installed_is_never_without_effect(tmp_path):
     """With flash-attn importable fa3 switches to it, whatever auto measured: never N/A for that."""
-    from hydra_train.safe_opts.toggles import FlashAttention
-
     fa3 = FlashAttention(tiny_config(tmp_path, tmp_path / "ck"))
-    details = {"fa3.same_kernels_as_sdpa": True, "fa3.auto_picked": ["sdpa"]}
-    assert fa3.no_effect({**details, "fa3.flash_attn_installed": False}) is not None
-    assert fa3.no_effect({**details, "fa3.flash_attn_installed": True}) is None
+    described = {"same_kernels_as_sdpa": True, "auto_picked": ["sdpa"]}
+    assert fa3.no_effect({**described, "flash_attn_installed": False}) is not None
+    assert fa3.no_effect({**described, "flash_attn_installed": True}) is None

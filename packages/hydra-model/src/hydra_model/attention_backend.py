@@ -23,6 +23,7 @@ A requested backend that cannot run a call falls back to SDPA and is counted per
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import statistics
 import threading
@@ -238,9 +239,6 @@ def _measure(sig: tuple, q, k, v, causal, scale, needs_grad: bool) -> str:
     return choice
 
 
-_KERNEL_NAMES = {"CUDNN_ATTENTION": "cudnn", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient"}
-
-
 def sdpa_own_kernel(q, k, v, causal: bool, scale: float | None, needs_grad: bool) -> str:
     """The kernel plain SDPA dispatches these inputs to, as auto's candidates name it ("cudnn",
     "flash", "efficient", "math"), or "unknown" where torch cannot say."""
@@ -255,7 +253,7 @@ def sdpa_own_kernel(q, k, v, causal: bool, scale: float | None, needs_grad: bool
         picked = SDPBackend(torch._fused_sdp_choice(*args, None, 0.0, causal, scale=scale, enable_gqa=gqa))
     except Exception:  # a torch whose dispatch query differs: not known, never guessed
         return "unknown"
-    return _KERNEL_NAMES.get(picked.name, picked.name.lower())
+    return picked.name.removesuffix("_ATTENTION").lower()  # CUDNN_ATTENTION -> cudnn, MATH -> math
 
 
 def same_kernel_as_sdpa(report: dict) -> bool:
@@ -293,18 +291,15 @@ def _call(impl, args, causal, scale, needs_grad: bool) -> None:
             out.backward(torch.ones_like(out))
 
 
-_sleep_cycles_per_ms: list[float] = []  # the GPU's spin rate, measured once per process
-
-
+@functools.cache
 def _cycles_per_ms() -> float:
-    if not _sleep_cycles_per_ms:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(2_000_000)
-        end.record()
-        end.synchronize()
-        _sleep_cycles_per_ms.append(2_000_000 / max(start.elapsed_time(end), 1e-3))
-    return _sleep_cycles_per_ms[0]
+    """The GPU's spin rate (``torch.cuda._sleep`` cycles a millisecond), measured once per process."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(2_000_000)
+    end.record()
+    end.synchronize()
+    return 2_000_000 / max(start.elapsed_time(end), 1e-3)
 
 
 def _gpu_ms(impl, inputs, causal, scale, needs_grad: bool, calls: int = 5) -> tuple[float, bool]:
@@ -327,8 +322,9 @@ def _gpu_ms(impl, inputs, causal, scale, needs_grad: bool, calls: int = 5) -> tu
         _call(impl, args, causal, scale, needs_grad)
         host_ms = (time.perf_counter() - t0) * 1000  # launching one call (the GPU may still run it)
         torch.cuda.synchronize()
-        spin = int(_cycles_per_ms() * min(2.0 * calls * host_ms + 1.0, 500.0))
-        longest = int(_cycles_per_ms() * 1000.0)  # a second: the cap of the doubling below
+        rate = _cycles_per_ms()
+        spin = int(rate * min(2.0 * calls * host_ms + 1.0, 500.0))
+        longest = int(rate * 1000.0)  # a second: the cap of the doubling below
         times, doubled, host_bound = [], 0, False
         while len(times) < 3:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -420,7 +420,9 @@ class PretestRunner:
                 probe_loss_err=max(default.probe_loss_err or 0.0, ref.probe_loss_err or 0.0),
             )
         reason, num_info = judge_numerics(opt.numerics, opt.probe_differs, mine, ref, baseline, bounds)
-        idle = None if reason else opt.no_effect(res["details"])
+        own = f"{opt.name}."  # the arm's details carry every active optimization's description
+        described = {k.removeprefix(own): v for k, v in res["details"].items() if k.startswith(own)}
+        idle = None if reason else opt.no_effect(described)
         if idle is not None:  # the arm ran the reference's own code: no speed verdict to give
             return {**res, "numerics": num_info, "status": NA, "reason": idle}
         judged = opt.numerics != "mode" and (

@@ -114,9 +114,10 @@ class Optimization(ABC):
         """Settings worth recording beside a pretest result."""
         return {}
 
-    def no_effect(self, details: dict[str, Any]) -> str | None:
+    def no_effect(self, described: dict[str, Any]) -> str | None:
         """Why its pretest arm ran exactly what the reference arm runs (an N/A reason: its timing
-        can only be noise), from the arm's ``describe()`` details; None when it changed something."""
+        can only be noise), from what its ``describe()`` said at the end of the arm; None when it
+        changed something."""
         return None
 
 

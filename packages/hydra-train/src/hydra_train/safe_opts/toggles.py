@@ -69,15 +69,13 @@ class FlashAttention(Optimization):
             "same_kernels_as_sdpa": same,
         }
 
-    def no_effect(self, details: dict[str, Any]) -> str | None:
+    def no_effect(self, described: dict[str, Any]) -> str | None:
         # auto measured every shape the arm ran and picked what plain SDPA dispatches to itself:
         # the default arm ran the same kernels, so a speed verdict would judge the host's noise
         # (on an H100 this arm failed on speed while both ran cuDNN's kernel,
         # packages/hydra-model/BENCHMARKS.md, 2026-11-26)
-        if details.get(f"{self.name}.flash_attn_installed") is False and details.get(
-            f"{self.name}.same_kernels_as_sdpa"
-        ):
-            picks = ", ".join(details.get(f"{self.name}.auto_picked", []))
+        if described.get("flash_attn_installed") is False and described.get("same_kernels_as_sdpa"):
+            picks = ", ".join(described.get("auto_picked", []))
             return f"auto picked the kernels plain SDPA runs itself, at every shape ({picks}): no change"
         return None
 
