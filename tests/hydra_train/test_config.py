@@ -49,7 +49,7 @@ def test_flags_and_mode_override_defaults():
         (dict(checkpoint_every=-1), "--checkpoint_every must be >= 0"),
         (dict(min_lr_ratio=1.5), "--min_lr_ratio"),
         (dict(precision="bf16"), "needs a CUDA device"),
-        (dict(fsdp=True, compile=True), "cannot be combined"),
+        (dict(fsdp=True, compile=True, compile_scope="model"), "--fsdp compiles each block"),
         (dict(ddp_grad_sync="nccl"), "--ddp_grad_sync 'nccl' is not one of"),
         (dict(ddp_grad_sync="allreduce", fsdp=True), "FSDP2 reduces its sharded gradients itself"),
     ],

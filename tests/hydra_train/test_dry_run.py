@@ -69,9 +69,10 @@ def test_cpu_defaults_stay_on_the_references():
     ],
 )
 def test_compile_follows_the_planned_tokens(args, scope):
-    from hydra_train.config import COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS
+    from hydra_train.config import COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS_DDP
 
     assert (COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS) == (100_000_000, 200_000_000)  # rows above
+    assert WHOLE_MODEL_COMPILE_TOKENS_DDP == 400_000_000  # test_compile_defaults_where_they_were_measured
     assert _dry("--device", "cuda", *args)["fast_path"]["compile"] == scope
 
 
@@ -79,18 +80,23 @@ def test_compile_defaults_where_they_were_measured(monkeypatch):
     long_run = ("--mode", "production")
     assert _dry("--device", "cuda", *long_run)["fast_path"]["compile"] == "model"
     assert _dry("--device", "cpu", *long_run)["fast_path"]["compile"] is False
-    assert _dry("--device", "cuda", "--fsdp", *long_run)["fast_path"]["compile"] is False
+    assert _dry("--device", "cuda", "--fsdp", *long_run)["fast_path"]["compile"] == "blocks"
     assert _dry("--device", "cuda", "--no-compile", *long_run)["fast_path"]["compile"] is False
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    # under torchrun (DDP): the blocks, the scope measured with DDP; the whole forward when asked
-    assert _dry("--device", "cuda", *long_run)["fast_path"]["compile"] == "blocks"
-    assert _dry("--device", "cuda", "--compile_scope", "model", *long_run)["fast_path"]["compile"] == "model"
+    # under torchrun (DDP): the whole forward from 400M tokens a process, the blocks below
+    assert _dry("--device", "cuda", *long_run)["fast_path"]["compile"] == "model"  # 1,638M
+    assert _dry("--device", "cuda", "--fsdp", *long_run)["fast_path"]["compile"] == "blocks"
+    blocks = _dry("--device", "cuda", "--compile_scope", "blocks", *long_run)
+    assert blocks["fast_path"]["compile"] == "blocks"
     assert _dry("--device", "cuda")["fast_path"]["compile"] is False  # short: none
     # 6103 × 8 × 2048 = 99.99M a process: one step short of compiling under torchrun
     per_process = ("--batch_size", "8", "--seq_len", "2048", "--max_steps")
     assert _dry("--device", "cuda", *per_process, "6103")["fast_path"]["compile"] is False
     assert _dry("--device", "cuda", *per_process, "6104")["fast_path"]["compile"] == "blocks"
+    # 24414 × 8 × 2048 = 399.999M a process: one step short of the whole forward under torchrun
+    assert _dry("--device", "cuda", *per_process, "24414")["fast_path"]["compile"] == "blocks"
+    assert _dry("--device", "cuda", *per_process, "24415")["fast_path"]["compile"] == "model"
 
 
 def test_the_scope_of_a_run_that_does_not_compile_does_not_follow_its_length():
@@ -111,14 +117,18 @@ def test_the_dry_run_says_why_it_compiles_or_not(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     reason = _dry("--device", "cuda", "--mode", "production")["compile_reason"]
-    assert "a process under torchrun >= 100M" in reason and "scope blocks" in reason
+    assert "a process under torchrun >= 100M" in reason
+    assert "scope model (>= 400M a process under torchrun)" in reason
     res = runner.invoke(app, ["run", "--dry_run", "--device", "cuda"])  # the table for people
     assert res.exit_code == 0 and "compile because" in res.output
 
 
-def test_asking_for_compile_with_fsdp_is_still_refused():
-    res = runner.invoke(app, ["run", "--dry_run", "--device", "cuda", "--fsdp", "--compile"])
-    assert res.exit_code != 0 and "--fsdp and --compile" in res.output
+def test_compile_with_fsdp_compiles_the_blocks_and_refuses_the_whole_forward():
+    asked = _dry("--device", "cuda", "--fsdp", "--compile", "--mode", "production")
+    assert asked["fast_path"]["compile"] == "blocks"  # auto's scope under FSDP2, long run or not
+    whole = ["--fsdp", "--compile", "--compile_scope", "model"]
+    res = runner.invoke(app, ["run", "--dry_run", "--device", "cuda", *whole])
+    assert res.exit_code != 0 and "--fsdp compiles each block" in res.output
 
 
 def test_each_part_of_the_fast_path_can_be_turned_off():

@@ -169,3 +169,69 @@ def test_compile_switches_to_compiled_code_and_back(scope, monkeypatch, request)
     assert tr.forward_model is m and all(b._compiled_call_impl is None for b in compile_units(m))
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     assert torch.equal(loss(m, x), eager) and torch._dynamo.utils.counters["frames"]["ok"] == frames
+
+
+@pytest.mark.parametrize("arch", ["gpt", "hydra"])
+def test_compile_under_fsdp_keeps_the_gather_hooks_outside_the_graph(arch, monkeypatch, request, tmp_path):
+    """Under FSDP2 a compile unit that is itself sharded (the GPT's layers) has its forward
+    compiled, so the unit's gather and reshard hooks run eagerly around it; HYDRA's units sit
+    inside the sharded routing wrappers and compile as without FSDP. One process (a world of
+    one): the sharded, compiled model gives the unsharded eager model's loss and gradients."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from hydra_model import build_model
+    from hydra_train.distributed import DistInfo, wrap_model
+
+    monkeypatch.setenv("HYDRA_COMPILE_BACKEND", "aot_eager")
+    limit = torch._dynamo.config.cache_size_limit
+    request.addfinalizer(lambda: setattr(torch._dynamo.config, "cache_size_limit", limit))
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    request.addfinalizer(dist.destroy_process_group)
+    torch.manual_seed(0)
+    small = dict(dim=64, max_seq_len=64, vocab_size=VOCAB)
+    if arch == "hydra":
+        small["n_mor_blocks"] = 2
+    else:
+        small["n_layers"] = 2
+    eager = build_model(arch, "tiny", **small)
+    sharded = wrap_model(copy.deepcopy(eager), DistInfo(world_size=1), fsdp=True, device=torch.device("cpu"))
+    tr = FakeTrainer(sharded)
+    opt = CompileModel(TrainConfig(compile=True, compile_scope="blocks"))
+    opt.activate(tr)
+    units = compile_units(sharded)
+    hooked = [u for u in units if isinstance(u, FSDPModule)]
+    assert bool(hooked) == (arch == "gpt")
+    assert all("forward" in vars(u) and u._compiled_call_impl is None for u in hooked)
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(8))
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    got, want = loss_and_grads(sharded, x), loss_and_grads(eager, x)
+    assert torch._dynamo.utils.counters["frames"]["ok"] > frames  # the units went through dynamo
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+    assert got[1].keys() == want[1].keys()
+    for name, g in want[1].items():
+        torch.testing.assert_close(got[1][name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    opt.deactivate(tr)
+    assert all("forward" not in vars(u) and u._compiled_call_impl is None for u in units)
+
+
+def loss_and_grads(m, x) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A training loss and every parameter's gradient (whole tensors, also from FSDP2's DTensors),
+    the model's gradients and routing thresholds left as they were."""
+    base = getattr(m, "_orig_mod", m)
+    if hasattr(base, "threshold_commit"):
+        base.threshold_commit = "manual"
+    out = m(x, x).loss
+    out.backward()
+    grads = {}
+    for name, p in m.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    m.zero_grad(set_to_none=True)
+    if hasattr(base, "commit_router_thresholds"):
+        base.commit_router_thresholds(torch.tensor(False))
+    return out.detach(), grads

@@ -7,6 +7,8 @@
 #                by the hand-rolled all-reduce inside the graph (--ddp_grad_sync auto)
 #   ddp_eager    torchrun --nproc_per_node 2 --no-experimental_cuda_graphs: plain eager DDP (the
 #                earlier 67K tokens/s per GPU), run only when enough of the budget is left
+#   fsdp         torchrun --nproc_per_node 2 --fsdp: FSDP2, eager steps (not graphed)
+#   fsdp_compile torchrun --nproc_per_node 2 --fsdp --compile: FSDP2 with each block compiled
 # Each run trains STEPS steps (CUDA graphs captured after WARMUP eager steps); "steady" is the median
 # tokens/s of the log intervals in the second half of the run, per GPU (hydra-train logs tokens/s
 # over all ranks). The target: ddp_graphed per GPU >= 90% of 1gpu. Written to $OUT: each run's
@@ -88,12 +90,14 @@ run() {  # run NAME NPROC MAX_SECONDS ARGS...
 CUDA_VISIBLE_DEVICES=0 run 1gpu 1 170  # one of the two GPUs
 run ddp_graphed 2 210 "${new_mode[@]}"
 run ddp_eager 2 170 --no-experimental_cuda_graphs
+run fsdp 2 170 --fsdp
+run fsdp_compile 2 210 --fsdp --compile
 
 "$PYTHON" - "$work" "$OUT" <<'PY'
 import glob, json, sqlite3, statistics, sys
 work, out = sys.argv[1], sys.argv[2]
 rows = []
-for name, nproc in (("1gpu", 1), ("ddp_graphed", 2), ("ddp_eager", 2)):
+for name, nproc in (("1gpu", 1), ("ddp_graphed", 2), ("ddp_eager", 2), ("fsdp", 2), ("fsdp_compile", 2)):
     summ = sorted(glob.glob(f"{out}/{name}/train_summary_*.json"))
     s = json.load(open(summ[-1])) if summ else {}
     steps = []
@@ -110,7 +114,8 @@ for name, nproc in (("1gpu", 1), ("ddp_graphed", 2), ("ddp_eager", 2)):
         "per_gpu_mean": s["tokens_per_s"] / nproc if s.get("tokens_per_s") else None,
         "cuda_graphs": (s.get("safe_opts") or {}).get("cuda_graphs"),
         "cuda_graphs_reason": (s.get("safe_opts_reasons") or {}).get("cuda_graphs"),
-        "grad_sync": s.get("grad_sync"), "peak_memory_gib": s.get("peak_memory_gib"),
+        "grad_sync": s.get("grad_sync"), "memory_mb": s.get("memory_mb"),
+        "safe_opts": s.get("safe_opts"), "safe_opts_reasons": s.get("safe_opts_reasons"),
     })
 base = rows[0]["per_gpu_steady"]
 for r in rows:

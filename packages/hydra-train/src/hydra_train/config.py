@@ -25,6 +25,7 @@ from hydra_train.config_options import (
     COMPILE_TOKENS_DDP,
     SECTIONS,
     WHOLE_MODEL_COMPILE_TOKENS,
+    WHOLE_MODEL_COMPILE_TOKENS_DDP,
     DataOptions,
     ModelOptions,
     OptimizationOptions,
@@ -339,9 +340,11 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
         # the hand-rolled all-reduce gives an unused parameter a zero gradient where DDP's reducer,
         # finding it unused on every rank, leaves it without one
         raise HydraTrainError("--ddp_grad_sync allreduce does not support ddp_find_unused_parameters")
-    if out.fsdp and out.compile:
-        # both work alone; together they need per-block compilation, which this runner does not do
-        raise HydraTrainError("--fsdp and --compile cannot be combined yet; drop one of them")
+    if out.fsdp and out.compile and out.compile_scope == "model":
+        # FSDP2's gathers run in hooks around each block, which a whole-forward graph would break on
+        raise HydraTrainError(
+            "--fsdp compiles each block: use --compile_scope blocks (or auto) with it, not model"
+        )
     return out
 
 
@@ -353,14 +356,12 @@ def planned_tokens(cfg: TrainConfig) -> int:
 def _compile_rule(cfg: TrainConfig, kind: str) -> tuple[bool, str]:
     """(whether a run that said neither ``--compile`` nor ``--no-compile`` compiles, why): on CUDA
     when it plans at least :data:`COMPILE_TOKENS` tokens (:data:`COMPILE_TOKENS_DDP` a process
-    under torchrun); a shorter run spends more on the compile than it saves. Not with FSDP (the
-    combination is refused)."""
+    under torchrun, FSDP2 included: its compiled blocks were 1.16x its eager steps on two H200s,
+    packages/hydra-train/BENCHMARKS.md); a shorter run spends more on the compile than it saves."""
     from hydra_train.options import torchrun_launch
 
     if kind != "cuda":
         return False, "off on the CPU"
-    if cfg.fsdp:
-        return False, "off with --fsdp (--compile with it is refused)"
     single = torchrun_launch().world_size == 1
     least = COMPILE_TOKENS if single else COMPILE_TOKENS_DDP
     tokens = planned_tokens(cfg)
@@ -372,16 +373,17 @@ def _compile_rule(cfg: TrainConfig, kind: str) -> tuple[bool, str]:
 
 
 def _scope_rule(cfg: TrainConfig) -> tuple[str, str]:
-    """(``--compile_scope auto``'s scope, why): the whole forward for a single-process run of at
-    least :data:`WHOLE_MODEL_COMPILE_TOKENS` planned tokens, else each block. Under torchrun, each
-    block: DDP with compiled blocks inside its graphed step was measured (packages/hydra-train/
-    BENCHMARKS.md), with the whole forward compiled it was not (``--compile_scope model`` asks)."""
+    """(``--compile_scope auto``'s scope, why): the whole forward for a run of at least
+    :data:`WHOLE_MODEL_COMPILE_TOKENS` planned tokens (:data:`WHOLE_MODEL_COMPILE_TOKENS_DDP` a
+    process under torchrun), else each block; always each block with FSDP2."""
     from hydra_train.options import torchrun_launch
 
-    if torchrun_launch().world_size != 1:
-        return "blocks", "the scope measured with DDP"
-    whole = f"{WHOLE_MODEL_COMPILE_TOKENS / 1e6:.0f}M"
-    if planned_tokens(cfg) >= WHOLE_MODEL_COMPILE_TOKENS:
+    if cfg.fsdp:
+        return "blocks", "the scope FSDP2 takes: its hooks gather each block's parameters"
+    single = torchrun_launch().world_size == 1
+    least = WHOLE_MODEL_COMPILE_TOKENS if single else WHOLE_MODEL_COMPILE_TOKENS_DDP
+    whole = f"{least / 1e6:.0f}M" + ("" if single else " a process under torchrun")
+    if planned_tokens(cfg) >= least:
         return "model", f">= {whole}"
     return "blocks", f"< {whole} for the whole forward"
 

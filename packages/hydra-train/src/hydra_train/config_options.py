@@ -37,6 +37,11 @@ COMPILE_TOKENS_DDP = 100_000_000
 #: Planned tokens from which ``--compile_scope auto`` compiles the whole forward of a single-process
 #: run rather than each block (see above: 93M on the H200, about doubled).
 WHOLE_MODEL_COMPILE_TOKENS = 200_000_000
+#: The same under torchrun (DDP; FSDP2 compiles its blocks), per process. On 2 × H200 in one call
+#: (BENCHMARKS.md, 2026-11-26): graphed DDP 516.4K tokens/s a GPU with the blocks compiled, 564.3K
+#: with the whole forward; its cold compile arm took 56.5 s against the blocks' 16.5 s: the whole
+#: forward is ahead after about 240M tokens a process.
+WHOLE_MODEL_COMPILE_TOKENS_DDP = 400_000_000
 
 RUN, PRETEST = "run", "pretest"
 BOTH = (RUN, PRETEST)
@@ -306,8 +311,7 @@ class OptimizationOptions:
         help="torch.compile the model, pretested by SafeOptimizations (default: on with CUDA for a "
         f"run of at least {COMPILE_TOKENS // 10**6}M tokens, {COMPILE_TOKENS_DDP // 10**6}M a "
         "process under torchrun, where its compiling (about 20 s for the blocks, 40 s for the whole "
-        "forward at 100M on an H200) pays for itself; off on the CPU and "
-        "with --fsdp).",
+        "forward at 100M on an H200) pays for itself; off on the CPU). With --fsdp the blocks.",
     )
     compile_scope: str = flag(
         "auto",
@@ -315,7 +319,9 @@ class OptimizationOptions:
         metavar="auto|blocks|model",
         help="What --compile compiles: blocks (each attention+FFN block, shared code: quick to "
         "compile) or model (the whole forward: faster steps, a longer compile); auto: model for a "
-        f"single-process run of at least {WHOLE_MODEL_COMPILE_TOKENS // 10**6}M tokens, else blocks.",
+        f"run of at least {WHOLE_MODEL_COMPILE_TOKENS // 10**6}M tokens "
+        f"({WHOLE_MODEL_COMPILE_TOKENS_DDP // 10**6}M a process under torchrun), else blocks "
+        "(always blocks with --fsdp: each sharded block's gather runs around its compiled forward).",
     )
     eight_bit_adam: bool = flag(
         False,

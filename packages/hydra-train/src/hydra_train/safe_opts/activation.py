@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from hydra_train.config import TrainConfig
 from hydra_train.distributed import broadcast_object
+from hydra_train.options import train_options
 from hydra_train.safe_opts.adam8bit import is_8bit, to_torch_adamw
 from hydra_train.safe_opts.monitor import StepReadback
 from hydra_train.safe_opts.pretest import FAIL, NA, PASS, PretestRunner, PretestSettings
@@ -92,6 +93,9 @@ class ActivationMixin:
     def _pretest(self, trainer: Trainer, names: list[str]) -> dict[str, dict[str, Any]]:
         cfg = self.cfg
         env = environment(trainer.device)
+        if cfg.optimizations.compile:
+            # the compile arm measures the backend's code (HYDRA_COMPILE_BACKEND), not only --compile
+            env["compile_backend"] = train_options().compile_backend
         if trainer.dist.enabled:
             # a pretest under torchrun steps with the collectives (and, under DDP, decides whether
             # the graph holds the gradient averaging): never the same record as one process's

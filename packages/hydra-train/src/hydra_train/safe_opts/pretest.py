@@ -17,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
+import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +31,7 @@ import torch
 
 from hydra_train.callbacks import CallbackList, TrainerCallback
 from hydra_train.checkpoint import capture_rng, restore_rng
-from hydra_train.distributed import broadcast_object
+from hydra_train.distributed import all_reduce_sum, broadcast_object, is_fsdp
 from hydra_train.prefetch import Prefetcher
 from hydra_train.safe_opts.faults import FaultInjector
 from hydra_train.safe_opts.pretest_arms import FAIL, NA, PASS, Arm, first_arms, stacked_arms
@@ -53,6 +56,22 @@ class PretestSettings:
     ref_chunk_rows: int = 2  # rows per chunk of the fp32 reference probe
     #: wall-clock limit of one optimization's arm (compilation included); None: no limit
     arm_timeout_s: float | None = None
+
+
+def _error_text(exc: BaseException) -> str:
+    """``Type: message``; where the message is empty (a bare ``assert``), the file and line that
+    raised it instead, so that the pretest log says where to look."""
+    text = str(exc).strip()[:300]
+    if not text and exc.__traceback__ is not None:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        text = f"raised at {os.path.basename(frame.filename)}:{frame.lineno} ({frame.name})"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _own_shard(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient: its local shard under FSDP2 (a DTensor, which does not mix
+    with plain tensors), the gradient itself otherwise."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
 class ArmTimeout(BaseException):
@@ -249,7 +268,7 @@ class PretestRunner:
         except ArmTimeout as exc:
             errors[arm.key] = str(exc)
         except Exception as exc:
-            errors[arm.key] = f"error: {type(exc).__name__}: {str(exc).strip()[:300]}"
+            errors[arm.key] = f"error: {_error_text(exc)}"
             if isinstance(exc, torch.cuda.OutOfMemoryError):
                 errors[arm.key] = "out of memory: " + str(exc).split("\n")[0][:200]
         self.log(
@@ -347,6 +366,16 @@ class PretestRunner:
     def _grads(self) -> list[torch.Tensor | None]:
         return [p.grad for p in self.tr.params]
 
+    def _zero(self) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def _across_shards(self, local_sum: torch.Tensor) -> float:
+        """A sum over this rank's gradient shards summed over the ranks under FSDP2 (each holds
+        its own shard); under DDP or one process the gradients are whole on every rank."""
+        if is_fsdp(self.tr.wrapped):
+            all_reduce_sum(self.tr.dist, local_sum)
+        return float(local_sum)
+
     def _reference(self, snap: _Snapshot, batch) -> dict[str, Any]:
         """fp32, safe defaults, no autocast: loss and gradients at the snapshot's weights."""
         self._restore(snap)
@@ -359,10 +388,10 @@ class PretestRunner:
             out = self.tr.wrapped(xc, yc)
             (out.loss / len(chunks)).backward()
             loss += out.loss.detach().double() / len(chunks)
-        grads = [None if g is None else g.detach().float().clone() for g in self._grads()]
+        grads = [None if g is None else _own_shard(g.detach()).float().clone() for g in self._grads()]
         model.zero_grad(set_to_none=True)
-        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))
-        return {"loss": float(loss), "grads": grads, "norm": float(norm)}
+        sq = sum(((g.double() ** 2).sum() for g in grads if g is not None), self._zero())
+        return {"loss": float(loss), "grads": grads, "norm": math.sqrt(self._across_shards(sq))}
 
     def _probe(self, pt: Trainer, ref) -> tuple[float, tuple[float, float] | None]:
         """The arm's loss and, against the reference, (gradient error, loss error) at step 0."""
@@ -373,14 +402,15 @@ class PretestRunner:
         loss = float(out.loss.detach().double())
         err = None
         if ref is not None:
-            sq = torch.zeros((), dtype=torch.float64, device=self.device)
+            sq = self._zero()
             for g, r in zip(self._grads(), ref["grads"], strict=True):
                 if g is None and r is None:
                     continue
-                gg = torch.zeros_like(r) if g is None else g.detach().float()
+                gg = torch.zeros_like(r) if g is None else _own_shard(g.detach()).float()
                 rr = torch.zeros_like(gg) if r is None else r
                 sq += ((gg - rr).double() ** 2).sum()
-            err = (float(sq.sqrt()) / max(ref["norm"], 1e-30), abs(loss - ref["loss"]) / abs(ref["loss"]))
+            diff = math.sqrt(self._across_shards(sq))
+            err = (diff / max(ref["norm"], 1e-30), abs(loss - ref["loss"]) / abs(ref["loss"]))
         self.tr.model.zero_grad(set_to_none=True)
         return loss, err
 

@@ -257,6 +257,13 @@ def compile_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, (CCGQABlock, GPTLayer))]
 
 
+def _has_fsdp_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` made ``module`` an FSDP2 unit (its ``__call__`` gathers and reshards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 class CompileModel(Optimization):
     """``torch.compile``, on by default for a long CUDA run (``hydra_train.config.compile_by_default``).
     Scope ``blocks`` compiles each CCGQABlock (attention + FFN), the unit every recursion applies,
@@ -301,18 +308,24 @@ class CompileModel(Optimization):
             # and evaluation's grad modes): room for all of them in dynamo's cache
             allow_block_graphs()
             for blk in compile_units(trainer.model):
+                sharded = _has_fsdp_hooks(blk)
                 if id(blk) not in self._compiled:
-                    self._compiled[id(blk)] = torch.compile(
-                        blk._call_impl, backend=self.backend, dynamic=False
-                    )
-                # what nn.Module.compile() sets: __call__ goes through it while it is not None
-                blk._compiled_call_impl = self._compiled[id(blk)]
+                    # an FSDP2 unit's hooks (all-gather, reshard) stay eager around its compiled
+                    # forward, where torchtitan keeps them too; dynamo would break its graph on them
+                    fn = blk.forward if sharded else blk._call_impl
+                    self._compiled[id(blk)] = torch.compile(fn, backend=self.backend, dynamic=False)
+                if sharded:
+                    blk.forward = self._compiled[id(blk)]  # an instance attribute over the method
+                else:
+                    # what nn.Module.compile() sets: __call__ goes through it while it is not None
+                    blk._compiled_call_impl = self._compiled[id(blk)]
         self.active = True
 
     def deactivate(self, trainer: Trainer) -> None:
         trainer.forward_model = trainer.wrapped
         for blk in compile_units(trainer.model):
             blk._compiled_call_impl = None
+            blk.__dict__.pop("forward", None)
         self.active = False
 
     def invalidate(self, trainer: Trainer) -> None:
