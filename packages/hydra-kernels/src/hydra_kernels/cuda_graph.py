@@ -39,10 +39,42 @@ right after it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+
+def end_generator_capture() -> None:
+    """Take the current device's default CUDA generator out of capture mode after a capture that
+    raised. torch puts the generator in that mode when a capture begins and takes it out when
+    the capture ends cleanly; a capture that failed (a host sync inside it, an out-of-memory, an
+    op that cannot be captured) leaves it there, and every later random op on the device (dropout,
+    sampling) then fails. An empty capture on a side stream begins and ends cleanly, which resets
+    it; the random stream itself goes on from where it was before the failed capture."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the repairing graph is empty
+        empty = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            empty.capture_begin()
+            empty.capture_end()
+        empty.reset()
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
+    """``torch.cuda.graph(graph, **kwargs)``; when the capture raises, the CUDA generator is taken
+    out of capture mode (:func:`end_generator_capture`) before the error propagates, so that the
+    caller's fallback to eager code can still draw random numbers."""
+    try:
+        with torch.cuda.graph(graph, **kwargs):
+            yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # the capture's error is the one to report
+            end_generator_capture()
+        raise
 
 
 class CUDAGraphStep:
@@ -114,7 +146,7 @@ class CUDAGraphStep:
         # own pool, so hand them back first rather than hold both
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
+        with graph_capture(graph, stream=self.stream):
             outputs = self.fn(*self.static_inputs)
         self.graph, self.static_outputs = graph, outputs
 

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
+from hydra_kernels.cuda_graph import graph_capture
+
 _API = ("get_currently_capturing_graph", "begin_capture_to_if_node", "end_capture_to_conditional_node")
 _checked: dict[torch.device, str | None] = {}
 
@@ -99,7 +101,7 @@ def _probe(device: torch.device) -> str | None:
             case.warm_up()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             with if_node(case.flag):
                 case.body()
             case.tail()

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hydra_kernels.cuda_graph import graph_capture
 from hydra_model.conditional_graphs import conditional_nodes_fail, if_node
 from hydra_model.decoder_hold import Fingerprint, is_warm, mark_warm, warm_signature
 from hydra_model.graph_compose import ComposedGraph, capture_all_kept, driver_conditional_fail
@@ -354,7 +355,7 @@ class StagedDecoder:
                     return self._compose_step()
             self.report.extra["conditional_nodes"] = "torch"
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+        with graph_capture(graph, pool=torch.cuda.graph_pool_handle()):
             for run, gate in self._pieces():
                 if gate is not None and conditional:
                     with if_node(gate):
@@ -396,6 +397,6 @@ class StagedDecoder:
         pool = torch.cuda.graph_pool_handle()
         for seg in self.segments:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with graph_capture(graph, pool=pool):
                 seg.run_stages()
             seg.graph = graph

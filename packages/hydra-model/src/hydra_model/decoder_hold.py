@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from hydra_kernels import kernel_options
+from hydra_kernels.cuda_graph import graph_capture
 from hydra_kernels.ops.checksum import checksums, words
 from hydra_model.fused_decide import fused_decide_mode
 from hydra_model.options import OPTIONS
@@ -191,7 +192,7 @@ class Fingerprint:
         if self._graph is None:
             with torch.cuda.device(device):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with graph_capture(graph):
                     self._sums = self._sum_all()
             self._graph = graph
         self._graph.replay()
@@ -205,7 +206,7 @@ class PrefillGraph:
         self.ids = input_ids.clone()
         self.seq_len = input_ids.shape[1]
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # records only: run() replays it
+        with graph_capture(self.graph):  # records only: run() replays it
             cache.restart(weights_checked=True)  # take() compared the fingerprint
             self.logits = model(self.ids, cache=cache).logits[:, -1]
 

@@ -32,6 +32,7 @@ from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, 
 
 import torch
 
+from hydra_kernels.cuda_graph import end_generator_capture
 from hydra_model.conditional_graphs import ProbeCase
 
 _NODE_KERNEL, _NODE_CONDITIONAL = 0, 13  # CUgraphNodeType
@@ -323,9 +324,12 @@ def capture_all_kept(fns: list, pool) -> list[torch.cuda.CUDAGraph]:
             try:
                 fn()
             except BaseException:
-                # end the capture so that the stream is usable again; the error to report is fn's
+                # end the capture so that the stream is usable again, and the generator's capture
+                # mode with it (the failed end leaves it on); the error to report is fn's
                 with contextlib.suppress(Exception):
                     graph.capture_end()
+                with contextlib.suppress(Exception):
+                    end_generator_capture()
                 raise
             graph.capture_end()
             graphs.append(graph)
