@@ -22,24 +22,42 @@ def test_a_failed_capture_leaves_random_numbers_as_they_were():
     torch.cuda.manual_seed(seed)
     expected = _draw()
     torch.cuda.manual_seed(seed)
+    caller = torch.cuda.current_stream()
     with pytest.raises(RuntimeError), graph_capture(torch.cuda.CUDAGraph()):
         _sync_inside_a_capture()
+    assert torch.cuda.current_stream() == caller  # not left on the capture stream
     assert not torch.cuda.is_current_stream_capturing()
     torch.testing.assert_close(_draw(), expected, rtol=0, atol=0)  # the stream goes on unchanged
 
 
 def test_torchs_own_capture_breaks_the_generator_which_the_repair_undoes():
     """What graph_capture works around, checked against the torch that runs: after a failed plain
-    ``torch.cuda.graph`` capture, random ops on the device fail until a clean capture ends. When
-    a torch no longer does this, the first assertion fails and graph_capture can go."""
+    ``torch.cuda.graph`` capture the thread is left on the capture stream, and random ops on the
+    device fail until a clean capture ends. When a torch no longer does this, the assertions
+    fail and graph_capture can go."""
+    caller = torch.cuda.current_stream()
     with pytest.raises(RuntimeError), torch.cuda.graph(torch.cuda.CUDAGraph()):
         _sync_inside_a_capture()
     try:
+        assert torch.cuda.current_stream() != caller
         with pytest.raises(RuntimeError, match="capture"):
             _draw()
     finally:
+        torch.cuda.set_stream(caller)
         end_generator_capture()
     torch.cuda.manual_seed(3)
     first = _draw()
     torch.cuda.manual_seed(3)
     torch.testing.assert_close(_draw(), first, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_failed_capture_on_another_device_restores_both_devices_streams():
+    torch.cuda.set_device(0)
+    caller, other = torch.cuda.current_stream(0), torch.cuda.current_stream(1)
+    with pytest.raises(RuntimeError), graph_capture(torch.cuda.CUDAGraph(), stream=torch.cuda.Stream(1)):
+        torch.ones(4, device="cuda:1").sum().item()
+    assert torch.cuda.current_device() == 0
+    assert torch.cuda.current_stream(0) == caller and torch.cuda.current_stream(1) == other
+    with torch.cuda.device(1):  # the capture device's generator is out of capture mode
+        assert _draw().isfinite().all()

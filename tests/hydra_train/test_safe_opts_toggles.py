@@ -218,7 +218,7 @@ def test_compile_under_fsdp_keeps_the_gather_hooks_outside_the_graph(arch, monke
     assert all("forward" not in vars(u) and u._compiled_call_impl is None for u in units)
 
 
-def loss_and_grads(m, x) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(m: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A training loss and every parameter's gradient (whole tensors, also from FSDP2's DTensors),
     the model's gradients and routing thresholds left as they were."""
     base = getattr(m, "_orig_mod", m)

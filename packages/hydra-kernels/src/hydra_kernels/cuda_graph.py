@@ -40,40 +40,53 @@ right after it).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 
-def end_generator_capture() -> None:
-    """Take the current device's default CUDA generator out of capture mode after a capture that
-    raised. torch puts the generator in that mode when a capture begins and takes it out when
-    the capture ends cleanly; a capture that failed (a host sync inside it, an out-of-memory, an
-    op that cannot be captured) leaves it there, and every later random op on the device (dropout,
-    sampling) then fails. An empty capture on a side stream begins and ends cleanly, which resets
-    it; the random stream itself goes on from where it was before the failed capture."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns that the repairing graph is empty
-        empty = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(torch.cuda.Stream()):
-            empty.capture_begin()
-            empty.capture_end()
-        empty.reset()
+def end_generator_capture(device: torch.device | int | None = None) -> None:
+    """Take ``device``'s default CUDA generator (the current device's by default) out of capture
+    mode after a capture that raised. torch puts the generator in that mode when a capture begins
+    and takes it out when the capture ends cleanly; a capture that failed (a host sync inside it,
+    an out-of-memory, an op that cannot be captured) leaves it there, and every later random op
+    on the device (dropout, sampling) then fails. A one-kernel capture on a side stream begins and
+    ends cleanly, which resets it; the random stream goes on from where it was before the failed
+    capture. Not while another capture is open (torch allows one at a time): that one would break."""
+    with torch.cuda.device(device):
+        scratch = torch.zeros(1, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        repair = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            repair.capture_begin()
+            scratch.add_(1)  # a node: torch warns about an empty graph
+            repair.capture_end()
+        repair.reset()
 
 
 @contextlib.contextmanager
 def graph_capture(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
-    """``torch.cuda.graph(graph, **kwargs)``; when the capture raises, the CUDA generator is taken
-    out of capture mode (:func:`end_generator_capture`) before the error propagates, so that the
-    caller's fallback to eager code can still draw random numbers."""
+    """``torch.cuda.graph(graph, **kwargs)`` that leaves the thread as it found it when the capture
+    raises: torch's exit skips restoring the caller's stream (and device) when ending the capture
+    fails, so the caller's eager fallback would run on the capture stream; and the CUDA generator
+    is taken out of capture mode (:func:`end_generator_capture`) before the error propagates."""
+    capture = torch.cuda.graph(graph, **kwargs)
+    device = capture.capture_stream.device
+    caller_device = torch.cuda.current_device()
+    # the capture device's stream first: set_stream also makes its device current
+    caller_streams = [torch.cuda.current_stream(device), torch.cuda.current_stream(caller_device)]
     try:
-        with torch.cuda.graph(graph, **kwargs):
+        with capture:
             yield
     except BaseException:
-        with contextlib.suppress(Exception):  # the capture's error is the one to report
-            end_generator_capture()
+        for stream in caller_streams:
+            torch.cuda.set_stream(stream)
+        torch.cuda.set_device(caller_device)
+        if not torch.cuda.is_current_stream_capturing():  # an outer capture: leave it alone
+            with contextlib.suppress(Exception):  # the capture's error is the one to report
+                end_generator_capture(device)
         raise
 
 

@@ -324,16 +324,25 @@ def capture_all_kept(fns: list, pool) -> list[torch.cuda.CUDAGraph]:
             try:
                 fn()
             except BaseException:
-                # end the capture so that the stream is usable again, and the generator's capture
-                # mode with it (the failed end leaves it on); the error to report is fn's
+                # end the capture so that the stream is usable again; the error to report is fn's
                 with contextlib.suppress(Exception):
                     graph.capture_end()
-                with contextlib.suppress(Exception):
-                    end_generator_capture()
+                _end_generator_capture_quietly()
                 raise
-            graph.capture_end()
+            try:
+                graph.capture_end()  # fails where the capture was invalidated without fn raising
+            except BaseException:
+                _end_generator_capture_quietly()
+                raise
             graphs.append(graph)
     return graphs
+
+
+def _end_generator_capture_quietly() -> None:
+    """A failed capture's end leaves torch's CUDA generator in capture mode: take it out
+    (:func:`hydra_kernels.cuda_graph.end_generator_capture`) without masking the capture's error."""
+    with contextlib.suppress(Exception):
+        end_generator_capture()
 
 
 _checked: dict[torch.device, str | None] = {}

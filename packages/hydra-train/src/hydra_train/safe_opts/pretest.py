@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import math
 import os
 import signal
 import threading
@@ -31,11 +30,12 @@ import torch
 
 from hydra_train.callbacks import CallbackList, TrainerCallback
 from hydra_train.checkpoint import capture_rng, restore_rng
-from hydra_train.distributed import all_reduce_sum, broadcast_object, is_fsdp
+from hydra_train.distributed import broadcast_object
 from hydra_train.prefetch import Prefetcher
 from hydra_train.safe_opts.faults import FaultInjector
 from hydra_train.safe_opts.pretest_arms import FAIL, NA, PASS, Arm, first_arms, stacked_arms
 from hydra_train.safe_opts.registry import Optimization
+from hydra_train.safe_opts.step0_probe import probe_against, reference_at
 from hydra_train.safe_opts.tolerances import (
     ArmNumbers,
     bounds_for,
@@ -66,12 +66,6 @@ def _error_text(exc: BaseException) -> str:
         frame = traceback.extract_tb(exc.__traceback__)[-1]
         text = f"raised at {os.path.basename(frame.filename)}:{frame.lineno} ({frame.name})"
     return f"{type(exc).__name__}: {text}"
-
-
-def _own_shard(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a gradient: its local shard under FSDP2 (a DTensor, which does not mix
-    with plain tensors), the gradient itself otherwise."""
-    return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
 class ArmTimeout(BaseException):
@@ -192,6 +186,8 @@ class PretestRunner:
         details: dict[str, dict] = {}
         try:
             ref = self._reference(snap, (x0, y0))
+            # the scale of every arm's step-0 error: the fp32 reference's loss and gradient norm
+            body["reference"] = {"loss": ref["loss"], "grad_norm": ref["norm"]}
             for arm in arms:
                 self._timed_arm(arm, snap, ref, numbers, errors, details)
             for arm in arms:
@@ -362,57 +358,15 @@ class PretestRunner:
             if t >= n_warm:
                 out.step_ms.append(dt)
 
-    # -- step-0 probe ----------------------------------------------------------------------------------
-    def _grads(self) -> list[torch.Tensor | None]:
-        return [p.grad for p in self.tr.params]
-
-    def _zero(self) -> torch.Tensor:
-        return torch.zeros((), dtype=torch.float64, device=self.device)
-
-    def _across_shards(self, local_sum: torch.Tensor) -> float:
-        """A sum over this rank's gradient shards summed over the ranks under FSDP2 (each holds
-        its own shard); under DDP or one process the gradients are whole on every rank."""
-        if is_fsdp(self.tr.wrapped):
-            all_reduce_sum(self.tr.dist, local_sum)
-        return float(local_sum)
-
+    # -- step-0 probe (safe_opts/step0_probe.py) -----------------------------------------------------
     def _reference(self, snap: _Snapshot, batch) -> dict[str, Any]:
         """fp32, safe defaults, no autocast: loss and gradients at the snapshot's weights."""
         self._restore(snap)
-        model = self.tr.model
-        x, y = (t.to(self.device) for t in batch)
-        rows = max(1, self.settings.ref_chunk_rows)
-        chunks = list(zip(x.split(rows), y.split(rows), strict=True))
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for xc, yc in chunks:
-            out = self.tr.wrapped(xc, yc)
-            (out.loss / len(chunks)).backward()
-            loss += out.loss.detach().double() / len(chunks)
-        grads = [None if g is None else _own_shard(g.detach()).float().clone() for g in self._grads()]
-        model.zero_grad(set_to_none=True)
-        sq = sum(((g.double() ** 2).sum() for g in grads if g is not None), self._zero())
-        return {"loss": float(loss), "grads": grads, "norm": math.sqrt(self._across_shards(sq))}
+        return reference_at(self.tr, batch, self.settings.ref_chunk_rows, self.device)
 
     def _probe(self, pt: Trainer, ref) -> tuple[float, tuple[float, float] | None]:
         """The arm's loss and, against the reference, (gradient error, loss error) at step 0."""
-        x, y = (t.to(self.device) for t in self.make_batch(self.start))
-        with pt.autocast():
-            out = pt.forward_model(x, y)
-        out.loss.backward()
-        loss = float(out.loss.detach().double())
-        err = None
-        if ref is not None:
-            sq = self._zero()
-            for g, r in zip(self._grads(), ref["grads"], strict=True):
-                if g is None and r is None:
-                    continue
-                gg = torch.zeros_like(r) if g is None else _own_shard(g.detach()).float()
-                rr = torch.zeros_like(gg) if r is None else r
-                sq += ((gg - rr).double() ** 2).sum()
-            diff = math.sqrt(self._across_shards(sq))
-            err = (diff / max(ref["norm"], 1e-30), abs(loss - ref["loss"]) / abs(ref["loss"]))
-        self.tr.model.zero_grad(set_to_none=True)
-        return loss, err
+        return probe_against(pt, self.tr, self.make_batch(self.start), ref, self.device)
 
     # -- state ----------------------------------------------------------------------------------------
     def _snapshot(self) -> _Snapshot:

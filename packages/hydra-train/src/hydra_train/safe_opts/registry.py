@@ -13,7 +13,8 @@ Status words (what ``SafeOptimizations status: {...}`` prints):
 
 =============  ===========================================================================
 ``OFF``        not requested
-``N/A``        requested but not applicable here (reason recorded; never a failure)
+``N/A``        requested but not applicable here, or its pretest arm ran the reference's own
+               code (:meth:`Optimization.no_effect`): reason recorded; never a failure
 ``PENDING``    requested, not decided yet (before the pretests)
 ``FAILED``     its pretest failed (reason recorded); the safe default runs
 ``ENABLED``    active, inside its safety window

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hydra_train.distributed import is_fsdp
 from hydra_train.options import train_options
 from hydra_train.prefetch import Prefetcher
 from hydra_train.safe_opts.registry import THROUGHPUT_DROP, Optimization
@@ -257,13 +258,6 @@ def compile_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, (CCGQABlock, GPTLayer))]
 
 
-def _has_fsdp_hooks(module: torch.nn.Module) -> bool:
-    """Whether ``fully_shard`` made ``module`` an FSDP2 unit (its ``__call__`` gathers and reshards)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
 class CompileModel(Optimization):
     """``torch.compile``, on by default for a long CUDA run (``hydra_train.config.compile_by_default``).
     Scope ``blocks`` compiles each CCGQABlock (attention + FFN), the unit every recursion applies,
@@ -308,7 +302,7 @@ class CompileModel(Optimization):
             # and evaluation's grad modes): room for all of them in dynamo's cache
             allow_block_graphs()
             for blk in compile_units(trainer.model):
-                sharded = _has_fsdp_hooks(blk)
+                sharded = is_fsdp(blk)  # an FSDP2 unit: its __call__ gathers and reshards
                 if id(blk) not in self._compiled:
                     # an FSDP2 unit's hooks (all-gather, reshard) stay eager around its compiled
                     # forward, where torchtitan keeps them too; dynamo would break its graph on them
