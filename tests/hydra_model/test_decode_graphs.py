@@ -375,4 +375,3 @@ def test_the_decision_flags_are_slots_of_one_vector_tallied_once_a_step():
     assert torch.equal(decoder._taken[:2], host) and not decoder._taken[2:].any()
     report = decoder.finish()
     assert report.gated_run == int(host.sum()) and report.gated_skipped == 2 * 12 - int(host.sum())
-

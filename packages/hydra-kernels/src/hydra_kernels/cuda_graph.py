@@ -61,8 +61,10 @@ def end_generator_capture(device: torch.device | int | None = None) -> None:
         repair = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             repair.capture_begin()
-            scratch.add_(1)  # a node: torch warns about an empty graph
-            repair.capture_end()
+            try:
+                scratch.add_(1)  # one node, or torch warns that the graph is empty
+            finally:  # even for an arm's time limit (a signal): no capture left open
+                repair.capture_end()
         repair.reset()
 
 

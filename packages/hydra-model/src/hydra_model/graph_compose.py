@@ -341,6 +341,8 @@ def capture_all_kept(fns: list, pool) -> list[torch.cuda.CUDAGraph]:
 def _end_generator_capture_quietly() -> None:
     """A failed capture's end leaves torch's CUDA generator in capture mode: take it out
     (:func:`hydra_kernels.cuda_graph.end_generator_capture`) without masking the capture's error."""
+    if torch.cuda.is_current_stream_capturing():  # another capture open: leave it alone
+        return
     with contextlib.suppress(Exception):
         end_generator_capture()
 

@@ -186,7 +186,8 @@ class PretestRunner:
         details: dict[str, dict] = {}
         try:
             ref = self._reference(snap, (x0, y0))
-            # the scale of every arm's step-0 error: the fp32 reference's loss and gradient norm
+            # the scale of every arm's step-0 error: the fp32 reference's loss (this rank's batch)
+            # and its whole gradient's norm (summed over the ranks' shards under FSDP2)
             body["reference"] = {"loss": ref["loss"], "grad_norm": ref["norm"]}
             for arm in arms:
                 self._timed_arm(arm, snap, ref, numbers, errors, details)

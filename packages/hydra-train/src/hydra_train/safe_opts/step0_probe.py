@@ -34,7 +34,9 @@ def _whole_sum(tr: Trainer, local_sum: torch.Tensor) -> float:
     return float(local_sum)
 
 
-def reference_at(tr: Trainer, batch, chunk_rows: int, device: torch.device) -> dict[str, Any]:
+def reference_at(
+    tr: Trainer, batch: tuple[torch.Tensor, torch.Tensor], chunk_rows: int, device: torch.device
+) -> dict[str, Any]:
     """fp32, safe defaults, no autocast: the loss and gradients (this rank's shards) of ``tr``'s
     model as it is, on ``batch`` in chunks of ``chunk_rows`` rows; ``norm`` is the whole gradient's."""
     x, y = (t.to(device) for t in batch)
@@ -55,7 +57,11 @@ def reference_at(tr: Trainer, batch, chunk_rows: int, device: torch.device) -> d
 
 
 def probe_against(
-    pt: Trainer, tr: Trainer, batch, ref: dict[str, Any] | None, device: torch.device
+    pt: Trainer,
+    tr: Trainer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    ref: dict[str, Any] | None,
+    device: torch.device,
 ) -> tuple[float, tuple[float, float] | None]:
     """The arm's loss on ``batch`` through ``pt`` (the pretest trainer, its optimizations active)
     and, against ``ref`` (:func:`reference_at`), (gradient error, loss error), relative."""
