@@ -53,7 +53,10 @@ def end_generator_capture(device: torch.device | int | None = None) -> None:
     an out-of-memory, an op that cannot be captured) leaves it there, and every later random op
     on the device (dropout, sampling) then fails. A one-kernel capture on a side stream begins and
     ends cleanly, which resets it; the random stream goes on from where it was before the failed
-    capture. Not while another capture is open (torch allows one at a time): that one would break."""
+    capture. Does nothing while the current stream is capturing: another capture is open (torch
+    allows one at a time), and a capture here would break it."""
+    if torch.cuda.is_current_stream_capturing():
+        return
     with torch.cuda.device(device):
         scratch = torch.zeros(1, device="cuda")
         side = torch.cuda.Stream()
@@ -86,9 +89,8 @@ def graph_capture(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
         for stream in caller_streams:
             torch.cuda.set_stream(stream)
         torch.cuda.set_device(caller_device)
-        if not torch.cuda.is_current_stream_capturing():  # an outer capture: leave it alone
-            with contextlib.suppress(Exception):  # the capture's error is the one to report
-                end_generator_capture(device)
+        with contextlib.suppress(Exception):  # the capture's error is the one to report
+            end_generator_capture(device)
         raise
 
 

@@ -322,29 +322,21 @@ def capture_all_kept(fns: list, pool) -> list[torch.cuda.CUDAGraph]:
             graph = torch.cuda.CUDAGraph(keep_graph=True)
             graph.capture_begin(pool)
             try:
-                fn()
-            except BaseException:
-                # end the capture so that the stream is usable again; the error to report is fn's
-                with contextlib.suppress(Exception):
-                    graph.capture_end()
-                _end_generator_capture_quietly()
-                raise
-            try:
+                try:
+                    fn()
+                except BaseException:
+                    # end the capture so that the stream is usable again; the error to report is fn's
+                    with contextlib.suppress(Exception):
+                        graph.capture_end()
+                    raise
                 graph.capture_end()  # fails where the capture was invalidated without fn raising
             except BaseException:
-                _end_generator_capture_quietly()
+                # a failed capture leaves torch's CUDA generator in capture mode (cuda_graph.py)
+                with contextlib.suppress(Exception):
+                    end_generator_capture()
                 raise
             graphs.append(graph)
     return graphs
-
-
-def _end_generator_capture_quietly() -> None:
-    """A failed capture's end leaves torch's CUDA generator in capture mode: take it out
-    (:func:`hydra_kernels.cuda_graph.end_generator_capture`) without masking the capture's error."""
-    if torch.cuda.is_current_stream_capturing():  # another capture open: leave it alone
-        return
-    with contextlib.suppress(Exception):
-        end_generator_capture()
 
 
 _checked: dict[torch.device, str | None] = {}

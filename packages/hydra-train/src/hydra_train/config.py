@@ -353,19 +353,26 @@ def planned_tokens(cfg: TrainConfig) -> int:
     return cfg.max_steps * cfg.batch_size * cfg.seq_len * cfg.grad_accum
 
 
+def _threshold(one_process: int, under_torchrun: int) -> tuple[int, str]:
+    """(the planned-token threshold that applies to this process, how its reasons say per what):
+    ``one_process`` alone, ``under_torchrun`` a process when launched by torchrun."""
+    from hydra_train.options import torchrun_launch
+
+    if torchrun_launch().world_size == 1:
+        return one_process, ""
+    return under_torchrun, " a process under torchrun"
+
+
 def _compile_rule(cfg: TrainConfig, kind: str) -> tuple[bool, str]:
     """(whether a run that said neither ``--compile`` nor ``--no-compile`` compiles, why): on CUDA
     when it plans at least :data:`COMPILE_TOKENS` tokens (:data:`COMPILE_TOKENS_DDP` a process
     under torchrun, FSDP2 included: its compiled blocks were 1.16x its eager steps on two H200s,
     packages/hydra-train/BENCHMARKS.md); a shorter run spends more on the compile than it saves."""
-    from hydra_train.options import torchrun_launch
-
     if kind != "cuda":
         return False, "off on the CPU"
-    single = torchrun_launch().world_size == 1
-    least = COMPILE_TOKENS if single else COMPILE_TOKENS_DDP
+    least, per = _threshold(COMPILE_TOKENS, COMPILE_TOKENS_DDP)
     tokens = planned_tokens(cfg)
-    planned = f"{tokens / 1e6:,.1f}M planned tokens" + ("" if single else " a process under torchrun")
+    planned = f"{tokens / 1e6:,.1f}M planned tokens{per}"
     if tokens < least:
         short = "too short to repay the compile (--compile forces it)"
         return False, f"off: {planned} < {least / 1e6:.0f}M, {short}"
@@ -376,13 +383,10 @@ def _scope_rule(cfg: TrainConfig) -> tuple[str, str]:
     """(``--compile_scope auto``'s scope, why): the whole forward for a run of at least
     :data:`WHOLE_MODEL_COMPILE_TOKENS` planned tokens (:data:`WHOLE_MODEL_COMPILE_TOKENS_DDP` a
     process under torchrun), else each block; always each block with FSDP2."""
-    from hydra_train.options import torchrun_launch
-
     if cfg.fsdp:
         return "blocks", "the scope FSDP2 takes: its hooks gather each block's parameters"
-    single = torchrun_launch().world_size == 1
-    least = WHOLE_MODEL_COMPILE_TOKENS if single else WHOLE_MODEL_COMPILE_TOKENS_DDP
-    whole = f"{least / 1e6:.0f}M" + ("" if single else " a process under torchrun")
+    least, per = _threshold(WHOLE_MODEL_COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS_DDP)
+    whole = f"{least / 1e6:.0f}M{per}"
     if planned_tokens(cfg) >= least:
         return "model", f">= {whole}"
     return "blocks", f"< {whole} for the whole forward"
