@@ -13,12 +13,14 @@ from hydra_train.prefetch import Prefetcher
 from hydra_train.safe_opts.standalone import RandomBatches
 from hydra_train.safe_opts.toggles import (
     BLOCK_GRAPHS_LIMIT,
+    INDUCTOR_OPTIONS,
     BlackwellTuning,
     CompileModel,
     FlashAttention,
     PrefetchThreads,
     StaticRouting,
     TritonKernels,
+    compile_options,
     compile_units,
     routing_wrappers,
     set_static_routing,
@@ -169,6 +171,33 @@ def test_compile_switches_to_compiled_code_and_back(scope, monkeypatch, request)
     assert tr.forward_model is m and all(b._compiled_call_impl is None for b in compile_units(m))
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     assert torch.equal(loss(m, x), eager) and torch._dynamo.utils.counters["frames"]["ok"] == frames
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compile_passes_its_inductor_options_to_every_compile(scope, backend, monkeypatch):
+    """Each torch.compile the toggle makes gets INDUCTOR_OPTIONS under inductor, none otherwise;
+    and torch takes those options (it rejects an unknown key when the compile is set up)."""
+    monkeypatch.setenv("HYDRA_COMPILE_BACKEND", backend)
+    seen = []
+
+    def recording_compile(fn, **kwargs):
+        seen.append(kwargs)
+        return fn
+
+    m = create_ccgqa_mod_mor_model("tiny", dim=64, max_seq_len=64, vocab_size=VOCAB, n_mor_blocks=2)
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    opt = CompileModel(TrainConfig(compile=True, compile_scope=scope))
+    opt.activate(FakeTrainer(m))
+    monkeypatch.undo()
+    assert len(seen) == (len(compile_units(m)) if scope == "blocks" else 1)
+    want = {"triton.autotune_pointwise": False} if backend == "inductor" else None
+    assert all(kw["backend"] == backend and kw["options"] == want for kw in seen)
+    fresh = compile_options("inductor")
+    assert fresh == INDUCTOR_OPTIONS and fresh is not INDUCTOR_OPTIONS  # a copy: torch may keep it
+    torch.compile(torch.nn.Linear(2, 2), options=compile_options("inductor"))  # accepted: no error
+    with pytest.raises(RuntimeError, match="not_an_inductor_option"):
+        torch.compile(torch.nn.Linear(2, 2), options={"not_an_inductor_option": 1})  # the check is real
 
 
 @pytest.mark.parametrize("arch", ["gpt", "hydra"])

@@ -65,16 +65,17 @@ def compile_model(model, scope: str, *, static_model: bool = False):
     each shared HYDRA block with dynamic shapes (routed lengths vary, one graph serves them all) and
     each dense GPT layer with fixed ones; ``blocks-static``: the blocks with one graph per length,
     which is what hydra-train's ``--compile_scope blocks`` compiles (it compiled sooner there)."""
-    from hydra_train.safe_opts.toggles import allow_block_graphs
+    from hydra_train.safe_opts.toggles import allow_block_graphs, compile_options
 
     allow_block_graphs()
+    options = compile_options("inductor")  # what hydra-train compiles with
     if scope == "model":
-        return torch.compile(model, dynamic=False) if static_model else torch.compile(model)
+        return torch.compile(model, dynamic=False if static_model else None, options=options)
     if scope in ("blocks", "blocks-static"):
         for layer in getattr(model, "layers", []):  # the dense GPT: every layer, fixed shapes
-            layer.compile(dynamic=False)
+            layer.compile(dynamic=False, options=options)
         for wrapper in getattr(model, "blocks", []):
-            wrapper.mor.block.compile(dynamic=scope == "blocks")
+            wrapper.mor.block.compile(dynamic=scope == "blocks", options=options)
         return model
     raise DiagError(f"--compile-scope {scope!r}: use blocks or model")
 

@@ -45,8 +45,9 @@ if TYPE_CHECKING:
     from hydra_model.config import HydraConfig
 
 AuxLists = dict[str, list[torch.Tensor]]
-#: what a MoR rule returns: the new stream, each token's depth and its expected depth ([B, n])
-MoRResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: what a MoR rule returns: the new stream, each token's depth and its expected depth ([B, n]);
+#: the depths are None where there are no statistics to record (a generation, the dense rule)
+MoRResult = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def add_aux(aux: AuxLists, name: str, value: torch.Tensor | None) -> None:
@@ -169,10 +170,9 @@ class DenseRouting(RoutingRule):
         for r in range(block.recursions):
             h, moe_loss = block.run_block(h, r, ctx, pos, None, member=member)
             add_aux(aux, "moe_balance", moe_loss)
-        if ctx.generating:  # depths feed only statistics, which a generation does not record
-            return h, None, None
-        full = ones_like_rows(h) * block.recursions
-        return h, full, full
+        # depths feed only statistics, which neither a generation nor a dense block records
+        # (CCGQAMoRBlock.forward)
+        return h, None, None
 
 
 @register_routing

@@ -243,6 +243,19 @@ class TritonKernels(Optimization):
 BLOCK_GRAPHS_LIMIT = 64
 
 
+#: inductor options of every compile hydra-train makes. Pointwise kernels take inductor's one
+#: default launch configuration instead of compiling two and timing them at the first call: on an
+#: H100, HYDRA 100M's whole forward compiled 832 Triton kernels instead of 1336, timed 6 instead
+#: of 129, and stepped as fast (packages/hydra-train/BENCHMARKS.md, 2026-11-27)
+INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False}
+
+
+def compile_options(backend: str) -> dict[str, Any] | None:
+    """``torch.compile``'s ``options`` for ``backend``: :data:`INDUCTOR_OPTIONS` for inductor
+    (other backends take none)."""
+    return dict(INDUCTOR_OPTIONS) if backend == "inductor" else None
+
+
 def allow_block_graphs() -> None:
     """Raise dynamo's process-wide cache limit to :data:`BLOCK_GRAPHS_LIMIT` (never lower it):
     what any caller compiling blocks one graph per shape needs (hydra-diag's race and bench too)."""
@@ -295,7 +308,9 @@ class CompileModel(Optimization):
         if self.cfg.optimizations.compile_scope == "model":
             key = id(trainer.wrapped)
             if key not in self._compiled:
-                self._compiled[key] = torch.compile(trainer.wrapped, backend=self.backend)
+                self._compiled[key] = torch.compile(
+                    trainer.wrapped, backend=self.backend, options=compile_options(self.backend)
+                )
             trainer.forward_model = self._compiled[key]
         else:
             # one graph per row count (the full length and each routed capacity, in training's
@@ -307,7 +322,9 @@ class CompileModel(Optimization):
                     # an FSDP2 unit's hooks (all-gather, reshard) stay eager around its compiled
                     # forward, where torchtitan keeps them too; dynamo would break its graph on them
                     fn = blk.forward if sharded else blk._call_impl
-                    self._compiled[id(blk)] = torch.compile(fn, backend=self.backend, dynamic=False)
+                    self._compiled[id(blk)] = torch.compile(
+                        fn, backend=self.backend, dynamic=False, options=compile_options(self.backend)
+                    )
                 if sharded:
                     blk.forward = self._compiled[id(blk)]  # an instance attribute over the method
                 else:
