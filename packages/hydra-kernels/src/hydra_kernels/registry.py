@@ -260,6 +260,41 @@ def _small_linear_ce(rnd, n, dim, hidden, shape4):
     return [rnd(n, dim), weight, torch.randint(0, vocab, (n,), device=like.device)]
 
 
+# --- ccgqa_conv ---------------------------------------------------------------------------------
+
+
+def _check_ccgqa_conv(shape, gen):
+    b, n, g, k, d = shape  # window [B, n + K - 1, G·d], weight [G, K, d, d], bias [G·d]
+    weight = _randn(gen, g, k, d, d) / math.sqrt(d * k)
+    return [_randn(gen, b, n + k - 1, g * d), weight, 0.1 * _randn(gen, g * d)], [0, 1, 2]
+
+
+#: (B, n, heads, taps, head dim): the 100M preset's CCGQA (12 + 4 heads of 64, K = 3) and the
+#: 2026-11-23 preset's (4 + 2 heads)
+CCGQA_CONV_SHAPES = ((8, 2048, 16, 3, 64), (8, 2048, 6, 3, 64))
+
+
+def _bench_ccgqa_conv(dev, dt, liger, why):
+    from hydra_kernels.bench import Workload
+    from hydra_kernels.bench_harness import peers
+    from hydra_kernels.ops.ccgqa_conv import ccgqa_conv, ccgqa_conv_ref
+
+    es = torch.empty((), dtype=dt).element_size()
+    for b, n, g, k, d in CCGQA_CONV_SHAPES:
+        impls, notes = peers("ccgqa_conv", ccgqa_conv_ref, {}, why)
+        impls["hydra"] = ccgqa_conv
+        notes.setdefault("liger", "Liger-Kernel has no CCGQA conv")
+        window = _rand(b, n + k - 1, g * d, dev=dev, dt=dt)
+        weight = _rand(g, k, d, d, dev=dev, dt=torch.float32)
+        bias = _rand(g * d, dev=dev, dt=torch.float32)
+        dz = torch.randn(b, n, g, d, device=dev, dtype=dt)
+        # forward reads the window, writes z; backward reads dz twice and the window, writes its grad
+        floor = 6 * b * n * g * d * es
+        flops = 3 * 2 * b * n * g * d * d * k  # three products of [tokens, d] x [d, d] per tap
+        yield Workload("ccgqa_conv", f"{b}x{n}x{g}x{k}x{d}", [window, weight, bias], dz, impls, notes,
+                       floor, flops)  # fmt: skip
+
+
 # --- the registry ----------------------------------------------------------------------------------
 
 OP_SPECS: tuple[OpSpec, ...] = (
@@ -328,6 +363,17 @@ OP_SPECS: tuple[OpSpec, ...] = (
         ),
         bench={"linear_ce": _bench_linear_ce},
         small_bench=_small_linear_ce,
+    ),
+    OpSpec(
+        "ccgqa_conv", "hydra_kernels.ops.ccgqa_conv", "CCGQA conv", ("ccgqa_conv", "ccgqa_conv_ref"),
+        "FUSED_CCGQA_CONV", "FUSED_CCGQA_CONV_BWD",
+        checks=(
+            Check("ccgqa_conv", "ccgqa_conv", "ccgqa_conv_ref", _check_ccgqa_conv, ((2, 9, 2, 3, 16),),
+                  ((3, 300, 4, 3, 64), (2, 77, 3, 2, 32)), half_reduction="max"),
+        ),
+        bench={"ccgqa_conv": _bench_ccgqa_conv},
+        small_bench=lambda rnd, n, dim, h, s4: [rnd(s4[0], s4[1] + 2, s4[2] * s4[3]),
+                                                 rnd(s4[2], 3, s4[3], s4[3]), rnd(s4[2] * s4[3])],
     ),
 )  # fmt: skip
 

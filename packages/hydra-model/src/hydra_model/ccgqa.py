@@ -11,10 +11,12 @@ shift moves the x·W_v2 projection one step instead of x itself: the projection 
 bias, so this is the same value and it lets the decoding cache keep n_kv·d/2 numbers, not E.
 
 The two convolutions are linear in the packed pre-conv inputs u of the last K = k_seq + k_ch − 1
-tokens, and the head-wise conv never mixes heads, so they run as ONE batched matmul, one small
-GEMM per head: the window of the inputs per head [B, n, heads, d·K] (a strided unfold of the
-left-padded u, copied once) times a per-head folded weight [heads, d, d·K] built from the conv
-weights each call (ccgqa_fold.py's ``headwise`` form: the depthwise conv scales its columns). The q-k mean
+tokens, and the head-wise conv never mixes heads, so per head they are K small [d, d] products
+summed over the window offsets, with a per-head folded weight [heads, d, d·K] built from the conv
+weights each call (ccgqa_fold.py's ``headwise`` form: the depthwise conv scales its columns).
+hydra_kernels' ``ccgqa_conv`` runs them reading the left-padded u in place; its reference (what
+ran before) unfolds the window per head [B, n, heads, d·K], copied once, into one batched matmul.
+The q-k mean
 reads only the current token's inputs and is added elementwise. This replaces two cuDNN
 depthwise/grouped conv1d calls (and their slow weight-gradient kernels) and two layout transposes.
 An earlier form (``folded``, kept for ``conv_impl = "folded"``) ran convs and q-k mean
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hydra_kernels import qk_norm, rope
+from hydra_kernels import ccgqa_conv, qk_norm, rope
 from hydra_kernels.ops.ccgqa_prefill import ccgqa_prefill, ccgqa_prefill_ref
 from hydra_kernels.ops.tile_linear import tile_linear
 from hydra_model import ccgqa_fold
@@ -152,9 +154,10 @@ class CCGQAAttention(nn.Module):
             taps = window.unfold(1, k_total, 1).reshape(b, n, c * k_total)  # [c, s] = u[t+s, c]
             q, k = F.linear(taps, weight, bias).split([self.q_dim, self.kv_dim], dim=-1)
             return q.view(b, n, hq, d), k.view(b, n, hkv, d)
-        taps = window.unfold(1, k_total, 1).reshape(b, n, hq + hkv, d * k_total)  # [B, n, g, i·K+s]
-        z = torch.einsum("bngk,gok->bngo", taps, weight.to(taps.dtype))  # [B, n, heads, d]
-        z = z + bias.view(hq + hkv, d).to(z.dtype)
+        # each head's [d, d·K] block (columns i·K + s) as K [out, in] matrices; hydra_kernels'
+        # ccgqa_conv reads the window in place (its reference unfolds it and runs one GEMM a head)
+        per_tap = weight.view(hq + hkv, d, d, k_total).permute(0, 3, 1, 2)  # [heads, K, d, d]
+        z = ccgqa_conv(window, per_tap, bias)  # [B, n, heads, d]
         # q-k mean on the current token's inputs: query head h gets (q_pre[h] + k_pre[h // G])/2,
         # kv head g the mean of those over its G query heads
         u = window[:, self.conv_context :]  # [B, n, C]

@@ -1,0 +1,357 @@
+"""CCGQA's causal conv stage with its taps folded per head: z[t, g] = Σ_s W[g, s] · u[t − K + 1 + s, g].
+
+Faces: the PyTorch reference ``ccgqa_conv_ref`` (an unfold and a batched GEMM: what
+hydra_model's CCGQA ran before), Triton kernels with host launchers, custom ops
+``hydra_kernels::ccgqa_conv_fwd`` / ``hydra_kernels::ccgqa_conv_bwd`` (what torch.compile
+traces), and the public :func:`ccgqa_conv` choosing between them.
+
+Inputs: ``window`` [B, n + K − 1, C] — each sequence's packed pre-conv channels with K − 1 rows
+of left context in front (zeros at a sequence start); ``weight`` [G, K, d, d] — per head g = C / d
+and window offset s, the [out, in] matrix of both convs folded together
+(``hydra_model.ccgqa_fold.headwise_qk_weight`` rearranged); ``bias`` [C]. Output z [B, n, G, d]
+in the window's dtype: row t reads window rows t .. t + K − 1.
+
+Why a kernel: the reference materialises the unfolded taps ([B, n, C·K], K times the input),
+multiplies them by a batched GEMM whose N is one head (64 wide, far from tensor-core peak), and
+its backward writes the taps' gradient and folds it back. At the 100M preset that was the
+largest piece of HYDRA's compiled step outside GEMMs and attention
+(packages/hydra-kernels/BENCHMARKS.md, 2026-11-27). The kernels read each row block once per
+offset straight from the window and accumulate the K small products in registers:
+
+* ``_ccgqa_conv_fwd_kernel`` — a program per (row block, head, sequence): Σ_s tl.dot over the
+  K shifted row blocks, plus the bias, stored once;
+* ``_ccgqa_conv_dwin_kernel`` — the window's gradient, the same shape of work with the offsets
+  reversed (row r gathers dz[r − s] · W[g, s]);
+* ``_ccgqa_conv_dw_kernel`` — the weight's and the bias's gradients: a program per (head,
+  offset, token split) sums dzᵀ · window over its share of the row blocks into fp32 partials,
+  which the host adds (a few per head: no atomics, the same bits every call).
+
+Products run on tensor cores in the input's dtype with fp32 accumulation (fp32 inputs take IEEE
+products, not TF32); the weight and bias are read in any float dtype and cast; their gradients
+are summed in fp32 and returned in their own dtypes. fp64 runs the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hydra_kernels import controls
+from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
+from hydra_kernels.ops._custom_op import (
+    cdiv,
+    compiling,
+    device_guard,
+    eager_apply,
+    eager_autograd_function,
+    multiprocessor_count,
+    next_power_of_2,
+    run_with_fallback,
+    to_output_dtype,
+)
+
+#: The kernels' launch: rows per program (``block_rows``, a power of two ≥ 16: tl.dot's smallest
+#: tile), warps and pipeline stages; one entry for every GPU generation (measured on an H100 only)
+LAUNCH: dict[str, LaunchConfig] = {"default": LaunchConfig(num_warps=4, num_stages=2, block_rows=64)}
+#: Head widths the kernels take: powers of two that tl.dot tiles (others run the reference).
+HEAD_DIMS = (16, 32, 64, 128)
+#: Most window offsets (taps) the kernels unroll.
+MAX_TAPS = 8
+#: Target programs per SM of the weight-gradient kernel (it splits the tokens to get there).
+DW_PROGRAMS_PER_SM = 2
+
+
+# --- PyTorch reference ---------------------------------------------------------------------------
+
+
+def ccgqa_conv_ref(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Reference: the taps unfolded ([B, n, G, d, K]) and one batched product per head in the
+    window's dtype (autocast's choice, as the model ran it), the bias added in that dtype."""
+    b, length, _ = window.shape
+    g, k, d, _ = weight.shape
+    n = length - k + 1
+    taps = window.unfold(1, k, 1).reshape(b, n, g, d, k)  # [B, n, G, i, s] = window[t + s, g·d + i]
+    z = torch.einsum("bngis,gsoi->bngo", taps, weight.to(taps.dtype))
+    return z + bias.view(g, d).to(z.dtype)
+
+
+# --- Triton kernels ------------------------------------------------------------------------------
+
+
+# Triton 3.6's interpreter returns garbage from tl.dot on 16-bit operands (see
+# _linear_ce_kernels); there (only) they are widened to fp32 first, which is exact.
+_WIDEN_DOT_OPERANDS = tl.constexpr(controls.INTERPRETER_ACTIVE)
+
+
+@triton.jit
+def _dot_acc(acc, a, b, IEEE: tl.constexpr):
+    """acc + a @ b with fp32 accumulation; IEEE products for fp32 operands (no TF32)."""
+    if _WIDEN_DOT_OPERANDS:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _ccgqa_conv_fwd_kernel(
+    WIN, W, BIAS, Z,
+    n, stride_wb, stride_wt,
+    N_HEADS: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_t, g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    ch = tl.arange(0, D)
+    t_mask = t < n
+    src = WIN + b.to(tl.int64) * stride_wb + g * D
+    acc = tl.zeros((BLOCK_T, D), dtype=tl.float32)
+    for s in tl.static_range(K):
+        rows = (t + s).to(tl.int64)
+        a = tl.load(src + rows[:, None] * stride_wt + ch[None, :], mask=t_mask[:, None], other=0.0)
+        # W[g, s] is [out, in]: read it as [in, out] for a @ w
+        w = tl.load(W + (g * K + s) * D * D + ch[None, :] * D + ch[:, None])
+        acc = _dot_acc(acc, a, w, IEEE)
+    acc += tl.load(BIAS + g * D + ch).to(tl.float32)[None, :]
+    out = (b.to(tl.int64) * n + t) * N_HEADS + g  # z is [B, n, G, d], contiguous
+    z = to_output_dtype(acc, Z.dtype.element_ty)
+    tl.store(Z + out[:, None] * D + ch[None, :], z, mask=t_mask[:, None])
+
+
+@triton.jit
+def _ccgqa_conv_dwin_kernel(
+    DZ, W, DWIN,
+    n,
+    N_HEADS: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_r, g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r = pid_r * BLOCK_T + tl.arange(0, BLOCK_T)  # window rows: 0 .. n + K − 2
+    ch = tl.arange(0, D)
+    length = n + K - 1
+    acc = tl.zeros((BLOCK_T, D), dtype=tl.float32)
+    for s in tl.static_range(K):
+        rows = r - s  # the output rows that read window row r at offset s
+        m = (rows >= 0) & (rows < n)
+        src = (b.to(tl.int64) * n + rows) * N_HEADS + g
+        a = tl.load(DZ + src[:, None] * D + ch[None, :], mask=m[:, None], other=0.0)
+        w = tl.load(W + (g * K + s) * D * D + ch[:, None] * D + ch[None, :])  # [out, in]
+        acc = _dot_acc(acc, a, w, IEEE)
+    dst = (b.to(tl.int64) * length + r) * (N_HEADS * D) + g * D  # dwin is [B, n + K − 1, C]
+    tl.store(DWIN + dst[:, None] + ch[None, :], to_output_dtype(acc, DWIN.dtype.element_ty),
+             mask=(r < length)[:, None])  # fmt: skip
+
+
+@triton.jit
+def _ccgqa_conv_dw_kernel(
+    DZ, WIN, PW, PB,
+    n, n_blocks, blocks_per_seq, stride_wb, stride_wt,
+    N_HEADS: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    g, s, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ch = tl.arange(0, D)
+    acc = tl.zeros((D, D), dtype=tl.float32)  # [out, in]
+    acc_b = tl.zeros((D,), dtype=tl.float32)
+    for it in tl.range(0, ITERS):  # compile-time trip count (the interpreter needs one)
+        blk = split * ITERS + it
+        b = (blk // blocks_per_seq).to(tl.int64)
+        t = (blk % blocks_per_seq) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = (t < n) & (blk < n_blocks)
+        rows = (b * n + t) * N_HEADS + g
+        dz = tl.load(DZ + rows[:, None] * D + ch[None, :], mask=t_mask[:, None], other=0.0)
+        a = tl.load(WIN + b * stride_wb + (t + s).to(tl.int64)[:, None] * stride_wt + g * D + ch[None, :],
+                    mask=t_mask[:, None], other=0.0)  # fmt: skip
+        acc = _dot_acc(acc, tl.trans(dz), a, IEEE)
+        acc_b += tl.sum(dz.to(tl.float32), axis=0)
+    part = split * N_HEADS + g
+    tl.store(PW + ((part * K + s) * D + ch[:, None]) * D + ch[None, :], acc)
+    if s == 0:
+        tl.store(PB + part * D + ch, acc_b)
+
+
+# --- host launchers ------------------------------------------------------------------------------
+
+
+def _check(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[int, int, int, int]:
+    """(G, K, d, n) for inputs the kernels take; raises (→ counted fallback) otherwise, which
+    only a direct call of the custom ops can reach (the public function checks first)."""
+    g, k, d, d_in = weight.shape
+    length, c = window.shape[1], window.shape[2]
+    if d != d_in or d not in HEAD_DIMS or k > MAX_TAPS or g * d != c or bias.numel() != c or length < k:
+        raise ValueError(
+            f"ccgqa_conv: window {tuple(window.shape)}, weight {tuple(weight.shape)}, bias "
+            f"{tuple(bias.shape)}: the kernels take square heads of {HEAD_DIMS} and ≤ {MAX_TAPS} taps"
+        )
+    if window.stride(-1) != 1:
+        raise ValueError("ccgqa_conv: the window's channels must be contiguous")
+    return g, k, d, length - k + 1
+
+
+def _launch(device: torch.device) -> LaunchConfig:
+    cfg = resolve_launch_config("ccgqa_conv", device, LAUNCH)
+    if cfg.block_rows < 16 or cfg.block_rows & (cfg.block_rows - 1):
+        raise ValueError(f"ccgqa_conv: block_rows={cfg.block_rows} must be a power of two ≥ 16")
+    return cfg
+
+
+def ccgqa_conv_fwd_launch(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Run the forward kernel: z [B, n, G, d], contiguous, in the window's dtype."""
+    g, k, d, n = _check(window, weight, bias)
+    b = window.shape[0]
+    z = window.new_empty(b, n, g, d)
+    if z.numel() == 0:
+        return z
+    # the products' operands in the window's dtype (as the reference's einsum takes them)
+    weight, bias = weight.to(window.dtype).contiguous(), bias.contiguous()
+    cfg = _launch(window.device)
+    with device_guard(window):
+        _ccgqa_conv_fwd_kernel[(cdiv(n, cfg.block_rows), g, b)](
+            window, weight, bias, z, n, window.stride(0), window.stride(1),
+            N_HEADS=g, K=k, D=d, BLOCK_T=cfg.block_rows, IEEE=window.dtype == torch.float32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return z
+
+
+def ccgqa_conv_bwd_launch(
+    dz: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the backward kernels: (d window, d weight, d bias), each in its input's dtype."""
+    g, k, d, n = _check(window, weight, bias)
+    b, length, _ = window.shape
+    dz = dz.contiguous()
+    dwin = torch.empty(window.shape, dtype=window.dtype, device=window.device)
+    if window.numel() == 0 or n == 0:
+        return dwin.zero_(), weight.new_zeros(weight.shape), bias.new_zeros(bias.shape)
+    w_in = weight.to(window.dtype).contiguous()
+    ieee = window.dtype == torch.float32
+    cfg = _launch(window.device)
+    block_t, warps, stages = cfg.block_rows, cfg.num_warps, cfg.num_stages
+    blocks_per_seq = cdiv(n, block_t)
+    n_blocks = b * blocks_per_seq
+    target = max(1, DW_PROGRAMS_PER_SM * multiprocessor_count(window.device) // (g * k))
+    iters = next_power_of_2(cdiv(n_blocks, target))
+    splits = cdiv(n_blocks, iters)
+    pw = torch.empty(splits, g, k, d, d, dtype=torch.float32, device=window.device)
+    pb = torch.empty(splits, g, d, dtype=torch.float32, device=window.device)
+    with device_guard(window):
+        _ccgqa_conv_dwin_kernel[(cdiv(length, block_t), g, b)](
+            dz, w_in, dwin, n, N_HEADS=g, K=k, D=d, BLOCK_T=block_t, IEEE=ieee,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        _ccgqa_conv_dw_kernel[(g, k, splits)](
+            dz, window, pw, pb, n, n_blocks, blocks_per_seq, window.stride(0), window.stride(1),
+            N_HEADS=g, K=k, D=d, BLOCK_T=block_t, ITERS=iters, IEEE=ieee, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    dw, db = pw.sum(0), pb.sum(0).reshape(-1)
+    return dwin, dw.to(weight.dtype), db.to(bias.dtype)
+
+
+# --- implementations behind the custom ops (Triton with a counted fallback) ---------------------
+
+
+def _ccgqa_conv_backward_ref(dz, window, weight, bias):
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (window, weight, bias)]
+        out = ccgqa_conv_ref(*leaves)
+        # contiguous, as the kernels return them (and the custom op's fake says)
+        return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, dz))
+
+
+def _ccgqa_conv_forward(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return run_with_fallback(
+        "ccgqa_conv",
+        lambda: ccgqa_conv_fwd_launch(window, weight, bias),
+        lambda: ccgqa_conv_ref(window, weight, bias).contiguous(),
+    )
+
+
+def _ccgqa_conv_backward(dz, window, weight, bias) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    reference = lambda: _ccgqa_conv_backward_ref(dz, window, weight, bias)
+    # read at run time, so the switch holds inside compiled graphs too
+    if not controls.triton_path("ccgqa_conv", dz, window, weight, bias, backward=True):
+        return reference()
+    return run_with_fallback("ccgqa_conv", lambda: ccgqa_conv_bwd_launch(dz, window, weight, bias), reference)
+
+
+# --- torch.library registration ------------------------------------------------------------------
+
+
+@torch.library.custom_op("hydra_kernels::ccgqa_conv_fwd", mutates_args=())
+def _ccgqa_conv_fwd_op(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return _ccgqa_conv_forward(window, weight, bias)
+
+
+@_ccgqa_conv_fwd_op.register_fake
+def _(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    g, k, d, _ = weight.shape
+    return window.new_empty(window.shape[0], window.shape[1] - k + 1, g, d)
+
+
+@torch.library.custom_op("hydra_kernels::ccgqa_conv_bwd", mutates_args=())
+def _ccgqa_conv_bwd_op(
+    dz: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ccgqa_conv_backward(dz, window, weight, bias)
+
+
+@_ccgqa_conv_bwd_op.register_fake
+def _(dz, window, weight, bias):
+    # contiguous whatever the inputs' strides (a permuted weight, a strided window): what the
+    # launcher and the reference return
+    return window.new_empty(window.shape), weight.new_empty(weight.shape), bias.new_empty(bias.shape)
+
+
+def _ccgqa_conv_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _ccgqa_conv_grads(ctx, dz):
+    window, weight, bias = ctx.saved_tensors
+    if getattr(ctx, "eager", False):
+        return _ccgqa_conv_backward(dz, window, weight, bias)
+    return _ccgqa_conv_bwd_op(dz, window, weight, bias)
+
+
+_ccgqa_conv_fwd_op.register_autograd(_ccgqa_conv_grads, setup_context=_ccgqa_conv_setup)
+_CCGQAConvFunction = eager_autograd_function(
+    "_CCGQAConvFunction", _ccgqa_conv_forward, _ccgqa_conv_setup, _ccgqa_conv_grads
+)
+
+
+# --- public function -----------------------------------------------------------------------------
+
+
+def ccgqa_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """CCGQA's folded conv stage: ``window`` [B, n + K − 1, C] (K − 1 rows of left context),
+    ``weight`` [G, K, d, d] (per head and window offset an [out, in] matrix, G·d = C), ``bias``
+    [C] → [B, n, G, d] in the window's dtype; differentiable in all three. fp64, and shapes the
+    kernels do not take (heads not in :data:`HEAD_DIMS`, more than :data:`MAX_TAPS` taps), run
+    the reference."""
+    if window.dim() != 3 or weight.dim() != 4 or bias.dim() != 1:
+        raise ValueError(
+            f"ccgqa_conv: expected window [B, n + K - 1, C], weight [G, K, d, d], bias [C]; got "
+            f"{tuple(window.shape)}, {tuple(weight.shape)}, {tuple(bias.shape)}"
+        )
+    g, k, d, d_in = weight.shape
+    c = window.shape[-1]
+    if d != d_in or g * d != c or bias.numel() != c or window.shape[1] < k:
+        raise ValueError(
+            f"ccgqa_conv: weight {tuple(weight.shape)} needs square [d, d] blocks with G·d = C = {c} "
+            f"channels, bias [C] and a window of at least K = {k} rows; got window "
+            f"{tuple(window.shape)}, bias {tuple(bias.shape)}"
+        )
+    fused = (
+        window.dtype != torch.float64
+        and d in HEAD_DIMS
+        and k <= MAX_TAPS
+        and window.stride(-1) == 1
+        and controls.triton_path("ccgqa_conv", window, weight, bias)
+    )
+    if not fused:
+        return ccgqa_conv_ref(window, weight, bias)
+    if compiling():
+        return _ccgqa_conv_fwd_op(window, weight, bias)
+    return eager_apply(_CCGQAConvFunction, window, weight, bias)

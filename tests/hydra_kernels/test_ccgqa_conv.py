@@ -1,0 +1,178 @@
+"""ccgqa_conv: Triton kernels (interpreted on CPU) against an fp64 reference and a by-hand loop.
+
+Every output and gradient must satisfy |kernel − fp64| ≤ 2·|torch same dtype − fp64| + atol
+(hydra_kernels.numerics): elementwise in fp32, on the largest errors in bf16, where the reference
+rounds its product before adding the bias and the kernel rounds once, so their rounding errors
+differ element by element. Inputs are fresh random each run; the seed is in every failure message.
+"""
+
+import math
+
+import pytest
+import torch
+
+from hydra_kernels import ccgqa_conv, controls
+from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
+from hydra_kernels.ops import ccgqa_conv as conv_mod
+from hydra_kernels.ops.ccgqa_conv import ccgqa_conv_ref
+
+from .conftest import DEVICE, NEEDS_TRITON, assert_compiles_for_sm90, build_sm90
+
+pytestmark = NEEDS_TRITON
+
+
+def _inputs(b, n, g, k, d, dtype, row_pad=0):
+    """window [B, n + K − 1, G·d] (a column slice of a wider tensor when ``row_pad``: rows strided,
+    channels contiguous, as the model's projection gives it), weight [G, K, d, d], bias [G·d]."""
+    wide = torch.randn(b, n + k - 1, g * d + row_pad, device=DEVICE).to(dtype).requires_grad_()
+    window = wide  # the caller slices it when row_pad
+    weight = (torch.randn(g, k, d, d, device=DEVICE) / math.sqrt(d * k)).requires_grad_()
+    bias = (0.1 * torch.randn(g * d, device=DEVICE)).requires_grad_()
+    return wide, window, weight, bias
+
+
+def _run(fn, window, weight, bias, upstream, cut=None):
+    w = window if cut is None else window[..., :cut]
+    z = fn(w, weight, bias)
+    return (z, *torch.autograd.grad((z.double() * upstream.double()).sum(), (window, weight, bias)))
+
+
+def _check(window, weight, bias, seed, cut=None):
+    b, length, _ = window.shape
+    g, k, d, _ = weight.shape
+    upstream = torch.randn(b, length - k + 1, g, d, device=DEVICE)
+    kern = _run(ccgqa_conv, window, weight, bias, upstream, cut)
+    assert "CCGQAConv" in type(kern[0].grad_fn).__name__, f"reference ran instead: {kern[0].grad_fn}"
+    same = _run(ccgqa_conv_ref, window, weight, bias, upstream, cut)
+    leaves64 = [t.detach().double().requires_grad_() for t in (window, weight, bias)]
+    ref = _run(ccgqa_conv_ref, *leaves64, upstream, cut)
+    for name, kv, tv, rv in zip(("z", "dwindow", "dweight", "dbias"), kern, same, ref, strict=True):
+        assert kv.dtype == tv.dtype and kv.shape == tv.shape, f"{name}: {kv.dtype} vs {tv.dtype}"
+        reduction = "elementwise" if window.dtype == torch.float32 else "max"
+        res = check_against_fp64(kv, tv, rv, atol=fp32_noise_atol(rv), reduction=reduction)
+        assert res.passed, f"{name} (seed={seed}): {res.describe()}"
+    assert controls.fallback_counts()["ccgqa_conv"] == 0
+    return kern
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 70, 2, 3, 16), (1, 5, 3, 2, 32), (3, 64, 1, 4, 16)],  # a tail block; n < a block; K = 4
+)
+def test_matches_fp64(shape, dtype, seed):
+    _, window, weight, bias = _inputs(*shape, dtype)
+    _check(window, weight, bias, seed)
+
+
+def test_strided_rows_of_a_wider_projection(seed):
+    """The window as a column slice of a wider tensor (rows strided): read in place, and its
+    gradient lands in those columns only."""
+    b, n, g, k, d = 2, 40, 2, 3, 16
+    wide, _, weight, bias = _inputs(b, n, g, k, d, torch.bfloat16, row_pad=24)
+    kern = _check(wide, weight, bias, seed, cut=g * d)
+    assert torch.count_nonzero(kern[1][..., g * d :]) == 0
+
+
+def test_by_hand_loop_and_causality(seed):
+    """z[t] = bias + Σ_s W[s] · window[t + s], written as a loop in fp64; and z[t] does not move
+    when window rows after t + K − 1 change."""
+    b, n, g, k, d = 1, 20, 2, 3, 16
+    _, window, weight, bias = _inputs(b, n, g, k, d, torch.float32)
+    z = ccgqa_conv(window, weight, bias).double()
+    w64, win64 = weight.detach().double(), window.detach().double().view(b, n + k - 1, g, d)
+    for t in range(n):
+        for head in range(g):
+            want = bias.detach().double().view(g, d)[head].clone()
+            for s in range(k):
+                want += w64[head, s] @ win64[0, t + s, head]
+            torch.testing.assert_close(z[0, t, head], want, rtol=1e-5, atol=1e-5)
+    later = window.detach().clone()
+    later[:, 10 + k - 1 :] = torch.randn_like(later[:, 10 + k - 1 :])
+    z2 = ccgqa_conv(later, weight, bias)
+    torch.testing.assert_close(z2[:, :10], z[:, :10].to(z2.dtype), rtol=0, atol=0)
+
+
+def test_under_torch_compile_the_custom_op_gives_the_same_bits(seed):
+    _, window, weight, bias = _inputs(2, 33, 2, 3, 16, torch.bfloat16)
+    upstream = torch.randn(2, 33, 2, 16, device=DEVICE)
+    eager = _run(ccgqa_conv, window, weight, bias, upstream)
+    torch._dynamo.reset()
+    compiled = torch.compile(ccgqa_conv, backend="aot_eager", fullgraph=True)
+    got = _run(compiled, window, weight, bias, upstream)
+    for e, c in zip(eager, got, strict=True):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def test_the_custom_ops_fakes_match_what_they_return(seed):
+    """torch's own opcheck (schema, fake tensors' shapes and strides, autograd registration) on
+    the inputs as the model passes them: a column slice of a wider projection for the window and
+    a permuted [heads, K, d, d] view for the weight (inductor asserts the fake's strides)."""
+    b, n, g, k, d = 2, 20, 2, 3, 16
+    wide, _, _, bias = _inputs(b, n, g, k, d, torch.bfloat16, row_pad=8)
+    window = wide.detach()[..., : g * d].requires_grad_()
+    weight = torch.randn(g, d, d, k, device=DEVICE).permute(0, 3, 1, 2).requires_grad_()
+    assert not weight.is_contiguous() and not window.is_contiguous()
+    torch.library.opcheck(conv_mod._ccgqa_conv_fwd_op, (window, weight, bias))
+    dz = torch.randn(b, n, g, d, device=DEVICE).to(torch.bfloat16)
+    torch.library.opcheck(conv_mod._ccgqa_conv_bwd_op, (dz, window.detach(), weight.detach(), bias.detach()))
+    assert controls.fallback_counts()["ccgqa_conv"] == 0
+
+
+def test_a_launch_override_changes_the_blocks_not_the_result(seed):
+    """block_rows 16 (four programs where the default takes one) gives what the fp64 reference
+    says; a block_rows tl.dot cannot tile is refused: counted, and the reference answers."""
+    from hydra_kernels.launch_config import set_launch_overrides
+
+    set_launch_overrides("ccgqa_conv", block_rows=16)
+    _, window, weight, bias = _inputs(2, 50, 2, 3, 16, torch.float32)
+    _check(window, weight, bias, seed)
+    set_launch_overrides("ccgqa_conv", block_rows=8)
+    with pytest.warns(RuntimeWarning, match="block_rows=8"):
+        out = ccgqa_conv(window, weight, bias)
+    torch.testing.assert_close(out, ccgqa_conv_ref(window, weight, bias))
+    assert controls.fallback_counts()["ccgqa_conv"] == 1
+
+
+def test_what_the_kernels_do_not_take_runs_the_reference():
+    window = torch.randn(1, 10, 2 * 24, device=DEVICE)  # heads of 24: not a tl.dot tile
+    weight, bias = torch.randn(2, 3, 24, 24, device=DEVICE), torch.randn(48, device=DEVICE)
+    torch.testing.assert_close(ccgqa_conv(window, weight, bias), ccgqa_conv_ref(window, weight, bias))
+    z64 = ccgqa_conv(window.double(), weight.double(), bias.double())
+    assert z64.dtype == torch.float64
+    with pytest.raises(ValueError, match="G·d = C"):
+        ccgqa_conv(window, torch.randn(3, 3, 24, 24), bias)
+    with pytest.raises(ValueError, match="expected window"):
+        ccgqa_conv(window[0], weight, bias)
+    # a direct call of the custom op with such a shape: the kernel refuses, counted, reference answers
+    with pytest.warns(RuntimeWarning, match="ccgqa_conv kernel failed"):
+        out = conv_mod._ccgqa_conv_fwd_op(window, weight, bias)
+    torch.testing.assert_close(out, ccgqa_conv_ref(window, weight, bias))
+    assert controls.fallback_counts()["ccgqa_conv"] == 1
+
+
+def test_switched_off_runs_the_reference(monkeypatch):
+    monkeypatch.setenv("HYDRA_DISABLE_FUSED_CCGQA_CONV", "1")
+    controls.reload_env()
+    _, window, weight, bias = _inputs(1, 8, 1, 3, 16, torch.float32)
+    assert ccgqa_conv(window, weight, bias).grad_fn is not None
+    assert "CCGQAConv" not in type(ccgqa_conv(window, weight, bias).grad_fn).__name__
+
+
+def _compile_for_sm90() -> None:
+    """Runs in a subprocess without TRITON_INTERPRET (see the test below)."""
+    bf, f32 = "*bf16", "*fp32"
+    consts = {"N_HEADS": 16, "K": 3, "D": 64, "BLOCK_T": conv_mod.LAUNCH["default"].block_rows, "IEEE": False}
+    fwd = {"WIN": bf, "W": bf, "BIAS": f32, "Z": bf, "n": "i32", "stride_wb": "i32", "stride_wt": "i32"}
+    build_sm90(conv_mod._ccgqa_conv_fwd_kernel, fwd, consts, 4, 2)
+    build_sm90(conv_mod._ccgqa_conv_dwin_kernel, {"DZ": bf, "W": bf, "DWIN": bf, "n": "i32"}, consts, 4, 2)
+    dw = {"DZ": bf, "WIN": bf, "PW": f32, "PB": f32, "n": "i32", "n_blocks": "i32", "blocks_per_seq": "i32",
+          "stride_wb": "i32", "stride_wt": "i32"}  # fmt: skip
+    build_sm90(conv_mod._ccgqa_conv_dw_kernel, dw, {**consts, "ITERS": 8}, 4, 2)
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The interpreter skips Triton's compiler; compile for sm_90 here so that GPU-only errors
+    show on a CPU-only machine too."""
+    assert_compiles_for_sm90(__file__)
