@@ -58,7 +58,8 @@ def _check(window, weight, bias, seed, cut=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "shape",
-    [(2, 70, 2, 3, 16), (1, 5, 3, 2, 32), (3, 64, 1, 4, 16)],  # a tail block; n < a block; K = 4
+    # n < a block (two sizes); K = 4; two blocks and a tail at the default 128 rows (fp32 takes 64)
+    [(2, 70, 2, 3, 16), (1, 5, 3, 2, 32), (3, 64, 1, 4, 16), (1, 300, 1, 3, 16)],
 )
 def test_matches_fp64(shape, dtype, seed):
     _, window, weight, bias = _inputs(*shape, dtype)
@@ -136,11 +137,17 @@ def test_a_launch_override_changes_the_blocks_not_the_result(seed):
 
 
 def test_what_the_kernels_do_not_take_runs_the_reference():
-    window = torch.randn(1, 10, 2 * 24, device=DEVICE)  # heads of 24: not a tl.dot tile
+    window = torch.randn(1, 10, 2 * 24, device=DEVICE).requires_grad_()  # heads of 24: no tl.dot tile
     weight, bias = torch.randn(2, 3, 24, 24, device=DEVICE), torch.randn(48, device=DEVICE)
-    torch.testing.assert_close(ccgqa_conv(window, weight, bias), ccgqa_conv_ref(window, weight, bias))
+    z = ccgqa_conv(window, weight, bias)
+    assert "CCGQAConv" not in type(z.grad_fn).__name__  # the reference's own autograd graph
     z64 = ccgqa_conv(window.double(), weight.double(), bias.double())
     assert z64.dtype == torch.float64
+    torch.testing.assert_close(z.double(), z64, rtol=1e-5, atol=1e-5)
+    # fp32 heads wider than FP32_MAX_HEAD_DIM: the reference too (the kernel's fp32 build is slow)
+    wide = torch.randn(1, 6, 128, device=DEVICE).requires_grad_()
+    z = ccgqa_conv(wide, torch.randn(1, 3, 128, 128, device=DEVICE), torch.randn(128, device=DEVICE))
+    assert conv_mod.FP32_MAX_HEAD_DIM < 128 and "CCGQAConv" not in type(z.grad_fn).__name__
     with pytest.raises(ValueError, match="G·d = C"):
         ccgqa_conv(window, torch.randn(3, 3, 24, 24), bias)
     with pytest.raises(ValueError, match="expected window"):
@@ -176,3 +183,16 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     """The interpreter skips Triton's compiler; compile for sm_90 here so that GPU-only errors
     show on a CPU-only machine too."""
     assert_compiles_for_sm90(__file__)
+
+
+def test_an_fp32_window_under_autocast_runs_in_autocasts_dtype(seed):
+    """As the reference's einsum does under autocast: the kernel gets the window cast to bf16 and
+    returns bf16, the window's gradient coming back in fp32 through the cast."""
+    _, window, weight, bias = _inputs(1, 20, 2, 3, 16, torch.float32)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        z = ccgqa_conv(window, weight, bias)
+        r = ccgqa_conv_ref(window, weight, bias)
+    assert z.dtype == r.dtype == torch.bfloat16
+    z.float().sum().backward()
+    assert window.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    torch.testing.assert_close(z.float(), r.float(), rtol=2e-2, atol=2e-2)

@@ -334,3 +334,55 @@ def test_a_short_prefill_with_a_slot_equals_the_plain_forward_with_random_temper
         plain = attn(x, cos, sin)
         prefill = attn(x, cos, sin, slot=CacheSlot(16))
     torch.testing.assert_close(prefill, plain, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+
+
+def test_conv_stage_through_the_kernel_matches_the_two_convolutions_in_fp64(monkeypatch):
+    """The model's conv stage with hydra_kernels' ccgqa_conv (interpreted here; the suite's
+    conftest turns kernels off, this test on): q and k, and the gradients of the window and the
+    conv parameters, against fp64 F.conv1d (depthwise, then head-wise grouped) plus the q-k mean,
+    computed from the module's parameters without the fold. Heads of 16: a width the kernel takes."""
+    import torch.nn.functional as F
+
+    import hydra_kernels
+    from hydra_kernels.ops import ccgqa_conv as conv_op
+
+    if not hydra_kernels.controls.device_supports_triton(torch.device("cpu")):
+        pytest.skip("needs the Triton interpreter")
+    hq, hkv, d, b, n = 2, 1, 16, 2, 70
+    torch.manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    attn = CCGQAAttention(64, hq, hkv, d, 8, 2, 2)
+    with torch.no_grad():
+        attn.conv_seq.bias.normal_()
+        attn.conv_ch.bias.normal_()
+    c, ctx = (hq + hkv) * d, attn.conv_context
+    window = torch.randn(b, n + ctx, c)
+    window[:, :ctx] = 0  # a sequence start: left context zeros, as the forward pads it
+    window.requires_grad_()
+    launches = []
+    real = conv_op.ccgqa_conv_fwd_launch
+    monkeypatch.setattr(conv_op, "ccgqa_conv_fwd_launch", lambda *a: launches.append(1) or real(*a))
+    hydra_kernels.set_use_triton_kernels(True)
+    try:
+        q, k = attn._conv_qk(window)
+    finally:
+        hydra_kernels.set_use_triton_kernels(False)
+    assert launches, "the kernel did not run"
+    params = [attn.conv_seq.weight, attn.conv_seq.bias, attn.conv_ch.weight, attn.conv_ch.bias]
+    up_q, up_k = torch.randn_like(q), torch.randn_like(k)
+    got = torch.autograd.grad((q * up_q).sum() + (k * up_k).sum(), [window, *params])
+
+    w64 = window.detach().double().requires_grad_()
+    p64 = [p.detach().double().requires_grad_() for p in params]
+    z = F.conv1d(w64.transpose(1, 2), p64[0], p64[1], groups=c)  # [B, C, n + k_ch - 1]
+    z = F.conv1d(z, p64[2], p64[3], groups=hq + hkv).transpose(1, 2)  # [B, n, C]
+    u = w64[:, ctx:]
+    qp, kp = u[..., : hq * d].reshape(b, n, hkv, hq // hkv, d), u[..., hq * d :].reshape(b, n, hkv, 1, d)
+    mean = 0.5 * (qp + kp)
+    q64 = z[..., : hq * d].reshape(b, n, hq, d) + mean.reshape(b, n, hq, d)
+    k64 = z[..., hq * d :].reshape(b, n, hkv, d) + mean.mean(3)
+    want = torch.autograd.grad((q64 * up_q.double()).sum() + (k64 * up_k.double()).sum(), [w64, *p64])
+    torch.testing.assert_close(q.double(), q64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.double(), k64, rtol=1e-5, atol=1e-5)
+    names = ("window", "seq weight", "seq bias", "ch weight", "ch bias")
+    for name, g, w in zip(names, got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=name)

@@ -105,3 +105,13 @@ def test_export_refuses_a_rule_it_has_no_implementation_for(even_rule):
     model = small_model(routing="even_positions", mod_dense_first_last=False, recursions_per_block=1)
     with pytest.raises(UnsupportedModelError, match="even_positions"):
         hydra_layout(model)
+
+
+def test_a_rule_running_the_dense_recursions_still_reports_depth_r(even_rule):
+    """Dense blocks record no depth statistics, but a rule of its own that reuses the dense rule's
+    recursions (as EvenPositions does) reports every token R deep, as before."""
+    model = small_model(routing="even_positions", mod_dense_first_last=False, n_mor_blocks=2).train()
+    model(random_tokens(2, 15, seed=3), targets=random_tokens(2, 15, seed=4)).loss.backward()
+    mor = model.routing_stats()["mor"]
+    assert mor and all(float(s["avg_depth"]) == model.config.recursions_per_block for s in mor)
+    assert all(float(s["depth_hist"].sum()) == pytest.approx(1.0) for s in mor)

@@ -202,7 +202,13 @@ def test_a_stacked_arm_compares_with_its_bases_second_timing(tmp_path):
     assert res["prefetch_threads"]["first_timing"]["median_ms"] > 1000.0  # the 1 s sleeps
     stacked = res["compile"]
     assert stacked["ref"] == "prefetch_threads" and stacked["status"] == "PASS"
-    assert stacked["timing"]["default_median_ms"] == res["prefetch_threads"]["timing"]["median_ms"]
+    base_second = res["prefetch_threads"]["timing"]["median_ms"]
+    if stacked.get("timed_again") is True:
+        # a loaded host made the stacked arm look slow: it was timed again beside a fresh timing
+        # of its base, which decides; its first comparison was with the base's second timing
+        assert stacked["first_timing"]["default_median_ms"] == base_second
+    else:
+        assert stacked["timing"]["default_median_ms"] == base_second
     assert stacked["timing"]["default_median_ms"] < 1000.0
 
 

@@ -170,9 +170,12 @@ class DenseRouting(RoutingRule):
         for r in range(block.recursions):
             h, moe_loss = block.run_block(h, r, ctx, pos, None, member=member)
             add_aux(aux, "moe_balance", moe_loss)
-        # depths feed only statistics, which neither a generation nor a dense block records
-        # (CCGQAMoRBlock.forward)
-        return h, None, None
+        if ctx.generating or block.mode == "dense":
+            # depths feed only statistics, which neither a generation nor a dense block records
+            # (CCGQAMoRBlock.forward); a rule of its own that runs this one still reports depth R
+            return h, None, None
+        full = ones_like_rows(h) * block.recursions
+        return h, full, full
 
 
 @register_routing

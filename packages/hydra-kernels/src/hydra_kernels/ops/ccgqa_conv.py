@@ -33,6 +33,8 @@ are summed in fp32 and returned in their own dtypes. fp64 runs the reference.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -52,14 +54,22 @@ from hydra_kernels.ops._custom_op import (
 )
 
 #: The kernels' launch: rows per program (``block_rows``, a power of two ≥ 16: tl.dot's smallest
-#: tile), warps and pipeline stages; one entry for every GPU generation (measured on an H100 only)
-LAUNCH: dict[str, LaunchConfig] = {"default": LaunchConfig(num_warps=4, num_stages=2, block_rows=64)}
+#: tile), warps and pipeline stages; one entry for every GPU generation. Swept on an H100 at the
+#: 100M preset's shape with DW_PROGRAMS_PER_SM (rows 32/64/128 × warps 4/8 × 2–32 programs an SM):
+#: 128 rows, 4 warps, 4 programs took the backward from 0.139 ms (64 rows, 2 programs) to 0.086 ms,
+#: the forward unchanged at 0.037 ms (packages/hydra-kernels/BENCHMARKS.md, 2026-11-27)
+LAUNCH: dict[str, LaunchConfig] = {"default": LaunchConfig(num_warps=4, num_stages=2, block_rows=128)}
 #: Head widths the kernels take: powers of two that tl.dot tiles (others run the reference).
 HEAD_DIMS = (16, 32, 64, 128)
+#: The widest head fp32 windows run the kernels with, in at most FP32_MAX_ROWS rows a program:
+#: IEEE fp32 products are not tensor-core work, and a [rows, 128] × [128, 128] fp32 product took
+#: Triton minutes to compile for sm_90 (a review's measurement; 1.3 s in bf16)
+FP32_MAX_HEAD_DIM = 64
+FP32_MAX_ROWS = 64
 #: Most window offsets (taps) the kernels unroll.
 MAX_TAPS = 8
 #: Target programs per SM of the weight-gradient kernel (it splits the tokens to get there).
-DW_PROGRAMS_PER_SM = 2
+DW_PROGRAMS_PER_SM = 4
 
 
 # --- PyTorch reference ---------------------------------------------------------------------------
@@ -179,20 +189,26 @@ def _check(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tu
     only a direct call of the custom ops can reach (the public function checks first)."""
     g, k, d, d_in = weight.shape
     length, c = window.shape[1], window.shape[2]
-    if d != d_in or d not in HEAD_DIMS or k > MAX_TAPS or g * d != c or bias.numel() != c or length < k:
+    too_wide = window.dtype == torch.float32 and d > FP32_MAX_HEAD_DIM
+    if d != d_in or d not in HEAD_DIMS or too_wide or k > MAX_TAPS or g * d != c or bias.numel() != c:
         raise ValueError(
-            f"ccgqa_conv: window {tuple(window.shape)}, weight {tuple(weight.shape)}, bias "
-            f"{tuple(bias.shape)}: the kernels take square heads of {HEAD_DIMS} and ≤ {MAX_TAPS} taps"
+            f"ccgqa_conv: window {tuple(window.shape)} ({window.dtype}), weight {tuple(weight.shape)}, "
+            f"bias {tuple(bias.shape)}: the kernels take square heads of {HEAD_DIMS} (fp32: up to "
+            f"{FP32_MAX_HEAD_DIM}) and ≤ {MAX_TAPS} taps"
         )
+    if length < k:
+        raise ValueError(f"ccgqa_conv: a window of {length} rows is shorter than the K = {k} taps")
     if window.stride(-1) != 1:
         raise ValueError("ccgqa_conv: the window's channels must be contiguous")
     return g, k, d, length - k + 1
 
 
-def _launch(device: torch.device) -> LaunchConfig:
+def _launch(device: torch.device, dtype: torch.dtype) -> LaunchConfig:
     cfg = resolve_launch_config("ccgqa_conv", device, LAUNCH)
     if cfg.block_rows < 16 or cfg.block_rows & (cfg.block_rows - 1):
         raise ValueError(f"ccgqa_conv: block_rows={cfg.block_rows} must be a power of two ≥ 16")
+    if dtype == torch.float32 and cfg.block_rows > FP32_MAX_ROWS:
+        cfg = replace(cfg, block_rows=FP32_MAX_ROWS)
     return cfg
 
 
@@ -205,7 +221,7 @@ def ccgqa_conv_fwd_launch(window: torch.Tensor, weight: torch.Tensor, bias: torc
         return z
     # the products' operands in the window's dtype (as the reference's einsum takes them)
     weight, bias = weight.to(window.dtype).contiguous(), bias.contiguous()
-    cfg = _launch(window.device)
+    cfg = _launch(window.device, window.dtype)
     with device_guard(window):
         _ccgqa_conv_fwd_kernel[(cdiv(n, cfg.block_rows), g, b)](
             window, weight, bias, z, n, window.stride(0), window.stride(1),
@@ -227,7 +243,7 @@ def ccgqa_conv_bwd_launch(
         return dwin.zero_(), weight.new_zeros(weight.shape), bias.new_zeros(bias.shape)
     w_in = weight.to(window.dtype).contiguous()
     ieee = window.dtype == torch.float32
-    cfg = _launch(window.device)
+    cfg = _launch(window.device, window.dtype)
     block_t, warps, stages = cfg.block_rows, cfg.num_warps, cfg.num_stages
     blocks_per_seq = cdiv(n, block_t)
     n_blocks = b * blocks_per_seq
@@ -327,9 +343,10 @@ _CCGQAConvFunction = eager_autograd_function(
 def ccgqa_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """CCGQA's folded conv stage: ``window`` [B, n + K − 1, C] (K − 1 rows of left context),
     ``weight`` [G, K, d, d] (per head and window offset an [out, in] matrix, G·d = C), ``bias``
-    [C] → [B, n, G, d] in the window's dtype; differentiable in all three. fp64, and shapes the
-    kernels do not take (heads not in :data:`HEAD_DIMS`, more than :data:`MAX_TAPS` taps), run
-    the reference."""
+    [C] → [B, n, G, d] in the window's dtype (autocast's dtype for an fp32 window under autocast,
+    as the reference's einsum gives); differentiable in all three. fp64, and shapes the kernels do
+    not take (heads not in :data:`HEAD_DIMS`, fp32 heads wider than :data:`FP32_MAX_HEAD_DIM`,
+    more than :data:`MAX_TAPS` taps), run the reference."""
     if window.dim() != 3 or weight.dim() != 4 or bias.dim() != 1:
         raise ValueError(
             f"ccgqa_conv: expected window [B, n + K - 1, C], weight [G, K, d, d], bias [C]; got "
@@ -343,9 +360,14 @@ def ccgqa_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
             f"channels, bias [C] and a window of at least K = {k} rows; got window "
             f"{tuple(window.shape)}, bias {tuple(bias.shape)}"
         )
+    device_type = window.device.type
+    if window.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        # the reference's einsum would run in autocast's dtype: so do the kernels, on a cast copy
+        window = window.to(torch.get_autocast_dtype(device_type))
     fused = (
         window.dtype != torch.float64
         and d in HEAD_DIMS
+        and (window.dtype != torch.float32 or d <= FP32_MAX_HEAD_DIM)
         and k <= MAX_TAPS
         and window.stride(-1) == 1
         and controls.triton_path("ccgqa_conv", window, weight, bias)

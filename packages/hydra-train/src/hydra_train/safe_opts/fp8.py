@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from hydra_train.safe_opts.registry import Optimization
+from hydra_train.safe_opts.toggles import compile_options
 
 if TYPE_CHECKING:
     from hydra_train.trainer import Trainer
@@ -72,7 +73,7 @@ def quantize_fused(x: torch.Tensor, fmt: str, rowwise: bool) -> tuple[torch.Tens
     if not x.is_cuda or torch.compiler.is_compiling() or _fused["failed"] is not None:
         return quantize(x, fmt, rowwise)
     if _fused["fn"] is None:
-        _fused["fn"] = torch.compile(quantize, dynamic=True)
+        _fused["fn"] = torch.compile(quantize, dynamic=True, options=compile_options("inductor"))
     try:
         out = _fused["fn"](x, fmt, rowwise)
     except torch.OutOfMemoryError:

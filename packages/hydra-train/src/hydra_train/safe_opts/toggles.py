@@ -243,10 +243,11 @@ class TritonKernels(Optimization):
 BLOCK_GRAPHS_LIMIT = 64
 
 
-#: inductor options of every compile hydra-train makes. Pointwise kernels take inductor's one
-#: default launch configuration instead of compiling two and timing them at the first call: on an
-#: H100, HYDRA 100M's whole forward compiled 832 Triton kernels instead of 1336, timed 6 instead
-#: of 129, and stepped as fast (packages/hydra-train/BENCHMARKS.md, 2026-11-27)
+#: inductor options of every compile hydra-train makes (``--compile``, fp8's fused quantize).
+#: Pointwise kernels take inductor's one default launch configuration instead of compiling two and
+#: timing them at the first call: on an H100, HYDRA 100M's whole forward compiled 832 Triton kernels
+#: instead of 1336, timed 6 instead of 129, and stepped as fast
+#: (packages/hydra-train/BENCHMARKS.md, 2026-11-27)
 INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False}
 
 
