@@ -27,8 +27,9 @@ offset straight from the window and accumulate the K small products in registers
   which the host adds (a few per head: no atomics, the same bits every call).
 
 Products run on tensor cores in the input's dtype with fp32 accumulation (fp32 inputs take IEEE
-products, not TF32); the weight and bias are read in any float dtype and cast; their gradients
-are summed in fp32 and returned in their own dtypes. fp64 runs the reference.
+products, not TF32, for heads up to :data:`FP32_MAX_HEAD_DIM`); the weight is cast to the
+window's dtype for them and the bias read as fp32; their gradients are summed in fp32 and
+returned in their own dtypes. fp64 runs the reference.
 """
 
 from __future__ import annotations
