@@ -188,6 +188,12 @@ class CCGQAMoRBlock(nn.Module):
         self.register_buffer("stat_depth", torch.zeros(2), persistent=False)  # [avg, expected]
         self.register_buffer("stat_depth_hist", torch.zeros(self.recursions + 1), persistent=False)
 
+    @property
+    def records_depth(self) -> bool:
+        """Whether a training forward records this block's depth statistics (and routing_stats()
+        reports them): not for a dense block, whose every token goes all R recursions."""
+        return self.mode != "dense"
+
     def logits(self, h: torch.Tensor, r: int, bce: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Recursion r's router logit [B, n] on the normalised stream, and (``bce``) the same value
         for the membership BCE (gradient to the router only); see :func:`router_logits`."""
@@ -224,11 +230,11 @@ class CCGQAMoRBlock(nn.Module):
         h, depth, expected = routing_rule(self.mode).mor_forward(self, h, pos, member, ctx, aux)
         if ctx.generating or depth is None:
             # statistics and the ponder loss: a dozen kernels a block, read by no one. A rule
-            # returns no depths where there is nothing to record: the dense rule (every token R
-            # deep; routing_stats() leaves dense blocks out), whose statistics were ~20 traced
-            # ops a block, a tenth of the 100M preset's compiled training forward
+            # returns no depths where there is nothing to record (records_depth: the dense rule's
+            # statistics were ~20 traced ops a block, a tenth of the 100M preset's compiled
+            # training forward)
             return h, aux
-        if self.ponder and self.mode != "dense":
+        if self.ponder:
             add_aux(aux, "ponder", masked_mean(expected, member) / big_r)
         with torch.no_grad():
             hist = F.one_hot(depth.detach().round().long().clamp(0, big_r), big_r + 1).float()

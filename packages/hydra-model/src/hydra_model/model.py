@@ -240,7 +240,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
                         "passed_frac": blk.stat_mod[2].clone(),
                     }
                 )
-            if blk.mor.mode != "dense":
+            if blk.mor.records_depth:
                 out["mor"].append(
                     {
                         "layer": i,

@@ -170,9 +170,9 @@ class DenseRouting(RoutingRule):
         for r in range(block.recursions):
             h, moe_loss = block.run_block(h, r, ctx, pos, None, member=member)
             add_aux(aux, "moe_balance", moe_loss)
-        if ctx.generating or block.mode == "dense":
-            # depths feed only statistics, which neither a generation nor a dense block records
-            # (CCGQAMoRBlock.forward); a rule of its own that runs this one still reports depth R
+        if ctx.generating or not block.records_depth:
+            # depths feed only statistics, which neither a generation nor a dense block records;
+            # a rule of its own that runs this one still reports depth R
             return h, None, None
         full = ones_like_rows(h) * block.recursions
         return h, full, full

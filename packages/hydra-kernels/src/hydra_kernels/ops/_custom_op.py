@@ -28,6 +28,8 @@ the public function picks it when :func:`compiling` is false.
 - :func:`cdiv`, :func:`next_power_of_2` — host-side integer helpers. Triton 3.6's functions of
   those names are ``constexpr_function`` objects whose every call from Python goes through a
   wrapper costing microseconds; a launcher calls them several times per op call.
+- :func:`dot_operand` (``@triton.jit``) — a ``tl.dot`` operand widened to fp32 under the
+  interpreter only (its 16-bit tl.dot is wrong there).
 - :func:`to_output_dtype` (``@triton.jit``) — ``v.to(dtype)`` with round-to-nearest-even. GPUs
   round fp32 → bf16 that way natively; Triton 3.6's interpreter truncates instead, which would
   make CPU tests measure the interpreter rather than the kernel, so under the interpreter (only)
@@ -61,8 +63,9 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETER_SM_COUNT = 4
 
 
-# Read by to_output_dtype at compile time: on GPUs the branch compiles away.
+# Read by to_output_dtype and dot_operand at compile time: on GPUs the branches compile away.
 _ROUND_BF16_BY_HAND = tl.constexpr(controls.INTERPRETER_ACTIVE)
+_WIDEN_DOT_OPERANDS = tl.constexpr(controls.INTERPRETER_ACTIVE)
 
 
 @triton.jit
@@ -75,6 +78,17 @@ def to_output_dtype(v, dtype: tl.constexpr):
         return tl.where(v != v, v.to(dtype), rounded)  # keep NaN a NaN
     else:
         return v.to(dtype)
+
+
+@triton.jit
+def dot_operand(x):
+    """``x`` as a ``tl.dot`` operand: unchanged on GPUs; widened to fp32 under Triton 3.6's
+    interpreter, whose tl.dot returns garbage on bf16/fp16 operands (exact: products of 16-bit
+    floats fit in fp32)."""
+    if _WIDEN_DOT_OPERANDS:
+        return x.to(tl.float32)
+    else:
+        return x
 
 
 def upcast(t: torch.Tensor) -> torch.Tensor:

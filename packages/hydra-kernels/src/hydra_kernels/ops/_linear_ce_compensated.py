@@ -35,9 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hydra_kernels import controls
 from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
-from hydra_kernels.ops._custom_op import cdiv, next_power_of_2, to_output_dtype
+from hydra_kernels.ops._custom_op import cdiv, dot_operand, next_power_of_2, to_output_dtype
 from hydra_kernels.ops._linear_ce_kernels import vocab_major_tile
 
 #: 4-bit residuals: |n| ≤ 8 in units of ulp/16, stored in [−8, 7].
@@ -52,9 +51,6 @@ DW_LAUNCH: dict[str, LaunchConfig] = {
     "ampere": LaunchConfig(num_warps=4, num_stages=3, block_rows=32, block_q=128, block_kv=32),
     "default": LaunchConfig(num_warps=4, num_stages=2, block_rows=32, block_q=64, block_kv=32),
 }
-
-# See _linear_ce_kernels: the 3.6 interpreter's tl.dot needs fp32 operands (exact widening).
-_WIDEN_DOT_OPERANDS = tl.constexpr(controls.INTERPRETER_ACTIVE)
 
 
 def format_params(dtype: torch.dtype) -> tuple[int, int]:
@@ -170,10 +166,7 @@ def _dw_compensated_kernel(
             g = tl.load(g_tile, mask=c_ok & v_ok[None, :], other=0.0)
             ha = tl.load(ha_tile, mask=c_ok & a_ok[None, :], other=0.0)
             hb = tl.load(hb_tile, mask=c_ok & b_ok[None, :], other=0.0)
-        if _WIDEN_DOT_OPERANDS:
-            g = g.to(tl.float32)
-            ha = ha.to(tl.float32)
-            hb = hb.to(tl.float32)
+        g, ha, hb = dot_operand(g), dot_operand(ha), dot_operand(hb)
         gt = tl.trans(g)
         acc_a = tl.dot(gt, ha, acc_a)
         acc_b = tl.dot(gt, hb, acc_b)

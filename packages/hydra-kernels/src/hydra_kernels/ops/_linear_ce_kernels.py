@@ -32,7 +32,7 @@ import triton.language as tl
 
 from hydra_kernels import controls
 from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
-from hydra_kernels.ops._custom_op import cdiv, next_power_of_2, persistent_grid, to_output_dtype
+from hydra_kernels.ops._custom_op import cdiv, dot_operand, next_power_of_2, persistent_grid, to_output_dtype
 
 #: Row-kernel launch table: ``block_q`` = vocabulary block, ``block_rows`` = rows handled side by
 #: side (1 on GPUs, where a row of a large vocabulary is plenty of work; 16 under the CPU
@@ -61,10 +61,6 @@ DW_LAUNCH: dict[str, LaunchConfig] = {
     "ampere": LaunchConfig(num_warps=4, num_stages=3, block_rows=32, block_q=128, block_kv=64),
     "default": LaunchConfig(num_warps=4, num_stages=2, block_rows=32, block_q=64, block_kv=64),
 }
-
-# Triton 3.6's interpreter returns garbage from tl.dot on bf16/fp16 operands; there (only) the
-# operands are widened to fp32 first, which is exact: products of 16-bit floats fit in fp32.
-_WIDEN_DOT_OPERANDS = tl.constexpr(controls.INTERPRETER_ACTIVE)
 
 
 @triton.jit
@@ -232,9 +228,7 @@ def _dw_accum_kernel(
             mask=c_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        if _WIDEN_DOT_OPERANDS:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+        a, b = dot_operand(a), dot_operand(b)
         if IEEE:
             acc += tl.dot(a, b, input_precision="ieee")  # fp32 operands: no TF32 rounding
         else:

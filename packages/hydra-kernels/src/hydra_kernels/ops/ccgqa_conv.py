@@ -46,6 +46,7 @@ from hydra_kernels.ops._custom_op import (
     cdiv,
     compiling,
     device_guard,
+    dot_operand,
     eager_apply,
     eager_autograd_function,
     multiprocessor_count,
@@ -90,17 +91,10 @@ def ccgqa_conv_ref(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 # --- Triton kernels ------------------------------------------------------------------------------
 
 
-# Triton 3.6's interpreter returns garbage from tl.dot on 16-bit operands (see
-# _linear_ce_kernels); there (only) they are widened to fp32 first, which is exact.
-_WIDEN_DOT_OPERANDS = tl.constexpr(controls.INTERPRETER_ACTIVE)
-
-
 @triton.jit
 def _dot_acc(acc, a, b, IEEE: tl.constexpr):
     """acc + a @ b with fp32 accumulation; IEEE products for fp32 operands (no TF32)."""
-    if _WIDEN_DOT_OPERANDS:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
+    a, b = dot_operand(a), dot_operand(b)
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
@@ -185,23 +179,48 @@ def _ccgqa_conv_dw_kernel(
 # --- host launchers ------------------------------------------------------------------------------
 
 
+def _shape_error(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> str | None:
+    """Why these are not a window, per-tap weight and bias of one conv stage (None when they are)."""
+    if window.dim() != 3 or weight.dim() != 4 or bias.dim() != 1:
+        return (
+            f"ccgqa_conv: expected window [B, n + K - 1, C], weight [G, K, d, d], bias [C]; got "
+            f"{tuple(window.shape)}, {tuple(weight.shape)}, {tuple(bias.shape)}"
+        )
+    g, k, d, d_in = weight.shape
+    c = window.shape[-1]
+    if d != d_in or g * d != c or bias.numel() != c or window.shape[1] < k:
+        return (
+            f"ccgqa_conv: weight {tuple(weight.shape)} needs square [d, d] blocks with G·d = C = {c} "
+            f"channels, bias [C] and a window of at least K = {k} rows; got window "
+            f"{tuple(window.shape)}, bias {tuple(bias.shape)}"
+        )
+    return None
+
+
+def _kernel_refusal(window: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why the kernels do not take a well-shaped call (None when they do): fp64, heads not in
+    :data:`HEAD_DIMS` (fp32: wider than :data:`FP32_MAX_HEAD_DIM`), more than :data:`MAX_TAPS`
+    taps, channels not contiguous."""
+    _, k, d, _ = weight.shape
+    widest = FP32_MAX_HEAD_DIM if window.dtype == torch.float32 else max(HEAD_DIMS)
+    if window.dtype == torch.float64 or d not in HEAD_DIMS or d > widest or k > MAX_TAPS:
+        return (
+            f"ccgqa_conv: window {window.dtype}, weight {tuple(weight.shape)}: the kernels take square "
+            f"heads of {HEAD_DIMS} (fp32: up to {FP32_MAX_HEAD_DIM}), ≤ {MAX_TAPS} taps, no fp64"
+        )
+    if window.stride(-1) != 1:
+        return "ccgqa_conv: the window's channels must be contiguous"
+    return None
+
+
 def _check(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[int, int, int, int]:
     """(G, K, d, n) for inputs the kernels take; raises (→ counted fallback) otherwise, which
     only a direct call of the custom ops can reach (the public function checks first)."""
-    g, k, d, d_in = weight.shape
-    length, c = window.shape[1], window.shape[2]
-    too_wide = window.dtype == torch.float32 and d > FP32_MAX_HEAD_DIM
-    if d != d_in or d not in HEAD_DIMS or too_wide or k > MAX_TAPS or g * d != c or bias.numel() != c:
-        raise ValueError(
-            f"ccgqa_conv: window {tuple(window.shape)} ({window.dtype}), weight {tuple(weight.shape)}, "
-            f"bias {tuple(bias.shape)}: the kernels take square heads of {HEAD_DIMS} (fp32: up to "
-            f"{FP32_MAX_HEAD_DIM}) and ≤ {MAX_TAPS} taps"
-        )
-    if length < k:
-        raise ValueError(f"ccgqa_conv: a window of {length} rows is shorter than the K = {k} taps")
-    if window.stride(-1) != 1:
-        raise ValueError("ccgqa_conv: the window's channels must be contiguous")
-    return g, k, d, length - k + 1
+    error = _shape_error(window, weight, bias) or _kernel_refusal(window, weight)
+    if error:
+        raise ValueError(error)
+    g, k, d, _ = weight.shape
+    return g, k, d, window.shape[1] - k + 1
 
 
 def _launch(device: torch.device, dtype: torch.dtype) -> LaunchConfig:
@@ -348,32 +367,14 @@ def ccgqa_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
     as the reference's einsum gives); differentiable in all three. fp64, and shapes the kernels do
     not take (heads not in :data:`HEAD_DIMS`, fp32 heads wider than :data:`FP32_MAX_HEAD_DIM`,
     more than :data:`MAX_TAPS` taps), run the reference."""
-    if window.dim() != 3 or weight.dim() != 4 or bias.dim() != 1:
-        raise ValueError(
-            f"ccgqa_conv: expected window [B, n + K - 1, C], weight [G, K, d, d], bias [C]; got "
-            f"{tuple(window.shape)}, {tuple(weight.shape)}, {tuple(bias.shape)}"
-        )
-    g, k, d, d_in = weight.shape
-    c = window.shape[-1]
-    if d != d_in or g * d != c or bias.numel() != c or window.shape[1] < k:
-        raise ValueError(
-            f"ccgqa_conv: weight {tuple(weight.shape)} needs square [d, d] blocks with G·d = C = {c} "
-            f"channels, bias [C] and a window of at least K = {k} rows; got window "
-            f"{tuple(window.shape)}, bias {tuple(bias.shape)}"
-        )
+    error = _shape_error(window, weight, bias)
+    if error:
+        raise ValueError(error)
     device_type = window.device.type
     if window.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
         # the reference's einsum would run in autocast's dtype: so do the kernels, on a cast copy
         window = window.to(torch.get_autocast_dtype(device_type))
-    fused = (
-        window.dtype != torch.float64
-        and d in HEAD_DIMS
-        and (window.dtype != torch.float32 or d <= FP32_MAX_HEAD_DIM)
-        and k <= MAX_TAPS
-        and window.stride(-1) == 1
-        and controls.triton_path("ccgqa_conv", window, weight, bias)
-    )
-    if not fused:
+    if _kernel_refusal(window, weight) or not controls.triton_path("ccgqa_conv", window, weight, bias):
         return ccgqa_conv_ref(window, weight, bias)
     if compiling():
         return _ccgqa_conv_fwd_op(window, weight, bias)
