@@ -17,6 +17,7 @@ from hydra_model.causal_routing import (
     budget_count,
     capacity_fixed,
     causal_take,
+    commit_thresholds,
     position_budget,
     take_first_k,
 )
@@ -186,6 +187,46 @@ def test_threshold_recentres_when_the_quantile_falls_off_the_grid():
     thr.commit()
     exact = far.median().item()
     assert abs(thr.tau.item() - exact) < 0.5
+
+
+def test_thresholds_committed_together_equal_each_committed_alone():
+    """A model commits its thresholds in batches (those sharing target and momentum stacked):
+    every threshold ends bit for bit where committing it alone leaves it, through first commits,
+    EMA blends, a quantile off the grid, an empty record and a rejected step."""
+    specs = [(0.25, 0.9), (0.25, 0.9), (0.5, 0.9), (0.25, 0.99), (0.25, 0.9), (0.125, 0.9)]
+    together = [RouterThreshold(*spec) for spec in specs]
+    alone = [RouterThreshold(*spec) for spec in specs]
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    for step, applied in enumerate([None, torch.tensor(True), torch.tensor(False), None, None]):
+        for k, (a, b) in enumerate(zip(together, alone, strict=True)):
+            if step == 1 and k == 4:
+                continue  # nothing recorded: the commit leaves it as it is
+            scale = 40.0 if (step == 3 and k == 0) else 1.0  # far off the grid: re-centres
+            logit = (torch.randn(2, 37, generator=g) * (1 + k) + k) * scale
+            cand = torch.rand(2, 37, generator=g) < 0.7
+            a.record(logit, cand)
+            b.record(logit, cand)
+        commit_thresholds(together, applied)
+        for b in alone:
+            b.commit(applied)
+        for a, b in zip(together, alone, strict=True):
+            for name in ("tau", "spread", "seen", "above", "moments"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
+    assert all(t.seen.item() == 1 for t in together)
+
+
+def test_a_threshold_commit_launches_as_many_kernels_for_five_as_for_one():
+    from hydra_kernels.launch_count import KernelCount
+
+    def launches(n: int) -> int:
+        thresholds = [RouterThreshold(0.125, 0.9) for _ in range(n)]
+        for t in thresholds:
+            t.record(torch.randn(2, 16), None)
+        with KernelCount() as count:
+            commit_thresholds(thresholds, torch.tensor(True))
+        return sum(count.kernels.values())
+
+    assert launches(5) == launches(1) < 60  # one at a time, five took 285
 
 
 def _mixed_model(**overrides):

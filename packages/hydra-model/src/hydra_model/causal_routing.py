@@ -153,42 +153,65 @@ class RouterThreshold(nn.Module):
     @torch.no_grad()
     def commit(self, applied: torch.Tensor | None = None) -> None:
         """Fold the record into τ and the spread and clear it; with ``applied`` False (a bool
-        tensor: the optimizer step did not go through) only clear it. No host sync."""
-        count, total, squares = self.moments.unbind()
-        ready = count > 0
-        if applied is not None:
-            ready = ready & applied.to(device=ready.device, dtype=torch.bool)
-        safe = count.clamp(min=1.0)
-        frac = self.above / safe  # [K], non-increasing along the grid
-        grid = self.grid()
-        # i: grid points whose share above exceeds the target; the quantile lies after the i-th
-        i = (frac > self.target).sum()
-        lo = (i - 1).clamp(0, GRID_POINTS - 1)
-        hi = i.clamp(0, GRID_POINTS - 1)
-        # index_select with an index tensor, not frac[lo]: indexing by a 0-d tensor calls __index__,
-        # a host read that breaks a compiled graph (and kept the race's forward out of CUDA graphs)
-        pick = torch.stack([lo, hi])
-        f_lo, f_hi = frac.index_select(0, pick).unbind()
-        g_lo, g_hi = grid.index_select(0, pick).unbind()
-        step = torch.where(f_lo > f_hi, (f_lo - self.target) / (f_lo - f_hi).clamp(min=1e-12), 0.0)
-        quantile = g_lo + step.clamp(0, 1) * (g_hi - g_lo)
-        mean = total / safe
-        std = (squares / safe - mean * mean).clamp(min=0).sqrt().clamp(min=1e-3)
-        # off the grid, the grid says only "beyond this end": re-centre on a normal approximation
-        # of the quantile and take the spread as it is, so the next grid covers the logits
-        off_grid = (i == 0) | (i == GRID_POINTS)
-        quantile = torch.where(off_grid, mean + self.z * std, quantile)
-        take = (self.seen == 0) | off_grid
-        blended = torch.where(take, quantile, self.momentum * self.tau + (1 - self.momentum) * quantile)
-        spread = torch.where(take, std, self.momentum * self.spread + (1 - self.momentum) * std)
-        self.tau.copy_(torch.where(ready, blended, self.tau))
-        self.spread.copy_(torch.where(ready, spread, self.spread))
-        self.seen.copy_(torch.where(ready, torch.ones_like(self.seen), self.seen))
-        self.above.zero_()
-        self.moments.zero_()
+        tensor: the optimizer step did not go through) only clear it. No host sync. A model
+        commits all its thresholds together (:func:`commit_thresholds`)."""
+        commit_thresholds([self], applied)
 
     def passes(self, logit: torch.Tensor) -> torch.Tensor:
         return logit > self.tau
+
+
+def commit_thresholds(thresholds: list[RouterThreshold], applied: torch.Tensor | None = None) -> None:
+    """Commit every threshold of ``thresholds`` (see :meth:`RouterThreshold.commit`), those that
+    share a device, target and momentum as one batch: their buffers stacked, the same elementwise
+    ops run once on [R, ...] rows, the results copied back in one multi-tensor launch. A commit
+    is ~55 tiny kernels whatever R is: one routing point at a time, the 100M preset's five took
+    285 launches a training step. Each row is computed exactly as it would be alone."""
+    groups: dict[tuple, list[RouterThreshold]] = {}
+    for t in thresholds:
+        groups.setdefault((t.tau.device, t.tau.dtype, t.target, t.momentum), []).append(t)
+    for group in groups.values():
+        _commit_group(group, applied)
+
+
+@torch.no_grad()
+def _commit_group(group: list[RouterThreshold], applied: torch.Tensor | None) -> None:
+    first = group[0]
+    target, momentum, z = first.target, first.momentum, first.z
+    state = torch.stack([x for t in group for x in (t.tau, t.spread, t.seen)]).view(-1, 3)  # [R, 3]
+    tau, spread, seen = state.unbind(-1)  # [R] each
+    above = torch.stack([t.above for t in group])  # [R, K]
+    count, total, squares = torch.stack([t.moments for t in group]).unbind(-1)  # [R] each
+    ready = count > 0
+    if applied is not None:
+        ready = ready & applied.to(device=ready.device, dtype=torch.bool)
+    safe = count.clamp(min=1.0)
+    frac = above / safe.unsqueeze(1)  # [R, K], non-increasing along each row's grid
+    steps = torch.linspace(-GRID_HALF_WIDTH, GRID_HALF_WIDTH, GRID_POINTS, device=tau.device)
+    grid = tau.unsqueeze(1) + spread.unsqueeze(1) * steps  # [R, K]: each row's RouterThreshold.grid()
+    # i: grid points whose share above exceeds the target; the quantile lies after the i-th
+    i = (frac > target).sum(-1)  # [R]
+    # gathered with an index tensor, never indexed by a 0-d tensor: that calls __index__, a host
+    # read that breaks a compiled graph (and kept the race's forward out of CUDA graphs)
+    pick = torch.stack([(i - 1).clamp(0, GRID_POINTS - 1), i.clamp(0, GRID_POINTS - 1)], dim=-1)  # [R, 2]
+    f_lo, f_hi = frac.gather(1, pick).unbind(-1)
+    g_lo, g_hi = grid.gather(1, pick).unbind(-1)
+    step = torch.where(f_lo > f_hi, (f_lo - target) / (f_lo - f_hi).clamp(min=1e-12), 0.0)
+    quantile = g_lo + step.clamp(0, 1) * (g_hi - g_lo)
+    mean = total / safe
+    std = (squares / safe - mean * mean).clamp(min=0).sqrt().clamp(min=1e-3)
+    # off the grid, the grid says only "beyond this end": re-centre on a normal approximation
+    # of the quantile and take the spread as it is, so the next grid covers the logits
+    off_grid = (i == 0) | (i == GRID_POINTS)
+    quantile = torch.where(off_grid, mean + z * std, quantile)
+    take = (seen == 0) | off_grid
+    blended = torch.where(take, quantile, momentum * tau + (1 - momentum) * quantile)
+    new_spread = torch.where(take, std, momentum * spread + (1 - momentum) * std)
+    committed = torch.stack([blended, new_spread, torch.ones_like(seen)], -1)  # [R, 3]
+    new = torch.where(ready.unsqueeze(1), committed, state)
+    buffers = [x for t in group for x in (t.tau, t.spread, t.seen)]
+    torch._foreach_copy_(buffers, list(new.view(-1).unbind(0)))  # one launch for every row
+    torch._foreach_zero_([x for t in group for x in (t.above, t.moments)])
 
 
 class CausalRouter(nn.Module):

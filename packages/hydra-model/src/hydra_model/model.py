@@ -12,7 +12,7 @@ from torch import nn
 
 from hydra_model.blocks import CCGQAMoDBlockWrapper, RunContext
 from hydra_model.cache import ModelCache
-from hydra_model.causal_routing import RouterThreshold
+from hydra_model.causal_routing import RouterThreshold, commit_thresholds
 from hydra_model.ccgqa import CCGQAAttention, list_conv_modules
 from hydra_model.checkpointing import GradientCheckpointMixin
 from hydra_model.config import HydraConfig, preset_config
@@ -119,8 +119,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         ``applied`` False (a bool tensor, e.g. the step's finiteness) drop them instead. A
         trainer that calls this after each optimizer step sets ``threshold_commit = "manual"``;
         by default (``"forward"``) every training forward commits the one before it."""
-        for threshold in self.router_thresholds():
-            threshold.commit(applied)
+        commit_thresholds(self.router_thresholds(), applied)
 
     def router_threshold_records(self) -> list[torch.Tensor]:
         """The thresholds' pending records (additive sums): a data-parallel trainer all-reduces
