@@ -202,6 +202,26 @@ def test_training_mode_evaluation_leaves_the_model_unchanged(bigram):
     assert math.isfinite(evaluate(model, batches, torch.device("cpu"), train_mode=False))
 
 
+@pytest.mark.parametrize("scope", ["model", "graphs", "blocks"])
+def test_the_race_compiles_with_hydra_trains_inductor_options(monkeypatch, scope):
+    """Both entrants compile as hydra-train does (safe_opts/toggles.py's options), graphs as
+    mode="reduce-overhead" would, in every scope."""
+    from hydra_diag.race.loop import compile_entrant
+    from hydra_model.architectures import build_model
+    from hydra_train.safe_opts.toggles import INDUCTOR_OPTIONS
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append(kw) or model)
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append(kw))
+    model = build_model("hydra", "tiny", vocab_size=256, **HYDRA_TINY)
+    compile_entrant(model, scope)
+    assert calls
+    for kw in calls:
+        assert "mode" not in kw
+        extra = {"triton.cudagraphs": True} if scope == "graphs" else {}
+        assert kw["options"] == {**INDUCTOR_OPTIONS, **extra}, kw
+
+
 @pytest.mark.slow
 def test_compiled_model_after_restore_matches_a_fresh_model():
     """The setup's compile → warm-up steps → in-place restore, with inductor on the CPU: the compiled
