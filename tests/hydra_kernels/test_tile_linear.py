@@ -76,6 +76,33 @@ def test_the_ccgqa_window_pattern_packs_to_its_non_zero_tiles_and_multiplies(see
     check(x, dense, torch.randn(heads * d, dtype=torch.bfloat16, device=DEVICE), packed, seed)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequences_sliding_windows_are_read_in_place(seed, dtype):
+    """A prefill's conv windows: x [G, n, K·C] whose row t is window[g, t : t + K] flattened, a
+    view with overlapping rows (row stride C) and groups strided by the sequence; the product
+    equals fp64 F.linear on the windows copied out, with no copy made for the kernel."""
+    heads, d, taps, n = 4, 16, 3, 5
+    c = heads * d
+    dense = block_diagonal(heads, d, taps, dtype).to(DEVICE)
+    packed = pack_tiles(dense, 32, 32)
+    seq = torch.randn(3, n + taps - 1 + 2, c, dtype=dtype, device=DEVICE)[:, 1 : n + taps]  # a view
+    x = seq.unfold(1, taps, 1).transpose(2, 3).flatten(2)  # [G, n, K·C]
+    assert x.stride() == (seq.stride(0), c, 1) and x.data_ptr() == seq.data_ptr()  # in place
+    bias = torch.randn(c, dtype=dtype, device=DEVICE)
+    falls = controls.fallback_counts().get("tile_linear", 0)
+    got = tile_linear(x, packed, bias)
+    assert got.shape == (3, n, c)
+    flat = x.reshape(-1, taps * c)  # the windows copied out: the reference's input
+    ref64 = F.linear(flat.double(), dense.double(), bias.double())
+    same = F.linear(flat, dense, bias)
+    result = check_against_fp64(got.reshape(-1, c).cpu(), same.cpu(), ref64.cpu(), fp32_noise_atol(ref64))
+    assert result, f"seed {seed}: {result.describe()}"
+    assert controls.fallback_counts().get("tile_linear", 0) == falls  # the kernel ran
+    # the windows copied out and multiplied as rows: the same sums, bit for bit
+    assert torch.equal(tile_linear(flat, packed, bias).view(3, n, c), got)
+    torch.testing.assert_close(tile_linear_ref(x, packed, bias), got)  # the reference takes [G, B, K] too
+
+
 def test_packing_keeps_exactly_the_non_zero_tiles(seed):
     dense = sparse_weight(70, 90, 16, 32, 0.3, torch.float32)
     packed = pack_tiles(dense, 16, 32)
@@ -128,7 +155,7 @@ def test_switched_off_it_runs_the_reference_and_bad_shapes_raise():
     x = torch.randn(2, 32, device=DEVICE)
     controls.set_op_enabled("tile_linear", False)
     torch.testing.assert_close(tile_linear(x, packed), F.linear(x, dense.to(DEVICE)))
-    with pytest.raises(ValueError, match=r"x must be \[B, 32\]"):
+    with pytest.raises(ValueError, match=r"x must be \[B, 32\] or \[G, B, 32\]"):
         tile_linear(torch.randn(2, 31, device=DEVICE), packed)
     with pytest.raises(ValueError, match=r"bias must be \[32\]"):
         tile_linear(x, packed, torch.zeros(3, device=DEVICE))
@@ -136,8 +163,8 @@ def test_switched_off_it_runs_the_reference_and_bad_shapes_raise():
 
 def _compile_for_sm90() -> None:
     """Runs in a subprocess without TRITON_INTERPRET (see the test below)."""
-    sig = {"X": "*bf16", "TILES": "*bf16", "INDEX": "*i32", "BIAS": "*bf16", "Y": "*bf16", "stride_xb": "i32",
-           "stride_yb": "i32"}  # fmt: skip
+    sig = {"X": "*bf16", "TILES": "*bf16", "INDEX": "*i32", "BIAS": "*bf16", "Y": "*bf16", "stride_xg": "i32",
+           "stride_xb": "i32", "rows_per_group": "i32", "stride_yb": "i32"}  # fmt: skip
     consts = {"IN_FEATURES": 3072, "OUT_FEATURES": 1024, "NNZ": 6, "BLOCK_N": 64, "BLOCK_K": 64,
               "HAS_BIAS": True}  # fmt: skip
     build_sm90(tl_mod._tile_linear_kernel, sig, consts, 4, 1)

@@ -110,6 +110,25 @@ def test_a_decode_step_launches_few_kernels(conv, monkeypatch):
     assert counts["ccgqa"] == {**counts["gqa"], **conv_stage}, counts["ccgqa"]
 
 
+def test_a_prefill_launches_as_many_kernels_at_batch_three_as_at_one(monkeypatch):
+    """The prefill's conv windows are a view of the window that tile_linear reads in place at any
+    batch (a batch > 1 once copied them out first: a launch a CCGQA module); routed blocks, whose
+    gathers and updates run per batch as well, launch no more for three sequences than for one."""
+    monkeypatch.setattr(OPTIONS, "decode_conv", "window_tiles")
+    hydra_kernels.set_use_triton_kernels(True)
+    model = make_model("hydra", seed=int(torch.randint(0, 2**31, ()).item()))
+    counts = {}
+    for b in (1, 3):
+        prompt = torch.randint(0, model.config.vocab_size, (b, 9))
+        with torch.no_grad():
+            model(prompt, cache=ModelCache(capacity=12))  # lazily built state
+            with KernelCount() as count:
+                model(prompt, cache=ModelCache(capacity=12))
+        counts[b] = count.kernels
+    assert counts[3] == counts[1], (counts[1], counts[3])
+    assert counts[3]["triton:_tile_linear_kernel"] == len(model.blocks)  # one conv launch a block
+
+
 @pytest.mark.parametrize("arch", ["gpt", "hydra"])
 def test_fused_decode_steps_change_the_cache_only_in_place(arch):
     hydra_kernels.set_use_triton_kernels(True)
@@ -132,6 +151,7 @@ def test_the_routed_glue_kernels_give_the_op_by_op_bits():
     seed = torch.seed() % 2**31
     model = make_model("hydra", seed)
     seq = torch.randint(0, model.config.vocab_size, (3, 12))
+
     def run() -> list[torch.Tensor]:
         outs = []
         with torch.no_grad():

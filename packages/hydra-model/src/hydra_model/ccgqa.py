@@ -181,7 +181,8 @@ class CCGQAAttention(nn.Module):
         return q.view(b, self.n_heads, self.head_dim), k.view(b, self.n_kv_heads, self.head_dim)
 
     def _window_product(self, taps: torch.Tensor, slot: CacheSlot) -> torch.Tensor:
-        """[R, K·C] windows (columns s·C + c) → [R, C]: the convs and the q-k mean."""
+        """[R, K·C] or [B, n, K·C] windows (columns s·C + c) → [R, C] or [B, n, C]: the convs and
+        the q-k mean."""
         form = window_form()
         weight, bias = self._folded(slot, form)
         if form == "window_tiles":
@@ -192,13 +193,15 @@ class CCGQAAttention(nn.Module):
 
     def _conv_qk_prefill(self, window: torch.Tensor, slot: CacheSlot) -> torch.Tensor:
         """A short prompt's steps 2–3 with the decode steps' window weight: each token's window
-        copied out in a decode step's memory order, one product (two launches where the
-        head-wise form takes eight; at batch 1 a prefill is bound by its launches).
+        in a decode step's memory order, one product (one launch where the head-wise form takes
+        eight; a prefill this short is bound by its launches). The windows of a row-contiguous
+        window are a view (token t's is K·C consecutive numbers from row t), which the tiled
+        product reads in place; the dense one may copy them.
         window [B, n + K−1, C] → [B, n, n_heads + n_kv_heads, d]: the query heads, then the kv heads."""
-        b, length, c = window.shape
+        b, length, _ = window.shape
         k_total = self.conv_context + 1
         n = length - self.conv_context
-        taps = window.unfold(1, k_total, 1).transpose(2, 3).reshape(b * n, k_total * c)  # [B·n, s·C + c]
+        taps = window.unfold(1, k_total, 1).transpose(2, 3).flatten(2)  # [B, n, s·C + c]
         return self._window_product(taps, slot).view(b, n, self.n_heads + self.n_kv_heads, self.head_dim)
 
     def _joint_temperature(self, slot: CacheSlot) -> torch.Tensor:

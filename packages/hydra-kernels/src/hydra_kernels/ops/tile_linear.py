@@ -134,7 +134,10 @@ def pack_tiles_many(
 
 
 def tile_linear_ref(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, K] → [B, N] from the packed tiles, in fp32 (fp64 for fp64 x), y in x's dtype."""
+    """x [B, K] or [G, B, K] → [B, N] or [G, B, N] from the packed tiles, in fp32 (fp64 for fp64
+    x), y in x's dtype."""
+    if x.dim() == 3:
+        return tile_linear_ref(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:2], -1)
     ct = torch.promote_types(x.dtype, torch.float32)
     nb, nnz, bn, bk = weight.tiles.shape
     b, k = x.shape
@@ -153,7 +156,7 @@ def tile_linear_ref(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | N
 
 @triton.jit
 def _tile_linear_kernel(
-    X, TILES, INDEX, BIAS, Y, stride_xb, stride_yb,
+    X, TILES, INDEX, BIAS, Y, stride_xg, stride_xb, rows_per_group, stride_yb,
     IN_FEATURES: tl.constexpr, OUT_FEATURES: tl.constexpr, NNZ: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
@@ -161,15 +164,19 @@ def _tile_linear_kernel(
     # load times a [BLOCK_K] slice of x, summed in fp32. Padding tiles are zeros and their index
     # −1 masks the x slice too. The loop is unrolled (NNZ is small and fixed): every tile's load
     # is issued before the first sum needs it, one memory latency instead of NNZ in a row.
+    # x's rows come in groups (x [G, B, K]: row g·B + b at g·stride_xg + b·stride_xb), so that
+    # overlapping windows of a [G, n + K − 1, C] sequence are read in place, not copied out.
     nb = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
+    group = row // rows_per_group
+    x_row = X + group * stride_xg + (row - group * rows_per_group) * stride_xb
     o = tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.static_range(NNZ):
         kb = tl.load(INDEX + nb * NNZ + j)
         cols = kb * BLOCK_K + kk
-        xv = tl.load(X + row * stride_xb + cols, mask=(kb >= 0) & (cols < IN_FEATURES), other=0.0)
+        xv = tl.load(x_row + cols, mask=(kb >= 0) & (cols < IN_FEATURES), other=0.0)
         tile = tl.load(TILES + ((nb * NNZ + j) * BLOCK_N + o[:, None]) * BLOCK_K + kk[None, :])
         acc += tl.sum(tile.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
     outs = nb * BLOCK_N + o
@@ -185,8 +192,11 @@ _PLANS = plan_cache()
 
 
 def _check(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or x.shape[1] != weight.in_features:
-        raise ValueError(f"tile_linear: x must be [B, {weight.in_features}], got {tuple(x.shape)}")
+    if x.dim() not in (2, 3) or x.shape[-1] != weight.in_features:
+        raise ValueError(
+            f"tile_linear: x must be [B, {weight.in_features}] or [G, B, {weight.in_features}], "
+            f"got {tuple(x.shape)}"
+        )
     if bias is not None and bias.shape != (weight.out_features,):
         raise ValueError(f"tile_linear: bias must be [{weight.out_features}], got {tuple(bias.shape)}")
 
@@ -194,18 +204,22 @@ def _check(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None) -> N
 def tile_linear_launch(
     x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Launch the kernel (arguments as :func:`tile_linear`). x's rows may be strided, each row
-    contiguous; the tiles must be contiguous (:func:`pack_tiles` makes them so)."""
-    if x.stride(1) != 1 or not (weight.tiles.is_contiguous() and weight.index.is_contiguous()):
+    """Launch the kernel (arguments as :func:`tile_linear`). x's rows may be strided (and may
+    overlap), each row contiguous; the tiles must be contiguous (:func:`pack_tiles` makes them so)."""
+    if x.stride(-1) != 1 or not (weight.tiles.is_contiguous() and weight.index.is_contiguous()):
         raise ValueError("tile_linear: x's rows and the packed tiles must be contiguous")
-    rows = x.shape[0]
-    y = torch.empty(rows, weight.out_features, dtype=x.dtype, device=x.device)
+    y = torch.empty(*x.shape[:-1], weight.out_features, dtype=x.dtype, device=x.device)
+    rows = y.numel() // weight.out_features
     if rows == 0:
         return y
+    # [B, K] is one group of B rows; [G, B, K] is G groups
+    per_group, stride_g, stride_row = (
+        (x.shape[1], x.stride(0), x.stride(1)) if x.dim() == 3 else (rows, 0, x.stride(0))
+    )
     nb, nnz, bn, bk = weight.tiles.shape
-    key = (rows, x.stride(0), weight.in_features, weight.out_features, nnz, bn, bk, bias is not None,
-           x.dtype, weight.tiles.dtype, weight.index.dtype, None if bias is None else bias.dtype,
-           x.get_device())  # fmt: skip
+    key = (rows, per_group, stride_g, stride_row, weight.in_features, weight.out_features, nnz, bn, bk,
+           bias is not None, x.dtype, weight.tiles.dtype, weight.index.dtype,
+           None if bias is None else bias.dtype, x.get_device())  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         consts = {"IN_FEATURES": weight.in_features, "OUT_FEATURES": weight.out_features, "NNZ": nnz,
@@ -214,7 +228,7 @@ def tile_linear_launch(
         plan = _PLANS[key] = LaunchPlan(_tile_linear_kernel, (nb, rows), consts, warps, 1, x.get_device())
     bias_arg = weight.index if bias is None else bias  # any pointer when HAS_BIAS is off
     with device_guard(x):
-        plan(x, weight.tiles, weight.index, bias_arg, y, x.stride(0), y.stride(0))
+        plan(x, weight.tiles, weight.index, bias_arg, y, stride_g, stride_row, per_group, weight.out_features)
     return y
 
 
@@ -222,12 +236,13 @@ def tile_linear_launch(
 
 
 def tile_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x·Wᵀ + bias`` for x [B, K] (bf16/fp16/fp32) and a packed weight (:func:`pack_tiles`),
-    bias [N] or None → [B, N] in x's dtype, accumulated in fp32. The Triton kernel runs where
+    """``x·Wᵀ + bias`` for x [B, K] or [G, B, K] (bf16/fp16/fp32; its rows may be strided and
+    overlap, as a sequence's sliding windows do) and a packed weight (:func:`pack_tiles`), bias [N]
+    or None → [B, N] or [G, B, N] in x's dtype, accumulated in fp32. The Triton kernel runs where
     hydra_kernels' Triton path is on for x's device; fp64 x, a switched-off path or another
     device run :func:`tile_linear_ref`."""
     _check(x, weight, bias)
-    if x.dim() == 2 and x.stride(1) != 1:  # the kernel reads rows with unit stride
+    if x.stride(-1) != 1:  # the kernel reads rows with unit stride
         x = x.contiguous()
     if not (x.dtype in KERNEL_DTYPES and controls.triton_path("tile_linear", x, weight.tiles)):
         return tile_linear_ref(x, weight, bias)
