@@ -11,6 +11,7 @@ import torch
 
 import hydra_model.ccgqa as ccgqa_mod
 import hydra_model.ccgqa_fold as ccgqa_fold
+import hydra_model.model as model_mod
 from hydra_kernels.ops.tile_linear import pack_tiles_many, tile_linear_ref
 from hydra_model import CCGQAAttention
 from hydra_model.cache import ConvBank, ModelCache
@@ -114,6 +115,65 @@ def test_a_generation_builds_each_form_once_for_the_whole_model(mode, monkeypatc
         model(prompt, cache=cache)
         model(prompt[:, :1], cache=cache)
     assert len(calls) == len(forms)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_forward_without_a_cache_folds_every_blocks_convs_at_once(checkpoint, monkeypatch):
+    """Training and evaluation forwards hand each block its conv weights from one batched build
+    (three blocks × three recursions: one fold, not nine); loss and every gradient equal those of
+    the forward where each module folds its own (fold_blocks answering None), fresh random
+    inputs, with and without gradient checkpointing; the evaluation forward too."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    model = small_model().train()
+    model.threshold_commit = "manual"  # the same thresholds for both forwards
+    if checkpoint:
+        model.enable_gradient_checkpointing(every=1)
+    x, y = random_tokens(2, 13, seed=seed % 1000), random_tokens(2, 13, seed=seed % 1000 + 1)
+    folds = []
+    real = ccgqa_fold._head_blocks
+    monkeypatch.setattr(ccgqa_fold, "_head_blocks", lambda *a: folds.append(a[0].shape) or real(*a))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        out = model(x, targets=y)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            logits = model.eval()(x).logits
+        model.train()
+        return out.loss.detach(), grads, logits
+
+    together = loss_and_grads()
+    assert len(folds) == 2 and folds[0][0] == 3, (seed, folds)  # [3 modules, ...], outside any checkpoint
+    monkeypatch.setattr(model_mod, "fold_blocks", lambda attns: None)
+    folds.clear()
+    alone = loss_and_grads()
+    assert len(folds) == 9 * (2 + checkpoint), (seed, len(folds))  # each module, each recursion
+    torch.testing.assert_close(together[0], alone[0], rtol=1e-6, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(together[2], alone[2], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+    assert together[1].keys() == alone[1].keys()
+    for name, grad in together[1].items():
+        torch.testing.assert_close(grad, alone[1][name], rtol=1e-5, atol=1e-6, msg=f"seed {seed}: {name}")
+
+
+def test_folding_every_block_at_once_stands_aside_for_gqa_and_sharded_parameters():
+    """fold_blocks answers None (each module then folds its own) for a model whose blocks' attention
+    is plain GQA and where a conv parameter is not a plain tensor (FSDP2's sharded DTensors until
+    the block runs); otherwise one (weight, bias) per block."""
+    assert (
+        ccgqa_fold.fold_blocks([blk.mor.block.attn for blk in small_model(routing_off=True).blocks]) is None
+    )
+    attns = [blk.mor.block.attn for blk in small_model().blocks]
+    built = ccgqa_fold.fold_blocks(attns)
+    assert len(built) == len(attns) and all(w.shape[0] == m.n_heads + m.n_kv_heads for (w, _), m in
+                                            zip(built, attns, strict=True))  # fmt: skip
+
+    class Sharded(torch.nn.Parameter):
+        pass
+
+    attns[1].conv_ch.weight = Sharded(attns[1].conv_ch.weight.detach().clone())
+    assert ccgqa_fold.fold_blocks(attns) is None
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,9 @@ class RunContext:
     #: slots, so that one kernel a step tallies them all (decode_graphs.py)
     flag_pool: torch.Tensor | None = None
     _flags_taken: int = field(default=0, repr=False)
+    #: per block index, its CCGQA module's conv weight and bias for this forward, folded for every
+    #: block at once (:func:`~hydra_model.ccgqa_fold.fold_blocks`); None: each module folds its own
+    convs: list | None = field(default=None, repr=False)
 
     @property
     def decoding(self) -> bool:
@@ -89,6 +92,11 @@ class RunContext:
         self._tables = None
 
 
+def _conv_arg(conv) -> dict:
+    """The attention's ``conv`` keyword where there is one (GQA attention takes none)."""
+    return {} if conv is None else {"conv": conv}
+
+
 class CCGQABlock(nn.Module):
     """Pre-norm block: h → (attn(norm1 h) + ffn(norm2(h + attn))) as an update, not a new h."""
 
@@ -124,25 +132,28 @@ class CCGQABlock(nn.Module):
         else:
             self.ffn = SwiGLUMLP(e, cfg.mlp_hidden)
 
-    def forward(self, h, cos, sin, *, slot=None, member=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h [B, n, E] → (update [B, n, E], MoE balance loss or None)."""
+    def forward(
+        self, h, cos, sin, *, slot=None, member=None, conv=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [B, n, E] → (update [B, n, E], MoE balance loss or None). ``conv``: the CCGQA
+        module's folded conv weight and bias, where the forward folded every block's at once."""
         # under autocast the norms read and write the matmul dtype: the fp32 residual stream is
         # rounded once here instead of each norm's fp32 output being cast before its matmul
         # (half the bytes through both norms, forward and backward); statistics stay fp32
         x = h.to(autocast_dtype_for(h))
-        a = self.attn(self.norm1(x), cos, sin, slot=slot, member=member)
+        a = self.attn(self.norm1(x), cos, sin, slot=slot, member=member, **_conv_arg(conv))
         x2 = self.norm2.forward_add(a, x)
         m, moe_loss = self._ffn(x2, member)
         return a + m, moe_loss
 
     def forward_residual(
-        self, h, cos, sin, *, slot=None, member=None, into: torch.Tensor | None = None
+        self, h, cos, sin, *, slot=None, member=None, into: torch.Tensor | None = None, conv=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The new stream (h + a) + m rather than the update a + m, for a stream h already in the
         matmul dtype (a decode step): the fused norm's sum is the first residual add, so the block
         ends in one add where :meth:`forward` and its caller need two (the dense GPT's layer sums
         the same way). ``into``: the buffer written (h itself in a decode stage that owns it)."""
-        a = self.attn(self.norm1(h), cos, sin, slot=slot, member=member)
+        a = self.attn(self.norm1(h), cos, sin, slot=slot, member=member, **_conv_arg(conv))
         x2, s = fused_add_rms_norm(a, h, self.norm2.weight, self.norm2.eps)  # norm2(h + a), h + a
         m, moe_loss = self._ffn(x2, member)
         if into is None:
@@ -202,6 +213,7 @@ class CCGQAMoRBlock(nn.Module):
     def run_block(self, h, r, ctx, pos, gate, view=None, member=None):
         """Add gate·update of the shared block to h, on all rows (view None) or a routed view."""
         slot = ctx.cache.slot(self.block_index, r) if ctx.cache is not None else None
+        conv = None if ctx.convs is None else ctx.convs[self.block_index]
         if view is None:
             cos, sin = ctx.tables(h.shape[1], pos)
             summed_as_decoding = ctx.decoding or not torch.is_grad_enabled()
@@ -210,14 +222,16 @@ class CCGQAMoRBlock(nn.Module):
                 # evaluation) then adds as its decode steps do, in one launch fewer a block; a
                 # stage that owns h gets it in place
                 into = h if ctx.residual_in_place else None
-                return self.block.forward_residual(h, cos, sin, slot=slot, member=member, into=into)
-            delta, moe_loss = self.block(h, cos, sin, slot=slot, member=member)
+                return self.block.forward_residual(
+                    h, cos, sin, slot=slot, member=member, into=into, conv=conv
+                )
+            delta, moe_loss = self.block(h, cos, sin, slot=slot, member=member, conv=conv)
             if gate is None:
                 return h + delta, moe_loss  # promotes to h's dtype in the same pass
             return gated_residual(h, gate, delta), moe_loss
         hs = view.gather(h)
         cos, sin = ctx.tables(hs.shape[1], view.pos)
-        delta, moe_loss = self.block(hs, cos, sin, slot=slot, member=view.member)
+        delta, moe_loss = self.block(hs, cos, sin, slot=slot, member=view.member, conv=conv)
         if view.member is None:  # top-k view: every gathered row is real
             return gated_scatter(h, view.flat, view.idx, gate, delta), moe_loss
         return view.scatter_add(h, view.gather_values(gate).unsqueeze(-1) * delta), moe_loss

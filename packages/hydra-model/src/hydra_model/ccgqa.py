@@ -141,15 +141,16 @@ class CCGQAAttention(nn.Module):
         self.qk_mean_mix = mix.to(self.qk_mean_mix.device, self.qk_mean_mix.dtype)
 
     def _conv_qk(
-        self, window: torch.Tensor, slot: CacheSlot | None = None
+        self, window: torch.Tensor, slot: CacheSlot | None = None, conv: tuple | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 2–3 on a time-major window [B, n + K−1, C] of packed pre-conv inputs (K−1 rows of
-        left context) → pre-norm q [B, n, n_heads, d] and k [B, n, n_kv_heads, d]."""
+        left context) → pre-norm q [B, n, n_heads, d] and k [B, n, n_kv_heads, d]. ``conv``: the
+        folded weight and bias, where the caller has them."""
         b, length, c = window.shape
         hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         k_total = self.conv_context + 1
         n = length - self.conv_context
-        weight, bias = self._folded(slot)
+        weight, bias = conv if conv is not None else self._folded(slot)
         if self.conv_impl == "folded":
             taps = window.unfold(1, k_total, 1).reshape(b, n, c * k_total)  # [c, s] = u[t+s, c]
             q, k = F.linear(taps, weight, bias).split([self.q_dim, self.kv_dim], dim=-1)
@@ -236,13 +237,16 @@ class CCGQAAttention(nn.Module):
         *,
         slot: CacheSlot | None = None,
         member: torch.Tensor | None = None,
+        conv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x [B, n, E]; cos/sin [n, R/2] or [B, n, R/2].
 
         Without ``slot``: causal over the n tokens. With an empty ``slot``: the same, then the
         slot is filled from the real tokens, which ``member`` [B, n] (prefix mask; None = all)
         marks. With a filled slot: one decode step (n == 1) whose token joins the cache where
-        ``member[b, 0]`` (all when None).
+        ``member[b, 0]`` (all when None). ``conv``: this module's conv weight and bias in its
+        ``conv_impl`` form, folded by the caller (a forward without a cache folds every block's at
+        once, ccgqa_fold.fold_blocks); None: folded here.
         """
         if slot is not None and slot.entry is not None:
             return self._decode_step(x, cos, sin, slot, member)
@@ -275,7 +279,7 @@ class CCGQAAttention(nn.Module):
             else:
                 q, k = self._conv_qk(window, slot)
         else:
-            q, k = self._conv_qk(window, slot)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
+            q, k = self._conv_qk(window, slot, conv)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
 
         # 5. QK norm, 6. RoPE on the normalised latent q, k
         if joint is not None:  # a short prefill: both in one launch each (bound by launches)

@@ -146,6 +146,30 @@ def fold_many(modules: list, form: str) -> list[tuple[torch.Tensor | TiledWeight
     return list(zip(weight.unbind(0), bias.unbind(0), strict=True))
 
 
+def fold_blocks(attns: list) -> list | None:
+    """Each CCGQA module of ``attns`` (a model's, one per block) in its ``conv_impl`` form, built
+    together where they share a signature: what a forward without a cache hands its blocks (a
+    module's own build was about twenty traced ops, eleven of every twelve of them in a 12-block
+    model's compiled forward, and ran once per recursion). None, so that every module builds its
+    own, where a block's attention is not CCGQA or its parameters are not plain tensors: FSDP2
+    shards each block's parameters until that block runs."""
+    from hydra_model.ccgqa import CCGQAAttention  # ccgqa imports this module
+
+    if not attns or not all(isinstance(m, CCGQAAttention) for m in attns):
+        return None
+    params = [p for m in attns for p in (m.conv_seq.weight, m.conv_ch.weight)]
+    if not all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in params):
+        return None
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(attns):
+        groups.setdefault((fold_signature(m), m.conv_impl), []).append(i)
+    out: list = [None] * len(attns)
+    for (_, form), members in groups.items():
+        for i, built in zip(members, fold_many([attns[i] for i in members], form), strict=True):
+            out[i] = built
+    return out
+
+
 def _window_columns(weight: torch.Tensor) -> torch.Tensor:
     """The folded weight [L, C, C·K] (columns c·K + s) in a decode window's order (s·C + c)."""
     n, c, width = weight.shape

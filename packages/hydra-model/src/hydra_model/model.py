@@ -14,6 +14,7 @@ from hydra_model.blocks import CCGQAMoDBlockWrapper, RunContext
 from hydra_model.cache import ModelCache
 from hydra_model.causal_routing import RouterThreshold, commit_thresholds
 from hydra_model.ccgqa import CCGQAAttention, list_conv_modules
+from hydra_model.ccgqa_fold import fold_blocks
 from hydra_model.checkpointing import GradientCheckpointMixin
 from hydra_model.config import HydraConfig, preset_config
 from hydra_model.decoder import DecoderMixin
@@ -169,6 +170,8 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         list_conv_modules(self, cache)
         h = self.embed(input_ids)  # [B, S, E]
         ctx = RunContext(self.rope, cache, seq_len=s)
+        if cache is None:  # a prefill's bank folds every module's conv weights together already
+            ctx.convs = fold_blocks([block.mor.block.attn for block in self.blocks])
         aux_lists: AuxLists = {}
         for i, block in enumerate(self.blocks):
             h, aux = self.checkpointed_call(i, block, h, pos, ctx)
