@@ -13,7 +13,8 @@ hydra_kernels' Triton ops (run by Triton's interpreter) one launch each, the ate
 launch a kernel one each; views, metadata and host-side work none. The routed blocks are counted
 apart: a step runs the plain stages always and a routed block only for a token it takes.
 ``prefill``: the kernels of the prompt's eager prefill into a fresh cache (a single generate
-call's: its conv weights built), at ``--prompt_len`` tokens.
+call's: its conv weights built), at ``--prompt_len`` tokens; ``--prefill_batch B`` counts it at
+batch B as well (``prefill_bB``).
 """
 
 from __future__ import annotations
@@ -81,12 +82,26 @@ def count_decode_step(
     }
 
 
+def count_prefill(arch: str, model_size: str, overrides: dict, batch: int, prompt_len: int, dtype) -> int:
+    """Kernels of an eager prefill of ``batch`` prompts into a fresh cache (after one warm-up)."""
+    torch.manual_seed(0)
+    model = build_model(arch, model_size, **overrides).eval().to(dtype)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len))
+    with torch.no_grad():
+        model(prompt, cache=ModelCache(capacity=prompt_len + 4))  # lazily built state
+        with KernelCount() as prefill:
+            model(prompt, cache=ModelCache(capacity=prompt_len + 4))
+    return sum(prefill.kernels.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="gpt,hydra", help="race configurations, comma-separated")
     ap.add_argument("--model_size", default="100M")
     ap.add_argument("--take", type=float, default=0.125, help="share of tokens a routed block takes")
     ap.add_argument("--prompt_len", type=int, default=8, help="prompt tokens the prefill runs")
+    ap.add_argument("--prefill_batch", type=int, default=1, help="also count the prefill at this batch")
+    ap.add_argument("--set", action="append", default=[], help="as hydra-diag race's (e.g. *.dim=192)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--decode_conv", default=None, help="CCGQA's decode convs (hydra_model.options)")
     ap.add_argument(
@@ -98,7 +113,7 @@ def main() -> None:
     )
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args()
-    from hydra_diag.race.configs import parse_config_names, resolve_configs
+    from hydra_diag.race.configs import parse_config_names, parse_sets, resolve_configs
 
     hydra_kernels.set_use_triton_kernels(True)  # what runs on a GPU, interpreted here
     if args.decode_conv is not None:
@@ -107,7 +122,8 @@ def main() -> None:
         if args.decode_conv not in DECODE_CONVS:
             ap.error(f"--decode_conv {args.decode_conv!r}: expected one of {', '.join(DECODE_CONVS)}")
         OPTIONS.decode_conv = args.decode_conv
-    cfgs = resolve_configs(parse_config_names(args.configs), [], lr=1.0, compile_default="none")
+    sets = parse_sets(args.set)
+    cfgs = resolve_configs(parse_config_names(args.configs), sets, lr=1.0, compile_default="none")
     rows, dtype = [], getattr(torch, args.dtype)
     for cfg in cfgs:
         row = {
@@ -117,6 +133,10 @@ def main() -> None:
             ),
         }
         row["expected_per_step"] = row["plain"] + args.take * sum(row["routed_blocks"])
+        if args.prefill_batch > 1:
+            row[f"prefill_b{args.prefill_batch}"] = count_prefill(
+                cfg.arch, args.model_size, cfg.overrides, args.prefill_batch, args.prompt_len, dtype
+            )
         rows.append(row)
     print(f"{'config':<16} {'prefill':>7} {'plain':>6} {'routed blocks':>14} {'all run':>8} {'expected':>9}")
     for r in rows:
