@@ -88,6 +88,12 @@ GRID_POINTS = 65
 GRID_HALF_WIDTH = 4.0
 
 
+def _grid(tau: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """τ + spread · (GRID_POINTS steps over ±GRID_HALF_WIDTH), broadcast along the last dim."""
+    steps = torch.linspace(-GRID_HALF_WIDTH, GRID_HALF_WIDTH, GRID_POINTS, device=tau.device)
+    return tau + spread * steps
+
+
 def _fresh_when_absent(module, state_dict, prefix, *args) -> None:
     """A state dict saved without this threshold (a model built with static routing before static
     models kept their thresholds) loads it fresh: τ is taken from the first commit (seen = 0)."""
@@ -133,8 +139,7 @@ class RouterThreshold(nn.Module):
 
     def grid(self) -> torch.Tensor:
         """The GRID_POINTS values [K] this step's record counts against."""
-        steps = torch.linspace(-GRID_HALF_WIDTH, GRID_HALF_WIDTH, GRID_POINTS, device=self.tau.device)
-        return self.tau + self.spread * steps
+        return _grid(self.tau, self.spread)
 
     @torch.no_grad()
     def record(self, logit: torch.Tensor, candidates: torch.Tensor | None) -> None:
@@ -187,8 +192,7 @@ def _commit_group(group: list[RouterThreshold], applied: torch.Tensor | None) ->
         ready = ready & applied.to(device=ready.device, dtype=torch.bool)
     safe = count.clamp(min=1.0)
     frac = above / safe.unsqueeze(1)  # [R, K], non-increasing along each row's grid
-    steps = torch.linspace(-GRID_HALF_WIDTH, GRID_HALF_WIDTH, GRID_POINTS, device=tau.device)
-    grid = tau.unsqueeze(1) + spread.unsqueeze(1) * steps  # [R, K]: each row's RouterThreshold.grid()
+    grid = _grid(tau.unsqueeze(1), spread.unsqueeze(1))  # [R, K]: each row's RouterThreshold.grid()
     # i: grid points whose share above exceeds the target; the quantile lies after the i-th
     i = (frac > target).sum(-1)  # [R]
     # gathered with an index tensor, never indexed by a 0-d tensor: that calls __index__, a host

@@ -13,7 +13,8 @@ bias, so this is the same value and it lets the decoding cache keep n_kv·d/2 nu
 The two convolutions are linear in the packed pre-conv inputs u of the last K = k_seq + k_ch − 1
 tokens, and the head-wise conv never mixes heads, so per head they are K small [d, d] products
 summed over the window offsets, with a per-head folded weight [heads, d, d·K] built from the conv
-weights each call (ccgqa_fold.py's ``headwise`` form: the depthwise conv scales its columns).
+weights each forward, every block's at once (ccgqa_fold.py's ``headwise`` form, ``fold_blocks``:
+the depthwise conv scales its columns).
 hydra_kernels' ``ccgqa_conv`` runs them reading the left-padded u in place; its reference (what
 ran before) unfolds the window per head [B, n, heads, d·K], copied once, into one batched matmul.
 The q-k mean

@@ -148,11 +148,12 @@ def fold_many(modules: list, form: str) -> list[tuple[torch.Tensor | TiledWeight
 
 def fold_blocks(attns: list) -> list | None:
     """Each CCGQA module of ``attns`` (a model's, one per block) in its ``conv_impl`` form, built
-    together where they share a signature: what a forward without a cache hands its blocks (a
-    module's own build was about twenty traced ops, eleven of every twelve of them in a 12-block
-    model's compiled forward, and ran once per recursion). None, so that every module builds its
-    own, where a block's attention is not CCGQA or its parameters are not plain tensors: FSDP2
-    shards each block's parameters until that block runs."""
+    together where they share a signature: what a forward without a cache hands its blocks. Each
+    module building its own took about twenty traced ops a module and recursion (264 of the
+    100M preset's training forward, packages/hydra-model/BENCHMARKS.md); one batched build takes
+    about as many as one module's. None, so that every module builds its own, where a block's
+    attention is not CCGQA or its parameters are not plain tensors: FSDP2 shards each block's
+    parameters until that block runs."""
     from hydra_model.ccgqa import CCGQAAttention  # ccgqa imports this module
 
     if not attns or not all(isinstance(m, CCGQAAttention) for m in attns):
