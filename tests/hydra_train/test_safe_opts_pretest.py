@@ -96,7 +96,7 @@ def test_injected_nan_fails_that_optimization_only(tmp_path):
     assert all(torch.isfinite(p).all() for p in tr.model.parameters())
 
 
-def test_injected_slowness_fails_when_timing_is_judged(tmp_path):
+def test_injected_slowness_fails_when_timing_is_judged(tmp_path, clock):
     tr, batches = make_trainer(tmp_path, experimental_prefetch_threads=2)
     inj = FaultInjector.parse("slow=0.4:prefetch_threads@pretest")
     r = runner(tr, batches, build_registry(tr.cfg), injector=inj, settings={"judge_timing": True})
@@ -126,12 +126,15 @@ class VirtualClock:
 
 @pytest.fixture
 def clock(monkeypatch):
+    """The virtual clock, read by the pretest's step timing and stalled by injected slowness."""
     import types
 
+    import hydra_train.safe_opts.faults as faults
     import hydra_train.safe_opts.pretest as pretest
 
     c = VirtualClock()
     monkeypatch.setattr(pretest, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
+    monkeypatch.setattr(faults, "time", types.SimpleNamespace(sleep=c.stall))
     return c
 
 
