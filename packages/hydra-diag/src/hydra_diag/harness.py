@@ -65,17 +65,16 @@ def compile_model(model, scope: str, *, static_model: bool = False):
     each shared HYDRA block with dynamic shapes (routed lengths vary, one graph serves them all) and
     each dense GPT layer with fixed ones; ``blocks-static``: the blocks with one graph per length,
     which is what hydra-train's ``--compile_scope blocks`` compiles (it compiled sooner there)."""
-    from hydra_train.safe_opts.toggles import allow_block_graphs, compile_options
+    from hydra_model import CCGQABlock
+    from hydra_train.safe_opts.toggles import allow_block_graphs, compile_options, compile_units
 
     allow_block_graphs()
     options = compile_options("inductor")  # what hydra-train compiles with
     if scope == "model":
         return torch.compile(model, dynamic=False if static_model else None, options=options)
     if scope in ("blocks", "blocks-static"):
-        for layer in getattr(model, "layers", []):  # the dense GPT: every layer, fixed shapes
-            layer.compile(dynamic=False, options=options)
-        for wrapper in getattr(model, "blocks", []):
-            wrapper.mor.block.compile(dynamic=scope == "blocks", options=options)
+        for unit in compile_units(model):  # HYDRA's blocks and the dense GPT's layers (fixed shapes)
+            unit.compile(dynamic=scope == "blocks" and isinstance(unit, CCGQABlock), options=options)
         return model
     raise DiagError(f"--compile-scope {scope!r}: use blocks or model")
 

@@ -14,11 +14,10 @@ The two convolutions are linear in the packed pre-conv inputs u of the last K = 
 tokens, and the head-wise conv never mixes heads, so per head they are K small [d, d] products
 summed over the window offsets, with a per-head folded weight [heads, d, d·K] built from the conv
 weights each forward, every block's at once (ccgqa_fold.py's ``headwise`` form, ``fold_blocks``:
-the depthwise conv scales its columns).
-hydra_kernels' ``ccgqa_conv`` runs them reading the left-padded u in place; its reference (what
-ran before) unfolds the window per head [B, n, heads, d·K], copied once, into one batched matmul.
-The q-k mean
-reads only the current token's inputs and is added elementwise. This replaces two cuDNN
+the depthwise conv scales its columns). hydra_kernels' ``ccgqa_conv`` runs them reading the
+left-padded u in place; its reference (what ran before) unfolds the window per head
+[B, n, heads, d·K], copied once, into one batched matmul. The q-k mean reads only the current
+token's inputs and is added elementwise. This replaces two cuDNN
 depthwise/grouped conv1d calls (and their slow weight-gradient kernels) and two layout transposes.
 An earlier form (``folded``, kept for ``conv_impl = "folded"``) ran convs and q-k mean
 as one [C, C·K] GEMM whose block-diagonal weight spends (heads − 1)/heads of its work on zeros:

@@ -109,22 +109,18 @@ def build_entrant(cfg: RaceConfig, model_size: str, vocab_size: int, seq_len: in
 
 
 def compile_entrant(model: torch.nn.Module, scope: str):
-    """What the step calls: the compiled model, or the model with its blocks compiled; with the
-    inductor options hydra-train compiles with (both entrants alike: a shorter setup, the same
-    steady speed, packages/hydra-train/BENCHMARKS.md)."""
-    from hydra_train.safe_opts.toggles import allow_block_graphs, compile_options, compile_units
+    """What the step calls: the compiled model, or the model with its blocks compiled (one graph
+    per row count); as the benchmark harness compiles, with the inductor options hydra-train
+    compiles with (both entrants alike: a shorter setup, the same steady speed,
+    packages/hydra-train/BENCHMARKS.md)."""
+    from hydra_diag.harness import compile_model
+    from hydra_train.safe_opts.toggles import allow_block_graphs, compile_options
 
-    allow_block_graphs()
-    options = compile_options("inductor")
-    if scope == "model":
-        return torch.compile(model, options=options)
     if scope == "graphs":  # the whole model compiled and replayed as CUDA graphs (static shapes)
+        allow_block_graphs()
         # what mode="reduce-overhead" sets; torch.compile takes a mode or options, not both
-        return torch.compile(model, options={**options, "triton.cudagraphs": True})
-
-    for unit in compile_units(model):
-        unit.compile(dynamic=False, options=options)
-    return model
+        return torch.compile(model, options={**compile_options("inductor"), "triton.cudagraphs": True})
+    return compile_model(model, "blocks-static" if scope == "blocks" else scope)
 
 
 def autocast(device: torch.device):
