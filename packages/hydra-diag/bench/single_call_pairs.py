@@ -1,10 +1,11 @@
 """Single ``generate`` calls of the GPT and HYDRA (100M presets, bf16, random weights, 64-token
-prompt, 128 new tokens, batch BATCH) interleaved call by call in one process, each call building
-its decoder (the kept one released first); the order flips every round. Each round gives a paired
-ratio GPT ms / HYDRA ms (HYDRA's tokens/s over the GPT's): on a lent machine whose host speed
-drifts by 10–30% between processes, pairs of neighbouring calls compare like with like, where
-first_call_phases.py times all of one model's calls before the other's. Prints the median ratio
-and its quartiles; writes $OUT/single_call_pairs_b{BATCH}.json.
+prompt, NEW new tokens (128 unless set), batch BATCH) interleaved call by call in one process,
+each call building its decoder (the kept one released first); the order flips every round. Each
+round gives a paired ratio GPT ms / HYDRA ms (HYDRA's tokens/s over the GPT's): on a lent machine
+whose host speed drifts by 10–30% between processes, pairs of neighbouring calls compare like with
+like, where first_call_phases.py times all of one model's calls before the other's. Prints the
+median ratio and its quartiles; writes $OUT/single_call_pairs_b{BATCH}.json (``_n{NEW}`` added to
+the name when NEW is set).
 
     source tools/gpu_env.sh
     BATCH=1 PAIRS=15 python packages/hydra-diag/bench/single_call_pairs.py
@@ -21,7 +22,8 @@ import torch
 from hydra_diag.race.configs import parse_config_names, resolve_configs
 from hydra_model import build_model
 
-PROMPT, NEW = 64, 128
+PROMPT = 64
+NEW = int(os.environ.get("NEW", "128"))
 BATCH = int(os.environ.get("BATCH", "1"))
 PAIRS = int(os.environ.get("PAIRS", "15"))
 
@@ -55,15 +57,17 @@ def main() -> None:
                 assert not model.last_decode_report.reused, model.last_decode_report
     ratios = [g / h for g, h in zip(ms["gpt"], ms["hydra"], strict=True)]
     summary = {
-        "device": torch.cuda.get_device_name(), "batch": BATCH, "pairs": PAIRS,
+        "device": torch.cuda.get_device_name(), "batch": BATCH, "new_tokens": NEW, "pairs": PAIRS,
         "gpt_ms_median": statistics.median(ms["gpt"]), "hydra_ms_median": statistics.median(ms["hydra"]),
         "ratio_median": statistics.median(ratios), "ratio_q25": quantile(ratios, 0.25),
         "ratio_q75": quantile(ratios, 0.75), "ms": ms,
     }  # fmt: skip
     print({k: round(v, 3) for k, v in summary.items() if isinstance(v, float)})
-    print(f"single call, batch {BATCH}: hydra / gpt = {summary['ratio_median']:.3f} "
+    print(f"single call, batch {BATCH}, {NEW} new tokens: hydra / gpt = {summary['ratio_median']:.3f} "
           f"(quartiles {summary['ratio_q25']:.3f}-{summary['ratio_q75']:.3f})")  # fmt: skip
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"single_call_pairs_b{BATCH}.json"), "w") as f:
+    suffix = f"_n{NEW}" if "NEW" in os.environ else ""
+    out_dir = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out_dir, f"single_call_pairs_b{BATCH}{suffix}.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
 
