@@ -10,7 +10,7 @@ import torch
 from hydra_model import build_model
 from hydra_model import cache as cache_mod
 from hydra_model.cache import ModelCache
-from hydra_model.decoder_hold import model_fingerprint
+from hydra_model.decoder_hold import CAPACITY_STEP, cache_capacity, model_fingerprint
 from hydra_model.options import OPTIONS
 
 from .conftest import MODES, random_tokens, small_model
@@ -117,12 +117,41 @@ def test_another_request_is_a_new_decoder_without_a_reason():
     model = case_model("hydra_mor")
     prompt = random_tokens(1, 6, seed=41)
     model.generate(prompt, 10, decode="staged")
-    for kwargs in ({"max_new_tokens": 11}, {"input_ids": random_tokens(2, 6, seed=42)}):
+    # a total length in the next capacity bucket, then another batch size
+    for kwargs in ({"max_new_tokens": 10 + CAPACITY_STEP}, {"input_ids": random_tokens(2, 6, seed=42)}):
         args = {"input_ids": prompt, "max_new_tokens": 10, "decode": "staged", **kwargs}
         model.generate(**args)
         assert not model.last_decode_report.reused and model.last_decode_report.not_reused is None
     model.generate(prompt, 10, decode="eager")  # an eager generation keeps no decoder
     assert model._decoder_hold.held is None
+
+
+def test_cache_capacity_rounds_up_to_its_step_and_stops_at_max_seq_len():
+    assert CAPACITY_STEP == 64
+    cases = [(1, 2048, 64), (64, 2048, 64), (65, 2048, 128), (2000, 2048, 2048), (2048, 2048, 2048)]
+    cases += [(2049, 2048, 2112), (90, 96, 96), (100, 96, 128)]  # past max_seq_len: rounded all the same
+    for total, max_seq_len, want in cases:
+        assert cache_capacity(total, max_seq_len) == want, (total, max_seq_len)
+
+
+@pytest.mark.parametrize("name", [*CASES, "gpt"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_prompts_of_other_lengths_reuse_the_decoder_of_their_bucket(name, batch):
+    """Prompts of 6, 11 and 17 tokens, 12 new tokens each: totals 18, 23 and 29 share one
+    64-position cache, so the second and third generations reuse the first's decoder, and give
+    the tokens of a decoder whose cache holds exactly their total (the positions past it masked)."""
+    model = case_model(name)
+    vocab = model.config.vocab_size
+    prompts = [random_tokens(batch, n, vocab, seed=60 + n) for n in (6, 11, 17)]
+    exact = [model.generate(p, 12, decode="staged", keep_decoder=False) for p in prompts]
+    for i, (prompt, want) in enumerate(zip(prompts, exact, strict=True)):
+        got = model.generate(prompt, 12, decode="staged")
+        report = model.last_decode_report
+        assert report.reused == (i > 0) and report.not_reused is None
+        assert model._decoder_hold.held.decoder.cache.capacity == CAPACITY_STEP
+        assert torch.equal(got, want)
+    eager = model.generate(prompts[2], 12, decode="eager")
+    assert torch.equal(eager, exact[2])
 
 
 def test_copies_and_pickles_hold_no_decoder_and_release_frees_it():

@@ -87,8 +87,8 @@ class DecoderMixin:
         value-shift state) → [B, S + new]. ``decode``: auto (CUDA graphs on CUDA, else eager),
         eager, staged or graphs (decode_graphs.py); ``self.last_decode_report`` says what ran.
         ``keep_decoder``: keep a staged or graphed decoder for the next call of the same batch
-        size and total length, which then replays its graphs without a warm-up or capture
-        (decoder_hold.py); :meth:`release_decoder` frees it."""
+        size and a total length in the same 64-position bucket, which then replays its graphs
+        without a warm-up or capture (decoder_hold.py); :meth:`release_decoder` frees it."""
         from hydra_model.generation import generate
 
         return generate(

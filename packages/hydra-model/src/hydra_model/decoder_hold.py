@@ -5,15 +5,18 @@ Building a graphed decoder costs a warm-up step and the capture of its graphs (2
 HYDRA's 100M preset on an H100, more than 50 of its decode steps: see
 packages/hydra-model/BENCHMARKS.md), and an eager prefill costs a host launch per kernel (about a
 thousand for HYDRA's routed forward). A caller that generates again with the same batch size and
-total length (a benchmark, an evaluation loop, sampling during training) gets the same decoder
-back: its cache is emptied and refilled in place by the new prompt's prefill
-(:meth:`ModelCache.restart`), so the captured graphs, which read those tensors, replay the new
-generation. A prompt length seen before is
+a total length in the same bucket (a benchmark, an evaluation loop, prompts of different lengths)
+gets the same decoder back. A kept decoder's cache holds the prompt and the new tokens rounded up
+to a multiple of ``CAPACITY_STEP`` positions (:func:`cache_capacity`; a step's attention gives
+the positions past the generation's end, masked, zero weight). A new generation empties the cache
+and refills it in place with its prompt's prefill (:meth:`ModelCache.restart`), so the captured
+graphs, which read those tensors, replay the new generation. A prompt length seen before is
 prefilled by a graph captured the second time it comes (the first run warmed its kernels up).
 
 A decoder is handed back only when nothing it captured can have changed:
 
-* the request: decode mode, batch size, cache capacity (prompt + new tokens), device and dtype;
+* the request: decode mode, batch size, cache capacity (prompt + new tokens, rounded up),
+  device and dtype;
 * the process-wide switches a step's kernels depend on (hydra_model's and hydra_kernels' options,
   the fused decision's mode) and every module's routing rule and static flag;
 * the parameters and buffers (all but the ``stat_*`` statistics, which every forward writes and
@@ -57,6 +60,17 @@ from hydra_model.options import OPTIONS
 SMALL_TENSOR = 1 << 18
 #: prefill graphs a held decoder keeps (one per prompt length; the oldest goes first)
 MAX_PREFILL_GRAPHS = 4
+#: a kept decoder's cache capacity is a multiple of this: up to 63 masked positions a step's
+#: attention reads in vain, for one decoder serving every total length in the bucket
+CAPACITY_STEP = 64
+
+
+def cache_capacity(total: int, max_seq_len: int) -> int:
+    """The capacity of a kept decoder's cache for ``total`` positions (prompt + new tokens):
+    rounded up to a multiple of :data:`CAPACITY_STEP`, but not past ``max_seq_len`` when ``total``
+    fits in it (a longer cache would grow the rotary tables)."""
+    rounded = -(-total // CAPACITY_STEP) * CAPACITY_STEP
+    return min(rounded, max_seq_len) if total <= max_seq_len else rounded
 
 
 def _walk(model: torch.nn.Module) -> tuple[list[torch.Tensor], tuple]:
@@ -290,13 +304,13 @@ def hold_of(model: torch.nn.Module) -> DecoderHold:
     return hold
 
 
-def request_of(model: torch.nn.Module, mode: str, batch: int, total: int, device: torch.device) -> tuple:
+def request_of(model: torch.nn.Module, mode: str, batch: int, capacity: int, device: torch.device) -> tuple:
     """What a held decoder must have been built for: decode mode, batch, cache capacity, device,
     dtype, and the autocast and inference modes around the call."""
     autocast = torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if autocast else None
     grad_modes = (autocast, dtype, torch.is_inference_mode_enabled())
-    return mode, batch, total, device, model.embed.weight.dtype, grad_modes
+    return mode, batch, capacity, device, model.embed.weight.dtype, grad_modes
 
 
 def keepable(was_training: bool, device: torch.device) -> bool:

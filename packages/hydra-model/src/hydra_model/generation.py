@@ -62,8 +62,8 @@ def generate(
     sequence has produced ``eos_token_id``; finished sequences are padded with it. ``decode``
     picks how the steps after the prompt run (decode_graphs.py); the model's
     ``last_decode_report`` records what ran. ``keep_decoder``: keep the staged or graphed decoder
-    (its graphs and cache) for the next call with the same batch size and S + max_new_tokens,
-    which then skips the warm-up and capture (decoder_hold.py)."""
+    (its graphs and cache) for the next call with the same batch size and S + max_new_tokens in
+    the same bucket of 64 positions, which then skips the warm-up and capture (decoder_hold.py)."""
     mode = resolve_mode(decode, input_ids.device)
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [B, S] with S ≥ 1, got {tuple(input_ids.shape)}")
@@ -77,15 +77,17 @@ def generate(
     if switch:
         model.eval()
     try:
-        total = input_ids.shape[1] + max_new_tokens
-        if model.rope is not None:
-            model.rope.ensure(total)
         pieces = [input_ids]
         if max_new_tokens == 0:
             return input_ids
         batch, device = input_ids.shape[0], input_ids.device
-        request = decoder_hold.request_of(model, mode, batch, total, device)
         keep = keep_decoder and mode != "eager" and decoder_hold.keepable(was_training, device)
+        total = input_ids.shape[1] + max_new_tokens
+        # a kept decoder's cache is rounded up: the next prompt of another length can reuse it
+        capacity = decoder_hold.cache_capacity(total, model.config.max_seq_len) if keep else total
+        if model.rope is not None:
+            model.rope.ensure(capacity)
+        request = decoder_hold.request_of(model, mode, batch, capacity, device)
         held, not_reused = None, None
         if keep:
             held, not_reused = decoder_hold.take(model, request)
@@ -97,7 +99,7 @@ def generate(
             if not in_place:  # a valid prefill, in new tensors: a new decoder on them
                 held, not_reused = None, "the prefill replaced a cache tensor a captured step reads"
         else:
-            cache = ModelCache(capacity=total)
+            cache = ModelCache(capacity=capacity)
             logits = model(input_ids, cache=cache).logits[:, -1]
         decoder = None
         if mode == "eager":
