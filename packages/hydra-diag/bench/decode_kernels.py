@@ -49,12 +49,10 @@ def count_decode_step(
     """Kernels of one decode step at batch 1 of a ``dtype`` model, by segment kind (plain, each
     routed block). ``decide``: hydra_model.fused_decide's mode; a GPU fuses a routed block's
     decision into one kernel ("auto" there), "on" does so on these CPU tensors too."""
-    torch.manual_seed(0)
-    model = build_model(arch, model_size, **overrides).eval().to(dtype)
+    model, prompt = _model_and_prompt(arch, model_size, overrides, dtype, 1, prompt_len)
     capacity = prompt_len + 4
     if model.rope is not None:
         model.rope.ensure(capacity)
-    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
     plain: collections.Counter[str] = collections.Counter()
     routed = []
     with torch.no_grad(), fused_decide(decide):
@@ -82,11 +80,18 @@ def count_decode_step(
     }
 
 
-def count_prefill(arch: str, model_size: str, overrides: dict, batch: int, prompt_len: int, dtype) -> int:
-    """Kernels of an eager prefill of ``batch`` prompts into a fresh cache (after one warm-up)."""
+def _model_and_prompt(
+    arch: str, model_size: str, overrides: dict, dtype: torch.dtype, batch: int, prompt_len: int
+) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The configuration's model in evaluation mode and ``dtype`` (seed 0), and a random prompt."""
     torch.manual_seed(0)
     model = build_model(arch, model_size, **overrides).eval().to(dtype)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len))
+    return model, torch.randint(0, model.config.vocab_size, (batch, prompt_len))
+
+
+def count_prefill(arch: str, model_size: str, overrides: dict, batch: int, prompt_len: int, dtype) -> int:
+    """Kernels of an eager prefill of ``batch`` prompts into a fresh cache (after one warm-up)."""
+    model, prompt = _model_and_prompt(arch, model_size, overrides, dtype, batch, prompt_len)
     with torch.no_grad():
         model(prompt, cache=ModelCache(capacity=prompt_len + 4))  # lazily built state
         with KernelCount() as prefill:
