@@ -60,7 +60,7 @@ def profile_config(cfg, args, device) -> dict:
         if graphs_mode:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = fwd(x, targets=y)
+            out = fwd(x, targets=y, return_logits=args.return_logits)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -137,6 +137,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile_steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument(
+        "--return_logits",
+        action="store_true",
+        help="the step takes the logits too (as the race did before 2026-11-27); by default it "
+        "asks for the losses alone, as the race does",
+    )
     p.add_argument("--out", required=True, help="JSON file to write")
     args = p.parse_args()
     from hydra_diag.race.configs import parse_config_names, parse_sets, resolve_configs

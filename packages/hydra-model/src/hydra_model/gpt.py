@@ -49,7 +49,7 @@ from hydra_kernels import fused_add_rms_norm
 from hydra_model.cache import CacheSlot, ModelCache
 from hydra_model.ccgqa import CCGQAAttention, list_conv_modules
 from hydra_model.checkpointing import GradientCheckpointMixin
-from hydra_model.decoder import DecoderMixin
+from hydra_model.decoder import DecoderMixin, check_return_logits
 from hydra_model.gpt_config import GPTConfig, gpt_config
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
@@ -115,10 +115,18 @@ class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
 
     # --- forward --------------------------------------------------------------------------------
     def forward(
-        self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *, cache: ModelCache | None = None
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        cache: ModelCache | None = None,
+        return_logits: bool = True,
     ) -> HydraOutput:
         """input_ids [B, S] → HydraOutput. ``targets`` [B, S] (ignore_index −100) adds the loss.
-        ``cache`` (from :meth:`generate`) prefills when empty and decodes one token when not."""
+        ``cache`` (from :meth:`generate`) prefills when empty and decodes one token when not.
+        ``return_logits=False`` (with targets): the output holds the loss only (see
+        :func:`~hydra_model.decoder.check_return_logits`)."""
+        check_return_logits(targets, return_logits)
         b, s = input_ids.shape
         cfg = self.config
         if cache is not None and cache.seq_len:
@@ -144,7 +152,7 @@ class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         if targets is None:
             return HydraOutput(logits=F.linear(h, self.embed.weight))
         logits, ce = self.head_and_loss(h, targets)
-        return HydraOutput(logits=logits, loss=ce, ce_loss=ce)
+        return HydraOutput(logits=logits if return_logits else None, loss=ce, ce_loss=ce)
 
     # --- introspection --------------------------------------------------------------------------
     def moe_layers(self) -> list[nn.Module]:

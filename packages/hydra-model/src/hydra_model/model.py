@@ -17,7 +17,7 @@ from hydra_model.ccgqa import CCGQAAttention, list_conv_modules
 from hydra_model.ccgqa_fold import fold_blocks
 from hydra_model.checkpointing import GradientCheckpointMixin
 from hydra_model.config import HydraConfig, preset_config
-from hydra_model.decoder import DecoderMixin
+from hydra_model.decoder import DecoderMixin, check_return_logits
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from hydra_model.moe import MoEFFN
@@ -138,10 +138,18 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         return found
 
     def forward(
-        self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *, cache: ModelCache | None = None
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        cache: ModelCache | None = None,
+        return_logits: bool = True,
     ) -> HydraOutput:
         """input_ids [B, S] → HydraOutput. ``targets`` [B, S] (ignore_index −100) adds the losses.
-        ``cache`` (from :meth:`generate`) prefills when empty and decodes one token when not."""
+        ``cache`` (from :meth:`generate`) prefills when empty and decodes one token when not.
+        ``return_logits=False`` (with targets): the output holds the losses only (see
+        :func:`~hydra_model.decoder.check_return_logits`)."""
+        check_return_logits(targets, return_logits)
         b, s = input_ids.shape
         cfg = self.config
         pos = None
@@ -189,6 +197,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         for name, value in aux_losses.items():
             if weights[name]:
                 loss = loss + weights[name] * value
+        logits = logits if return_logits else None
         return HydraOutput(logits=logits, loss=loss, ce_loss=ce, aux_losses=aux_losses)
 
     def decode_stages(

@@ -220,7 +220,9 @@ def race_one(
         if scope == "graphs":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten
         with autocast(device):
-            out = fwd(x, targets=y)
+            # the losses alone: logits returned by a compiled forward would get a zero gradient
+            # the size of the logits in its backward (hydra_model.decoder.check_return_logits)
+            out = fwd(x, targets=y, return_logits=False)
         out.loss.backward()
         if s.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
