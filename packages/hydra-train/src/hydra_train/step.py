@@ -23,6 +23,7 @@ reading the flag (one sync).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,19 @@ class LossSums:
         return self.loss / n, self.ce / n, {k: v / n for k, v in self.aux.items()}
 
 
+def loss_only_kwargs(model: torch.nn.Module) -> dict[str, bool]:
+    """What the training forward passes to ask ``model`` for its losses alone:
+    ``{"return_logits": False}`` where its ``forward`` takes that keyword (HYDRA's and the dense
+    GPT's), else nothing. The step reads only the losses, and a compiled forward would give logits
+    it returns a zero gradient of their size in its backward (a fill and an add of [B, S, V]:
+    hydra_model.decoder.check_return_logits); with chunked CE there are no logits anyway."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return {}
+    return {"return_logits": False} if "return_logits" in params else {}
+
+
 def supports_found_inf(opt: torch.optim.Optimizer) -> bool:
     """Fused torch Adam/AdamW skip their update on device when ``found_inf`` is set."""
     return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and bool(opt.defaults.get("fused"))
@@ -92,6 +106,8 @@ class StepMixin:
     """The step half of :class:`hydra_train.trainer.Trainer` (which sets every attribute used here)."""
 
     cuda_graphs: GraphedStep | None
+    #: keywords of every training forward (:func:`loss_only_kwargs`)
+    forward_kwargs: dict[str, bool]
     #: set: the gradients are averaged over ranks by hand after backward, DDP's reducer silent
     grad_averager: GradAverager | None
 
@@ -119,7 +135,7 @@ class StepMixin:
             # with the hand-rolled averaging DDP's reducer stays silent on every micro-batch
             with grad_sync(self.wrapped, enabled=averager is None and i == n - 1):
                 with self.autocast():
-                    out = self.forward_model(x, y)
+                    out = self.forward_model(x, y, **self.forward_kwargs)
                 loss = out.loss if loss_scale is None else out.loss * loss_scale
                 (loss / n).backward()
             sums.add(out, loss_scale)

@@ -8,6 +8,8 @@ applied, and switches them off when its monitor says so):
 
 ``trainer.forward_model``  the module the training forward calls: the model, its DDP/FSDP wrapper,
                            or a ``torch.compile`` of either. Replace it to switch compiled <-> eager.
+                           It is called as ``forward_model(x, y, **trainer.forward_kwargs)``:
+                           ``return_logits=False`` for a model that takes it (the losses alone).
 ``trainer.enable_cuda_graphs(warmup)`` / ``disable_cuda_graphs()``  the step as a CUDA graph.
 ``trainer.optimizer``      replace with :meth:`Trainer.set_optimizer` so the LR schedule follows.
 ``trainer.loader``         the batch source (a :class:`hydra_train.prefetch.Prefetcher`).
@@ -42,7 +44,7 @@ from hydra_train.distributed import DistInfo, all_reduce_sum
 from hydra_train.graphed_step import GraphedStep
 from hydra_train.optim import LRSchedule
 from hydra_train.prefetch import Prefetcher
-from hydra_train.step import LossSums, StepMixin, StepResult, supports_found_inf
+from hydra_train.step import LossSums, StepMixin, StepResult, loss_only_kwargs, supports_found_inf
 from hydra_train.trainer_state import EMA_ALPHAS, LoopState, TrainerStateMixin
 
 __all__ = [
@@ -80,6 +82,7 @@ class Trainer(StepMixin, TrainerStateMixin):
             model.threshold_commit = "manual"
         self.wrapped = wrapped if wrapped is not None else model  # DDP/FSDP wrapper (gradient sync)
         self.forward_model: nn.Module = self.wrapped
+        self.forward_kwargs = loss_only_kwargs(model)  # the losses alone, where the model can
         self.cfg = cfg
         self.optimizer = optimizer
         self.schedule = schedule

@@ -67,7 +67,7 @@ def probe_against(
     and, against ``ref`` (:func:`reference_at`), (gradient error, loss error), relative."""
     x, y = (t.to(device) for t in batch)
     with pt.autocast():
-        out = pt.forward_model(x, y)
+        out = pt.forward_model(x, y, **pt.forward_kwargs)
     out.loss.backward()
     loss = float(out.loss.detach().double())
     err = None
