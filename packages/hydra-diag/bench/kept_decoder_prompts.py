@@ -23,9 +23,7 @@ import statistics
 import time
 
 import torch
-
-from hydra_diag.race.configs import parse_config_names, resolve_configs
-from hydra_model import build_model
+from single_call_pairs import build_pair, quantile  # beside this script
 
 NEW = int(os.environ.get("NEW", "128"))
 BATCH = int(os.environ.get("BATCH", "8"))
@@ -54,19 +52,17 @@ def timed_calls(models: dict, prompts: list[torch.Tensor]) -> dict:
             sync()
             ms[name].append(1000.0 * (time.perf_counter() - start))
             reused[name] += bool(model.last_decode_report.reused)
-    ratios = sorted(g / h for g, h in zip(ms["gpt"], ms["hydra"], strict=True))
+    ratios = [g / h for g, h in zip(ms["gpt"], ms["hydra"], strict=True)]
     return {
         "gpt_ms_median": statistics.median(ms["gpt"]), "hydra_ms_median": statistics.median(ms["hydra"]),
-        "ratio_median": statistics.median(ratios), "ratio_q25": ratios[round(0.25 * (len(ratios) - 1))],
-        "ratio_q75": ratios[round(0.75 * (len(ratios) - 1))], "reused": reused, "calls": ROUNDS, "ms": ms,
+        "ratio_median": statistics.median(ratios), "ratio_q25": quantile(ratios, 0.25),
+        "ratio_q75": quantile(ratios, 0.75), "reused": reused, "calls": ROUNDS, "ms": ms,
     }  # fmt: skip
 
 
 def main() -> None:
-    dev, models = torch.device(DEVICE), {}
-    for cfg in resolve_configs(parse_config_names("gpt,hydra"), [], lr=1.0, compile_default="none"):
-        torch.manual_seed(0)
-        models[cfg.name] = build_model(cfg.arch, "100M", **cfg.overrides).to(dev).eval().to(torch.bfloat16)
+    dev = torch.device(DEVICE)
+    models = build_pair(dev)
     vocab = min(m.config.vocab_size for m in models.values())
     prompts = [torch.randint(0, vocab, (BATCH, n), device=dev) for n in LENGTHS]
     summary: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}

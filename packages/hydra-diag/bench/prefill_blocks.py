@@ -17,9 +17,8 @@ import os
 import time
 
 import torch
+from single_call_pairs import build_pair  # beside this script
 
-from hydra_diag.race.configs import parse_config_names, resolve_configs
-from hydra_model import build_model
 from hydra_model.cache import ModelCache
 
 PROMPT, NEW = 64, 128
@@ -53,13 +52,12 @@ def timed_prefill(model: torch.nn.Module, prompt: torch.Tensor, stamps: list, ca
 
 
 def main() -> None:
-    dev, models, stamps = torch.device("cuda"), {}, {}
+    dev = torch.device("cuda")
     prompt = torch.randint(0, 27000, (BATCH, PROMPT), device=dev)
-    for cfg in resolve_configs(parse_config_names("gpt,hydra"), [], lr=1.0, compile_default="none"):
-        torch.manual_seed(0)
-        model = build_model(cfg.arch, "100M", **cfg.overrides).to(dev).eval().to(torch.bfloat16)
-        models[cfg.name], stamps[cfg.name] = model, []
-        stamp_blocks(list(getattr(model, "blocks", None) or model.layers), stamps[cfg.name])
+    models = build_pair(dev)
+    stamps: dict[str, list] = {name: [] for name in models}
+    for name, model in models.items():
+        stamp_blocks(list(getattr(model, "blocks", None) or model.layers), stamps[name])
     res: dict[str, list[dict]] = {f"{name}{kind}": [] for name in models for kind in ("", " restarted")}
     with torch.no_grad():
         for model in models.values():  # kernels compiled and tuned, the attention picks measured

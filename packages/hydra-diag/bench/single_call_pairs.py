@@ -33,11 +33,19 @@ def quantile(values: list[float], p: float) -> float:
     return ordered[round(p * (len(ordered) - 1))]
 
 
-def main() -> None:
-    dev, models = torch.device("cuda"), {}
+def build_pair(device: torch.device) -> dict[str, torch.nn.Module]:
+    """The race's ``gpt`` and ``hydra`` at the 100M preset (seed 0), in evaluation mode and bf16
+    on ``device`` (also used by kept_decoder_prompts.py and prefill_blocks.py beside this one)."""
+    models = {}
     for cfg in resolve_configs(parse_config_names("gpt,hydra"), [], lr=1.0, compile_default="none"):
         torch.manual_seed(0)
-        models[cfg.name] = build_model(cfg.arch, "100M", **cfg.overrides).to(dev).eval().to(torch.bfloat16)
+        models[cfg.name] = build_model(cfg.arch, "100M", **cfg.overrides).to(device).eval().to(torch.bfloat16)
+    return models
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    models = build_pair(dev)
     vocab = min(m.config.vocab_size for m in models.values())
     prompt = torch.randint(0, vocab, (BATCH, PROMPT), device=dev)
     ms: dict[str, list[float]] = {name: [] for name in models}

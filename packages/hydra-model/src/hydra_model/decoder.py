@@ -44,11 +44,12 @@ class DecoderMixin:
         return total - self.embed.weight.numel() if exclude_embeddings else total
 
     def head_and_loss(
-        self, h: torch.Tensor, targets: torch.Tensor
+        self, h: torch.Tensor, targets: torch.Tensor, return_logits: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Final hidden states h [B, S, E] → (logits [B, S, V] or None, mean cross-entropy) through
         the tied LM head; ``config.use_chunked_ce`` fuses head and loss
-        (``hydra_kernels.linear_cross_entropy``: no [tokens, vocab] logits)."""
+        (``hydra_kernels.linear_cross_entropy``: no [tokens, vocab] logits); ``return_logits``
+        False: None for the logits, computed for the loss only (:func:`check_return_logits`)."""
         cfg = self.config
         if cfg.use_chunked_ce:
             hid, weight = h.reshape(-1, cfg.dim), self.embed.weight
@@ -60,7 +61,7 @@ class DecoderMixin:
         ce = F.cross_entropy(
             logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=IGNORE_INDEX
         )
-        return logits, ce
+        return (logits if return_logits else None), ce
 
     def flops_per_token(self, seq_len: int, executed: bool = True) -> float:
         """Training FLOPs (forward + backward ≈ 3× forward) per token at ``seq_len``, attention

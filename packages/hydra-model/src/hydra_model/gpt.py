@@ -151,8 +151,8 @@ class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
 
         if targets is None:
             return HydraOutput(logits=F.linear(h, self.embed.weight))
-        logits, ce = self.head_and_loss(h, targets)
-        return HydraOutput(logits=logits if return_logits else None, loss=ce, ce_loss=ce)
+        logits, ce = self.head_and_loss(h, targets, return_logits)
+        return HydraOutput(logits=logits, loss=ce, ce_loss=ce)
 
     # --- introspection --------------------------------------------------------------------------
     def moe_layers(self) -> list[nn.Module]:

@@ -190,14 +190,13 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
 
         if targets is None:
             return HydraOutput(logits=F.linear(h, self.embed.weight))
-        logits, ce = self.head_and_loss(h, targets)
+        logits, ce = self.head_and_loss(h, targets, return_logits)
         aux_losses = {name: torch.stack(vals).mean() for name, vals in aux_lists.items()}
         weights = aux_loss_weights(cfg)
         loss = ce
         for name, value in aux_losses.items():
             if weights[name]:
                 loss = loss + weights[name] * value
-        logits = logits if return_logits else None
         return HydraOutput(logits=logits, loss=loss, ce_loss=ce, aux_losses=aux_losses)
 
     def decode_stages(
