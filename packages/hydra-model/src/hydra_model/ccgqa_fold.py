@@ -213,17 +213,21 @@ def fold_signature(module) -> tuple:
 
 def conv_sources(module) -> tuple:
     """The tensors a module's bank entries are built from, by storage, shape, dtype and device."""
-    tensors = (module.conv_seq.weight, module.conv_seq.bias, module.conv_ch.weight, module.conv_ch.bias,
-               module.qk_mean_mix, module.temperature)  # fmt: skip
-    return tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in tensors)
+    seq, ch = module.conv_seq, module.conv_ch
+    tensors = (seq.weight, seq.bias, ch.weight, ch.bias, module.qk_mean_mix, module.temperature)
+    return tuple((t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors)
 
 
 def fold_into_bank(bank, module, form: str) -> None:
     """Build ``form`` for ``module`` and, together with it, for every module of the bank's model
-    that shares its signature and lacks the form (:class:`~hydra_model.cache.ConvBank`)."""
+    that shares its signature and lacks the form (:class:`~hydra_model.cache.ConvBank`); on a GPU
+    from the second new cache on, by replaying a graph of the fold (fold_replay.py)."""
+    from hydra_model.fold_replay import fold_group  # it imports this module
+
     sig = fold_signature(module)
     peers = [m for m in bank.modules if m is not module and (m, form) not in bank.weights]
     group = [module, *(m for m in peers if fold_signature(m) == sig)]
-    for m, built in zip(group, fold_many(group, form), strict=True):
+    sources = [conv_sources(m) for m in group]  # host-side; the replay checks them too
+    for m, source, built in zip(group, sources, fold_group(group, form, sources), strict=True):
         bank.weights[(m, form)] = built
-        bank.sources[(m, form)] = conv_sources(m)
+        bank.sources[(m, form)] = source
