@@ -64,17 +64,11 @@ def main() -> None:
                 ms[name].append(1000.0 * (time.perf_counter() - start))
                 assert not model.last_decode_report.reused, model.last_decode_report
     ratios = [g / h for g, h in zip(ms["gpt"], ms["hydra"], strict=True)]
-    try:  # how the new caches got their conv weights (trees before fold_replay.py have none)
-        from hydra_model.fold_replay import replay_status
-
-        folds = replay_status()
-    except ImportError:
-        folds = None
     summary = {
         "device": torch.cuda.get_device_name(), "batch": BATCH, "new_tokens": NEW, "pairs": PAIRS,
         "gpt_ms_median": statistics.median(ms["gpt"]), "hydra_ms_median": statistics.median(ms["hydra"]),
         "ratio_median": statistics.median(ratios), "ratio_q25": quantile(ratios, 0.25),
-        "ratio_q75": quantile(ratios, 0.75), "folds": folds, "ms": ms,
+        "ratio_q75": quantile(ratios, 0.75), "ms": ms,
     }  # fmt: skip
     print({k: round(v, 3) for k, v in summary.items() if isinstance(v, float)})
     print(f"single call, batch {BATCH}, {NEW} new tokens: hydra / gpt = {summary['ratio_median']:.3f} "

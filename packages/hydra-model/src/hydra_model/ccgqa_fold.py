@@ -220,14 +220,10 @@ def conv_sources(module) -> tuple:
 
 def fold_into_bank(bank, module, form: str) -> None:
     """Build ``form`` for ``module`` and, together with it, for every module of the bank's model
-    that shares its signature and lacks the form (:class:`~hydra_model.cache.ConvBank`); on a GPU
-    from the second new cache on, by replaying a graph of the fold (fold_replay.py)."""
-    from hydra_model.fold_replay import fold_group  # it imports this module
-
+    that shares its signature and lacks the form (:class:`~hydra_model.cache.ConvBank`)."""
     sig = fold_signature(module)
     peers = [m for m in bank.modules if m is not module and (m, form) not in bank.weights]
     group = [module, *(m for m in peers if fold_signature(m) == sig)]
-    sources = [conv_sources(m) for m in group]  # host-side; the replay checks them too
-    for m, source, built in zip(group, sources, fold_group(group, form, sources), strict=True):
+    for m, built in zip(group, fold_many(group, form), strict=True):
         bank.weights[(m, form)] = built
-        bank.sources[(m, form)] = source
+        bank.sources[(m, form)] = conv_sources(m)
