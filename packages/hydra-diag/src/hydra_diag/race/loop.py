@@ -160,6 +160,7 @@ def race_one(
     from hydra_model.fused_routing import compiled_routing_enabled, set_compiled_routing
     from hydra_train.optim import build_optimizer
     from hydra_train.prefetch import Prefetcher
+    from hydra_train.step import loss_only_kwargs
 
     cuda = device.type == "cuda"
     t_setup = time.perf_counter()
@@ -205,6 +206,9 @@ def race_one(
     scope = cfg.compile if (cuda and s.compile) else "none"
     fwd = compile_entrant(model, scope) if scope != "none" else model
     params = [p for p in model.parameters() if p.requires_grad]
+    # the losses alone, as hydra-train's step asks: logits returned by a compiled forward would
+    # get a zero gradient the size of the logits in its backward (hydra_model.decoder)
+    forward_kwargs = loss_only_kwargs(model)
     # causal routing thresholds move once per optimizer step: the model's default commits the
     # last step's record at the start of the next training forward, inside the compiled (and
     # graphed) code; committing eagerly after the step instead cost ~40 small launches per routing
@@ -220,9 +224,7 @@ def race_one(
         if scope == "graphs":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten
         with autocast(device):
-            # the losses alone: logits returned by a compiled forward would get a zero gradient
-            # the size of the logits in its backward (hydra_model.decoder.check_return_logits)
-            out = fwd(x, targets=y, return_logits=False)
+            out = fwd(x, targets=y, **forward_kwargs)
         out.loss.backward()
         if s.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
