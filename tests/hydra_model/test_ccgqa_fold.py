@@ -3,6 +3,7 @@ and a generation builds each form once, for every CCGQA module of the model toge
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 
@@ -12,6 +13,8 @@ import torch
 import hydra_model.ccgqa as ccgqa_mod
 import hydra_model.ccgqa_fold as ccgqa_fold
 import hydra_model.model as model_mod
+from hydra_kernels import controls
+from hydra_kernels.launch_count import KernelCount
 from hydra_kernels.ops.tile_linear import pack_tiles_many, tile_linear_ref
 from hydra_model import CCGQAAttention
 from hydra_model.cache import ConvBank, ModelCache
@@ -71,6 +74,42 @@ def test_the_batched_builders_equal_a_loop_over_the_leading_dimension():
             w, b = build(*(t[i] for t in stacked), *(e[i] for e in extra))
             torch.testing.assert_close(weights[i], w, rtol=0, atol=1e-12, msg=f"seed {seed}")
             torch.testing.assert_close(biases[i], b, rtol=0, atol=1e-12, msg=f"seed {seed}")
+
+
+INTERPRETED = controls.device_supports_triton(torch.device("cpu"))  # launches are counted interpreted
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tiles_kernel_builds_the_op_by_op_tiles_in_one_launch(dtype):
+    """Without gradients the window tiles of all modules come from one kernel launch once the
+    shape's layout is known (hydra_kernels' ccgqa_window_tiles, no fallback), with the same tile
+    index, and at least as close to the fp64 fold as the op-by-op build (whose products and
+    partial sums are rounded one by one), weights and biases."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    mods = random_modules(3, seed, dtype)
+    exact = fold_many([copy.deepcopy(m).double() for m in mods], "window")
+    falls = controls.fallback_counts().get("ccgqa_window_tiles", 0)
+    with torch.no_grad():
+        op_by_op = fold_many(mods, "window_tiles")  # the model tests' default: the references
+        controls.set_use_triton_kernels(True)
+        try:
+            fold_many(mods, "window_tiles")  # the shape's layout, made once and kept
+            with KernelCount() as launched:
+                kernel = fold_many(mods, "window_tiles")
+        finally:
+            controls.set_use_triton_kernels(False)
+    assert dict(launched.kernels) == {"triton:_window_tiles_kernel": 1}, f"seed {seed}"
+    assert controls.fallback_counts().get("ccgqa_window_tiles", 0) == falls
+    for (tiled, bias), (ref_tiled, ref_bias), (w, b) in zip(kernel, op_by_op, exact, strict=True):
+        assert torch.equal(tiled.index, ref_tiled.index) and tiled.tiles.dtype == dtype
+        layout = ccgqa_fold.window_tile_layout(mods[0], torch.device("cpu"))
+        dense = pack_tiles_many(w.unsqueeze(0), *ccgqa_fold.WINDOW_TILE, layout)[0].tiles
+        err = (tiled.tiles.double() - dense).abs().max()
+        ref_err = (ref_tiled.tiles.double() - dense).abs().max()
+        assert err <= ref_err + 1e-12, f"seed {seed}: {err} against the op-by-op {ref_err}"
+        err, ref_err = (bias.double() - b).abs().max(), (ref_bias.double() - b).abs().max()
+        assert err <= max(ref_err, b.abs().max() * 2**-8), f"seed {seed}: bias {err} against {ref_err}"
 
 
 def test_a_bank_builds_a_form_for_all_its_same_shaped_modules_at_the_first_request(monkeypatch):

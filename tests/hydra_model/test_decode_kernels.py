@@ -48,7 +48,7 @@ def make_model(arch: str, seed: int) -> torch.nn.Module:
 @pytest.mark.parametrize(
     ("arch", "conv"),
     [("gpt", "headwise"), ("gpt-ccgqa", "window_gemm"), ("hydra", "headwise"), ("hydra", "window_gemm"),
-     ("hydra-routing-off", "headwise")],
+     ("hydra", "window_tiles"), ("hydra-routing-off", "headwise")],
 )  # fmt: skip
 def test_fused_decode_steps_equal_the_full_forward(arch, conv, monkeypatch):
     """fp32, batch 3: every decode step's logits equal the full forward's at that position, and
@@ -112,7 +112,8 @@ def test_a_decode_step_launches_few_kernels(conv, monkeypatch):
 
 def test_a_prefill_launches_as_many_kernels_at_batch_three_as_at_one(monkeypatch):
     """The prefill's conv windows are a view of the window that tile_linear reads in place at any
-    batch (a batch > 1 once copied them out first: a launch a CCGQA module); routed blocks, whose
+    batch (a batch > 1 once copied them out first: a launch a CCGQA module), whose folded weights
+    a new cache builds in one launch for all blocks; routed blocks, whose
     gathers and updates run per batch as well, launch no more for three sequences than for one."""
     monkeypatch.setattr(OPTIONS, "decode_conv", "window_tiles")
     hydra_kernels.set_use_triton_kernels(True)
@@ -127,6 +128,7 @@ def test_a_prefill_launches_as_many_kernels_at_batch_three_as_at_one(monkeypatch
         counts[b] = count.kernels
     assert counts[3] == counts[1], (counts[1], counts[3])
     assert counts[3]["triton:_tile_linear_kernel"] == len(model.blocks)  # one conv launch a block
+    assert counts[3]["triton:_window_tiles_kernel"] == 1  # every block's conv weights, one launch
 
 
 @pytest.mark.parametrize("arch", ["gpt", "hydra"])

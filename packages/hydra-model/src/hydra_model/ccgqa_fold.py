@@ -22,7 +22,9 @@ reduction).
 
 The builders take any leading batch dimensions and use elementwise ops only (no matmul), so
 autocast leaves them in the parameters' dtype; they are differentiable, so a training forward's
-conv parameters get their gradients through them.
+conv parameters get their gradients through them. Without gradients, where hydra_kernels' Triton
+path is on, the decode steps' ``window_tiles`` form comes from one kernel instead
+(``hydra_kernels.ops.ccgqa_window_tiles``: the tiles computed directly, no dense window weight).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from functools import reduce
 import torch
 import torch.nn.functional as F
 
+from hydra_kernels.ops.ccgqa_window_tiles import ccgqa_window_tiles, kernel_path
 from hydra_kernels.ops.tile_linear import TiledWeight, TileLayout, pack_tiles_many, tile_layout, tile_nonzero
 
 #: the forms a module's conv weights come in (see the module docstring)
@@ -133,6 +136,8 @@ def fold_many(modules: list, form: str) -> list[tuple[torch.Tensor | TiledWeight
         return [(t, None) for t in joint.unbind(0)]
     if form not in FOLD_FORMS:
         raise ValueError(f"conv weight form {form!r}; expected one of {', '.join(FOLD_FORMS)}")
+    if form == "window_tiles" and not torch.is_grad_enabled() and kernel_path(modules[0].conv_seq.weight):
+        return _window_tiles_kernel(modules)
     params = _params(modules)
     if form == "headwise":
         weight, bias = headwise_qk_weight(*params)
@@ -144,6 +149,24 @@ def fold_many(modules: list, form: str) -> list[tuple[torch.Tensor | TiledWeight
         layout = window_tile_layout(modules[0], weight.device)
         return list(zip(pack_tiles_many(weight, *WINDOW_TILE, layout=layout), bias.unbind(0), strict=True))
     return list(zip(weight.unbind(0), bias.unbind(0), strict=True))
+
+
+def _window_tiles_kernel(modules: list) -> list[tuple[TiledWeight, torch.Tensor]]:
+    """The ``window_tiles`` form of every module in one launch (hydra_kernels'
+    ``ccgqa_window_tiles``), reading each module's parameters where they are: no stacked copies
+    and no dense window weight (about twenty launches and 250 MB of temporaries at the 100M
+    preset op by op). Its sums are rounded once, where the op-by-op form rounds each product and
+    partial sum: a 16-bit weight may differ from that form's in its last bit."""
+    layout = window_tile_layout(modules[0], modules[0].conv_seq.weight.device)
+    dtype = modules[0].conv_seq.weight.dtype
+    params = [
+        (m.conv_seq.weight, m.conv_seq.bias, m.conv_ch.weight, m.conv_ch.bias, m.qk_mean_mix.to(dtype))
+        for m in modules
+    ]
+    tiles, bias = ccgqa_window_tiles(params, layout.index, *WINDOW_TILE)
+    channels, k_total = modules[0].qk_channels, modules[0].conv_context + 1
+    weights = (TiledWeight(t, layout.index, channels, k_total * channels) for t in tiles)
+    return list(zip(weights, bias, strict=True))
 
 
 def fold_blocks(attns: list) -> list | None:
