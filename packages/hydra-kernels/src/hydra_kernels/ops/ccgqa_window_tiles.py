@@ -12,7 +12,7 @@ token) plus a bias [C]. For output row r of head g = r // d and input c = g'·d 
     bias[r]       = ch_b[r] + Σ_i (Σ_a ch_w[r, i, a]) · seq_b[g·d + i]
 
 (a over the grouped conv's taps, s − a within [0, k_seq)). A decode step multiplies its window by W
-as non-zero tiles (:mod:`hydra_kernels.ops.tile_linear`): at the 100M preset 96 of W's 768 tiles.
+as non-zero tiles (:mod:`hydra_kernels.ops.tile_linear`): at the 100M preset 72 of W's 768 tiles.
 
 Why a kernel: a generation builds W once per new cache, for every CCGQA module of the model. Op by
 op (hydra_model/ccgqa_fold.py) that is about twenty launches and 250 MB of temporaries at the 100M
