@@ -114,11 +114,17 @@ def _head_blocks(seq_weight: torch.Tensor, ch_weight: torch.Tensor) -> torch.Ten
     return _tap_sum(per_pair, k_seq, k_seq + k_ch - 1)
 
 
+def conv_params(module) -> tuple[torch.Tensor, ...]:
+    """A CCGQA module's conv parameters: (seq weight, seq bias, ch weight, ch bias), the tensors
+    every form is built from besides the q-k mean."""
+    seq, ch = module.conv_seq, module.conv_ch
+    return seq.weight, seq.bias, ch.weight, ch.bias
+
+
 def _params(modules: list) -> tuple[torch.Tensor, ...]:
     """The modules' conv parameters, each stacked along a new first dimension (a view of the
     module's own tensor, no copy, for one module)."""
-    names = ("conv_seq.weight", "conv_seq.bias", "conv_ch.weight", "conv_ch.bias")
-    tensors = [[m.get_parameter(name) for m in modules] for name in names]
+    tensors = list(zip(*(conv_params(m) for m in modules), strict=True))
     return tuple(ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts) for ts in tensors)
 
 
@@ -159,10 +165,7 @@ def _window_tiles_kernel(modules: list) -> list[tuple[TiledWeight, torch.Tensor]
     partial sum: a 16-bit weight may differ from that form's in its last bit."""
     layout = window_tile_layout(modules[0], modules[0].conv_seq.weight.device)
     dtype = modules[0].conv_seq.weight.dtype
-    params = [
-        (m.conv_seq.weight, m.conv_seq.bias, m.conv_ch.weight, m.conv_ch.bias, m.qk_mean_mix.to(dtype))
-        for m in modules
-    ]
+    params = [(*conv_params(m), m.qk_mean_mix.to(dtype)) for m in modules]
     tiles, bias = ccgqa_window_tiles(params, layout.index, *WINDOW_TILE)
     channels, k_total = modules[0].qk_channels, modules[0].conv_context + 1
     weights = (TiledWeight(t, layout.index, channels, k_total * channels) for t in tiles)
@@ -236,8 +239,7 @@ def fold_signature(module) -> tuple:
 
 def conv_sources(module) -> tuple:
     """The tensors a module's bank entries are built from, by storage, shape, dtype and device."""
-    seq, ch = module.conv_seq, module.conv_ch
-    tensors = (seq.weight, seq.bias, ch.weight, ch.bias, module.qk_mean_mix, module.temperature)
+    tensors = (*conv_params(module), module.qk_mean_mix, module.temperature)
     return tuple((t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors)
 
 

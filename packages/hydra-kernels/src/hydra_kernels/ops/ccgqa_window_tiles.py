@@ -36,7 +36,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -49,6 +48,7 @@ from hydra_kernels.ops._custom_op import (
     to_output_dtype,
 )
 from hydra_kernels.ops._launch import LaunchPlan, plan_cache
+from hydra_kernels.ops.tile_linear import TileLayout, pack_tiles_many
 
 #: One module's parameters: (seq_w [C, 1, k_seq], seq_b [C], ch_w [C, d, k_ch], ch_b [C], mean [C, C]).
 ConvParams = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -100,13 +100,10 @@ def ccgqa_window_tiles_ref(
     dense[:, :, k_total - 1, :] += mean
     weight = dense.view(count, c, k_total * c)  # columns s·C + c
     bias = ch_b + (w_ch.sum(-1) * seq_b.view(count, heads, 1, d)).sum(-1).view(count, c)
-    nb, kb = -(-c // block_n), -(-(k_total * c) // block_k)
-    padded = F.pad(weight, (0, kb * block_k - k_total * c, 0, nb * block_n - c))
-    blocks = padded.view(count, nb, block_n, kb, block_k).transpose(2, 3)  # [L, NB, KB, BN, BK]
-    keep = index.to(device=weight.device, dtype=torch.long)
-    tiles = blocks[:, torch.arange(nb, device=weight.device).view(-1, 1), keep.clamp(min=0)]
-    tiles = tiles * (keep >= 0).view(1, *keep.shape, 1, 1)
-    return tiles.to(dtype).contiguous(), bias.to(dtype)
+    keep = index.to(weight.device)
+    layout = TileLayout(keep.long().clamp(min=0), keep >= 0, keep)  # padding repeats column 0, zeroed
+    tiles = torch.stack([t.tiles for t in pack_tiles_many(weight, block_n, block_k, layout)])
+    return tiles.to(dtype), bias.to(dtype)
 
 
 # --- Triton kernel -------------------------------------------------------------------------------
