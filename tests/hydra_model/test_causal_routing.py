@@ -5,6 +5,7 @@ causal, evaluation routes exactly as training does, and the compute stays within
 from __future__ import annotations
 
 import math
+import os
 from fractions import Fraction
 
 import pytest
@@ -356,3 +357,19 @@ def test_a_state_dict_without_thresholds_loads_them_fresh():
     fresh = small_model(static_routing_mode=True, mod_capacity=0.5)
     fresh.load_state_dict(saved)
     assert all(thr.seen.item() == 0 for thr in fresh.router_thresholds())
+
+
+@pytest.mark.parametrize("k_share", [0.1, 0.5, 1.0])
+def test_take_first_k_equals_a_stable_sort_of_taken_first(k_share):
+    # reference: Python's stable sort on (not taken, time) of each row, fresh random decisions
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    b, n = 4, 97
+    taken = torch.rand(b, n, generator=g) < float(torch.rand((), generator=g))
+    k = max(1, round(k_share * n))
+    idx, member = take_first_k(taken, k)
+    for row in range(b):
+        order = sorted(range(n), key=lambda t: (not bool(taken[row, t]), t))[:k]
+        assert idx[row].tolist() == order, f"seed {seed}, row {row}"
+        count = int(taken[row].sum())
+        assert member[row].tolist() == [j < count for j in range(k)], f"seed {seed}, row {row}"

@@ -73,12 +73,21 @@ def causal_take(passed: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
 
 def take_first_k(taken: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices [B, k] of the taken tokens in time order followed by untaken ones (padding), and
-    the membership mask [B, k] (True on the taken prefix). At most k tokens per row are taken."""
-    n = taken.shape[1]
-    t = torch.arange(n, device=taken.device)
-    key = torch.where(taken, t, t + n)  # distinct keys: taken first, both parts in time order
-    idx = key.topk(k, dim=-1, largest=False, sorted=True).indices if k < n else key.argsort(dim=-1)
-    member = torch.arange(k, device=taken.device).unsqueeze(0) < taken.sum(dim=1, keepdim=True)
+    the membership mask [B, k] (True on the taken prefix). At most k tokens per row are taken.
+
+    Each token's place in that order is known from a running count, so the order is a scatter,
+    not a sort: a taken token goes after the taken ones before it, an untaken one after every
+    taken token and the untaken ones before it (what hydra_kernels' causal_select computes). The
+    top-k sort this replaces took two kernels, about 60 µs a routing point, in the 100M preset's
+    compiled step on an H100 (packages/hydra-model/BENCHMARKS.md)."""
+    b, n = taken.shape
+    t = torch.arange(n, device=taken.device).expand(b, n)
+    took = taken.long()
+    ahead = took.cumsum(-1) - took  # taken tokens before t
+    total = took.sum(dim=1, keepdim=True)
+    dest = torch.where(taken, ahead, total + t - ahead)  # [B, n]: a permutation of 0..n−1
+    idx = torch.empty_like(dest).scatter_(1, dest, t)[:, :k]
+    member = torch.arange(k, device=taken.device).unsqueeze(0) < total
     return idx, member
 
 

@@ -54,7 +54,7 @@ import torch
 from hydra_kernels.cuda_graph import graph_capture
 from hydra_model.conditional_graphs import conditional_nodes_fail, if_node
 from hydra_model.decoder_hold import Fingerprint, is_warm, mark_warm, warm_signature
-from hydra_model.graph_compose import ComposedGraph, capture_all_kept, driver_conditional_fail
+from hydra_model.graph_compose import ComposedGraph, capture_all_kept, capture_graphs, driver_conditional_fail
 
 DECODE_MODES = ("auto", "eager", "staged", "graphs", "masked")
 
@@ -354,15 +354,23 @@ class StagedDecoder:
                 with torch.cuda.device(device):  # the driver builds in the current context
                     return self._compose_step()
             self.report.extra["conditional_nodes"] = "torch"
-        graph = torch.cuda.CUDAGraph()
-        with graph_capture(graph, pool=torch.cuda.graph_pool_handle()):
-            for run, gate in self._pieces():
-                if gate is not None and conditional:
+            graph = torch.cuda.CUDAGraph()
+            with graph_capture(graph, pool=torch.cuda.graph_pool_handle()):
+                for run, gate in self._pieces():
+                    if gate is None:
+                        run()
+                        continue
                     with if_node(gate):
                         run()
-                else:
-                    run()
-        return graph
+            return graph
+        pieces = self._pieces()  # plain: every piece runs (masked mode, or nothing gated)
+
+        def whole() -> None:
+            for run, _ in pieces:
+                run()
+
+        # no allocator trim before it, as the composed step's captures (graph_compose.py)
+        return capture_graphs([whole], torch.cuda.graph_pool_handle())[0]
 
     def _compose_step(self) -> ComposedGraph:
         """Each piece captured on its own (one pool, capture order), then one driver-built graph
@@ -394,9 +402,6 @@ class StagedDecoder:
         return pieces
 
     def _capture_segments(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for seg in self.segments:
-            graph = torch.cuda.CUDAGraph()
-            with graph_capture(graph, pool=pool):
-                seg.run_stages()
+        graphs = capture_graphs([seg.run_stages for seg in self.segments], torch.cuda.graph_pool_handle())
+        for seg, graph in zip(self.segments, graphs, strict=True):
             seg.graph = graph

@@ -305,21 +305,27 @@ def capture_kept(fn, pool) -> torch.cuda.CUDAGraph:
 
 
 def capture_all_kept(fns: list, pool) -> list[torch.cuda.CUDAGraph]:
-    """Each of ``fns`` captured into a graph of its own kept un-instantiated, one after the other
-    in one memory pool, on torch's capture stream. ``torch.cuda.graph`` synchronizes the device,
-    collects garbage and trims the allocator's cache before every capture; here the device is
-    synchronized once for all of them (a decode step is eleven pieces at HYDRA's 100M preset,
-    packages/hydra-model/BENCHMARKS.md). The cache is not trimmed: the graphs allocate from their
-    own pool either way, and a trim gave its blocks back to the driver only for the next prefill to
-    ask for them again (seven frees, then as many allocations: about a millisecond of host time
-    in a batch-1 generate call on an H100)."""
+    """Each of ``fns`` captured into a graph of its own kept un-instantiated (for
+    :class:`ComposedGraph`), as :func:`capture_graphs` captures them."""
+    return capture_graphs(fns, pool, keep_graph=True)
+
+
+def capture_graphs(fns: list, pool, keep_graph: bool = False) -> list[torch.cuda.CUDAGraph]:
+    """Each of ``fns`` captured into a graph of its own (instantiated, or kept un-instantiated
+    with ``keep_graph``), one after the other in one memory pool, on torch's capture stream.
+    ``torch.cuda.graph`` synchronizes the device and trims the allocator's cache before every
+    capture; here the device is synchronized once for all of them (a decode step is eleven
+    pieces at HYDRA's 100M preset, packages/hydra-model/BENCHMARKS.md). The cache is not
+    trimmed: the graphs allocate from their own pool either way, and a trim gave its blocks back
+    to the driver only for the next prefill to ask for them again (seven frees, then as many
+    allocations: about a millisecond of host time in a batch-1 generate call on an H100)."""
     torch.cuda.synchronize()
     if torch.cuda.graph.default_capture_stream is None:  # the stream torch.cuda.graph captures on
         torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
     graphs = []
     with torch.cuda.stream(torch.cuda.graph.default_capture_stream):
         for fn in fns:
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
             graph.capture_begin(pool)
             try:
                 try:
