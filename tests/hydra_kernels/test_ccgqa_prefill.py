@@ -107,6 +107,7 @@ def test_inside_torch_compile_the_reference_runs_and_traces_as_one_graph():
     """A raw Triton launch would break the graph: compiled, the op runs its reference (fullgraph)."""
     proj, length = torch.randn(2, 5, 8 + 6), torch.tensor([3, 5])
     torch._dynamo.reset()
+
     def copies(p, n):
         return ccgqa_prefill(p, 8, 2, n, state=True)
 

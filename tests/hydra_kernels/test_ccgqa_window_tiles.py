@@ -121,6 +121,13 @@ def test_switched_off_it_runs_the_reference_and_bad_inputs_raise():
         ccgqa_window_tiles(params, index, 16, 24)
     with pytest.raises(ValueError, match="no modules"):
         ccgqa_window_tiles([], index)
+    # an index no path can use is the caller's mistake on every path, not a kernel fallback
+    for on in (False, True):
+        controls.set_op_enabled("ccgqa_window_tiles", on)
+        with pytest.raises(ValueError, match="int32"):
+            ccgqa_window_tiles(params, index.long(), 16, 16)
+        with pytest.raises(ValueError, match="block rows"):
+            ccgqa_window_tiles(params, index[:1], 16, 16)
 
 
 def test_a_misplaced_parameter_is_a_counted_fallback():

@@ -32,7 +32,7 @@ def _garbage(shape, dtype):
     """A reused buffer's leftovers (NaN among them): whatever is not written must not survive."""
     t = torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.randint(0, 99, shape)
     if dtype.is_floating_point:
-        t.view(-1)[:: 7] = float("nan")
+        t.view(-1)[::7] = float("nan")
     return t.to(DEVICE)
 
 

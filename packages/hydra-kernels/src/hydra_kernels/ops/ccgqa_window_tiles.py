@@ -192,13 +192,12 @@ def ccgqa_window_tiles_launch(
     for m, module in enumerate(params):
         for t in module:
             if t.dtype != dtype or t.device != device or not t.is_contiguous():
+                layout = "contiguous" if t.is_contiguous() else "non-contiguous"
                 raise ValueError(f"ccgqa_window_tiles: module {m}'s parameters must be contiguous "
-                                 f"{dtype} on {device}; got a {t.dtype} on {t.device}")  # fmt: skip
-    if index.dtype != torch.int32 or index.dim() != 2 or not index.is_contiguous() or index.device != device:
-        raise ValueError(f"ccgqa_window_tiles: index must be [NB, NNZ] int32 contiguous on {device}")
+                                 f"{dtype} on {device}; got a {layout} {t.dtype} on {t.device}")  # fmt: skip
+    _check_index(index, c, block_n, device)
+    index = index.contiguous()
     nb, nnz = index.shape
-    if nb != -(-c // block_n):
-        raise ValueError(f"ccgqa_window_tiles: index has {nb} block rows; C = {c} needs {-(-c // block_n)}")
     count = len(params)
     tiles = torch.empty(count, nb, nnz, block_n, block_k, dtype=dtype, device=device)
     bias = torch.empty(count, c, dtype=dtype, device=device)
@@ -213,6 +212,16 @@ def ccgqa_window_tiles_launch(
     with device_guard(first):
         plan(table, index, tiles, bias, count)
     return tiles, bias
+
+
+def _check_index(index: torch.Tensor, c: int, block_n: int, device: torch.device) -> None:
+    """A caller's index that no path can use (ValueError on every path, not a kernel fallback)."""
+    if index.dtype != torch.int32 or index.dim() != 2 or index.device != device:
+        raise ValueError(f"ccgqa_window_tiles: index must be [NB, NNZ] int32 on {device}; got "
+                         f"{index.dtype} {list(index.shape)} on {index.device}")  # fmt: skip
+    if index.shape[0] != -(-c // block_n):
+        raise ValueError(f"ccgqa_window_tiles: index has {index.shape[0]} block rows; C = {c} with "
+                         f"block_n = {block_n} needs {-(-c // block_n)}")  # fmt: skip
 
 
 # --- public function -----------------------------------------------------------------------------
@@ -234,10 +243,11 @@ def ccgqa_window_tiles(
     block_n, block_k], bias [L, C]) in the parameters' dtype. The kernel runs where hydra_kernels'
     Triton path is on for their device; fp64, a switched-off path or another device run
     :func:`ccgqa_window_tiles_ref`. No autograd: the parameters' gradients are not tracked."""
-    _shapes(params)
+    c = _shapes(params)[0]
     for name, size in (("block_n", block_n), ("block_k", block_k)):
         if size < 1 or size & (size - 1):
             raise ValueError(f"ccgqa_window_tiles: {name}={size} must be a power of two")
+    _check_index(index, c, block_n, params[0][0].device)
     if not kernel_path(params[0][0]):
         return ccgqa_window_tiles_ref(params, index, block_n, block_k)
     with torch.no_grad():

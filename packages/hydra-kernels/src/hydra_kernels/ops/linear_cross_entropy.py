@@ -179,12 +179,17 @@ def grad_rounding_atol(
     products in another order. On an H100 the default mode's logits, padded to 64 columns at
     V = 5003, were one ulp away from torch's unpadded ``h @ W.T`` in about 6e-5 of the bf16
     elements, and ``bench_linear_ce.py``'s check failed for about one seed in seven
-    (packages/hydra-kernels/BENCHMARKS.md). A logit one ulp off scales G's softmax part
-    (weight·p, times 1 + 2z·|lse| with z-loss) by exp(±ulp): both allowances add the largest such
-    change times ``|h[n, d]|`` (dh: ``|W[v, d]|``), one such logit per output element as for G.
-    That term grows with |logit|: with logits up to about 3 a dW rounded to bf16 after each of 19
-    chunks still fails (tests/hydra_kernels/test_linear_cross_entropy.py), with logits of 6 or
-    more the check no longer tells it apart.
+    (packages/hydra-kernels/BENCHMARKS.md). A logit x[n, v] one ulp (δ) off scales its own entry
+    of G's softmax part (weight·p, times 1 + 2z·(|lse| + 1) with z-loss) by exp(±δ), a move m[n, v];
+    through the softmax's normalisation it also moves every other entry u of row n by about
+    p[n, u]·m[n, v], which matters in a confident row (p near 1). Counting one such logit per
+    output element, as for G, and at most one per row for the normalisation, which reaches every
+    column: dW[u, d] adds the largest over n of m[n, u]·|h[n, d]| plus the sum over n of
+    p[n, u]·max_v m[n, v]·|h[n, d]|; dh[n, d] the largest over v of m[n, v]·|W[v, d]| plus
+    max_v m[n, v]·Σ_u p[n, u]·|W[u, d]|. That term grows with |logit|: with logits up to about 3
+    a dW rounded to bf16 after each of 19 chunks still fails, and three confident rows (a logit
+    of 7) with that logit one ulp off pass (tests/hydra_kernels/test_linear_cross_entropy.py);
+    with logits of 6 or more the check no longer tells a per-chunk bf16 dW apart.
     Costs O(N·V·D) work in fp64: for test and check shapes.
     """
     h = hidden.detach().reshape(-1, hidden.shape[-1]).to(dtype).double()
@@ -203,32 +208,41 @@ def grad_rounding_atol(
     (loss * weights).sum().backward()
     g_abs = x.grad.abs()
     eps = torch.finfo(dtype).eps
-    # a logit one ulp off (another summation order in the logits GEMM): G's softmax part scales
-    # by exp(±ulp); one such logit per output element, as for G's own flip below
+    # a logit one ulp off (another summation order in the logits GEMM) moves its own entry of G
+    # (the softmax part scales by exp(±ulp)) and, through the softmax's sum, every other entry u
+    # of its row by p_u times that move; one such logit per output element, as for G's own flip
     x0 = x.detach()
-    softmax_part = torch.softmax(x0, dim=-1) * (weights * valid).reshape(-1, 1).abs()
-    if z_loss:
-        softmax_part = softmax_part * (1 + 2 * z_loss * torch.logsumexp(x0, dim=-1, keepdim=True).abs())
+    p = torch.softmax(x0, dim=-1)
+    scale = (weights * valid).reshape(-1, 1).abs()
+    if z_loss:  # the z-loss part 2z·lse·p and its own derivative through lse
+        scale = scale * (1 + 2 * z_loss * (torch.logsumexp(x0, dim=-1, keepdim=True).abs() + 1))
     ulp = eps * torch.ldexp(torch.ones_like(x0), torch.frexp(x0)[1] - 1)
-    flip_dh, flip_dw = _largest_terms(softmax_part * torch.expm1(ulp), h, w)
+    own = scale * p * torch.expm1(ulp)  # [N, V]
+    renorm = own.amax(dim=-1, keepdim=True)  # [N, 1]: the row's largest such move
+    flip_dh = _largest_over_v(own, w) + renorm * (p @ w.abs())
+    # the normalisation reaches every column, so each row with such a logit adds to all of dW
+    flip_dw = _largest_over_n(own, h) + (p * renorm).t() @ h.abs()
     if reduction != "none" and math.frexp(float(g))[0] not in (0.0, 0.5, -0.5):
         # the op's and torch's roundings of G, then the final roundings: the op's dh twice (GEMM
         # output, scaled) and torch's once; dW once in each
         atol_dh = eps / 2 * (2 * (g_abs @ w.abs()) + 3 * (x.grad @ w).abs())
         return atol_dh + flip_dh, eps * (g_abs.t() @ h.abs() + (x.grad.t() @ h).abs()) + flip_dw
-    atol_dh, atol_dw = _largest_terms(g_abs, h, w)
-    atol_dh = eps * (atol_dh + (x.grad @ w).abs()) + flip_dh
-    return atol_dh, eps * (atol_dw + (x.grad.t() @ h).abs()) + flip_dw
+    atol_dh = eps * (_largest_over_v(g_abs, w) + (x.grad @ w).abs()) + flip_dh
+    return atol_dh, eps * (_largest_over_n(g_abs, h) + (x.grad.t() @ h).abs()) + flip_dw
 
 
-def _largest_terms(a: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For non-negative per-logit sizes a [N, V]: ([N, D] max over v of a[n, v]·|W[v, d]|, [V, D]
-    max over n of a[n, v]·|h[n, d]|), without an [N, V, D] temporary."""
-    largest_dh = torch.stack([(a[n, :, None] * w.abs()).amax(0) for n in range(h.shape[0])])
-    largest_dw = torch.zeros_like(w)
-    for n in range(h.shape[0]):
-        torch.maximum(largest_dw, a[n, :, None] * h[n].abs()[None, :], out=largest_dw)
-    return largest_dh, largest_dw
+def _largest_over_v(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """For non-negative per-logit sizes a [N, V]: [N, D], the max over v of a[n, v]·|W[v, d]|,
+    without an [N, V, D] temporary."""
+    return torch.stack([(a[n, :, None] * w.abs()).amax(0) for n in range(a.shape[0])])
+
+
+def _largest_over_n(a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """For non-negative per-logit sizes a [N, V]: [V, D], the max over n of a[n, v]·|h[n, d]|."""
+    largest = torch.zeros(a.shape[1], h.shape[1], dtype=a.dtype, device=a.device)
+    for n in range(a.shape[0]):
+        torch.maximum(largest, a[n, :, None] * h[n].abs()[None, :], out=largest)
+    return largest
 
 
 def _no_autocast(device_type: str) -> contextlib.AbstractContextManager:
