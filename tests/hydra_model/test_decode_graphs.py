@@ -216,6 +216,27 @@ def test_graphed_decoding_replays_the_eager_steps_on_cuda(arch, batch):
     assert torch.equal(masked, eager)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("arch", ["hydra", "gpt"])
+def test_graphed_decoding_on_a_second_gpu_replays_the_eager_steps(arch):
+    """A model on cuda:1 while cuda:0 is current, after a capture on cuda:0 in the same process:
+    torch's own default capture stream lives on cuda:0 then, and a capture there recorded none of
+    cuda:1's kernels (an empty graph, stale logits every step). Graphed, masked and kept decoding
+    give the eager tokens."""
+    torch.cuda.set_device(0)
+    first, prompt0 = cuda_case(arch, 1)
+    first.generate(prompt0, 4, decode="graphs")  # a capture on cuda:0 first
+    model, prompt = cuda_case(arch, 3)
+    model, prompt = model.to("cuda:1"), prompt.to("cuda:1")
+    eager = model.generate(prompt, 24, decode="eager")
+    for mode in ("masked", "graphs", "graphs"):  # the second graphs call replays the kept decoder
+        tokens = model.generate(prompt, 24, decode=mode)
+        assert model.last_decode_report.mode == mode, model.last_decode_report
+        assert torch.equal(tokens, eager), mode
+    assert model.last_decode_report.reused
+    assert torch.cuda.current_device() == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("arch", ["hydra", "gpt"])
 @pytest.mark.parametrize("batch", [1, 3])

@@ -71,12 +71,32 @@ def end_generator_capture(device: torch.device | int | None = None) -> None:
         repair.reset()
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+    """A side stream on ``device`` (the current device by default) for captures there, one per
+    device for the process. ``torch.cuda.graph``'s own default is one stream for the whole
+    process, made on whichever device was current at the first capture: a later capture for
+    another device would record nothing of its kernels (they go to that device's own stream) and
+    replay an empty graph."""
+    index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+    if index is None:  # torch.device("cuda"): the current one
+        index = torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
+
+
 @contextlib.contextmanager
 def graph_capture(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
     """``torch.cuda.graph(graph, **kwargs)`` that leaves the thread as it found it when the capture
     raises: torch's exit skips restoring the caller's stream (and device) when ending the capture
     fails, so the caller's eager fallback would run on the capture stream; and the CUDA generator
-    is taken out of capture mode (:func:`end_generator_capture`) before the error propagates."""
+    is taken out of capture mode (:func:`end_generator_capture`) before the error propagates.
+    Without a ``stream`` it captures on :func:`capture_stream` of the current device."""
+    kwargs.setdefault("stream", capture_stream())
     capture = torch.cuda.graph(graph, **kwargs)
     device = capture.capture_stream.device
     caller_device = torch.cuda.current_device()

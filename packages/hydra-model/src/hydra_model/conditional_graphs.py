@@ -101,7 +101,7 @@ def _probe(device: torch.device) -> str | None:
             case.warm_up()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with graph_capture(graph):
+        with torch.cuda.device(device), graph_capture(graph):  # captured on the device's stream
             with if_node(case.flag):
                 case.body()
             case.tail()

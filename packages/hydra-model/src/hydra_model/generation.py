@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,9 +75,13 @@ def generate(
     # each (about 0.4 ms a call for HYDRA's 100M preset, on the host at batch 1): skipped when
     # no module is training, where both would leave every module as it is
     switch = any(m.training for m in model.modules())
+    cleanup = contextlib.ExitStack()
     if switch:
         model.eval()
-    try:
+        cleanup.callback(model.train, was_training)
+    if input_ids.is_cuda:  # its device current: graphs capture on that device's stream (cuda_graph.py)
+        cleanup.enter_context(torch.cuda.device(input_ids.device))
+    with cleanup:
         pieces = [input_ids]
         if max_new_tokens == 0:
             return input_ids
@@ -137,6 +142,3 @@ def generate(
         if pending is not None:
             pending.finish()
         return torch.cat(pieces, dim=1)
-    finally:
-        if switch:
-            model.train(was_training)

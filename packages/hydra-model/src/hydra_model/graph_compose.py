@@ -32,7 +32,7 @@ from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, 
 
 import torch
 
-from hydra_kernels.cuda_graph import end_generator_capture
+from hydra_kernels.cuda_graph import capture_stream, end_generator_capture
 from hydra_model.conditional_graphs import ProbeCase
 
 _NODE_KERNEL, _NODE_CONDITIONAL = 0, 13  # CUgraphNodeType
@@ -312,18 +312,17 @@ def capture_all_kept(fns: list, pool) -> list[torch.cuda.CUDAGraph]:
 
 def capture_graphs(fns: list, pool, keep_graph: bool = False) -> list[torch.cuda.CUDAGraph]:
     """Each of ``fns`` captured into a graph of its own (instantiated, or kept un-instantiated
-    with ``keep_graph``), one after the other in one memory pool, on torch's capture stream.
-    ``torch.cuda.graph`` synchronizes the device and trims the allocator's cache before every
-    capture; here the device is synchronized once for all of them (a decode step is eleven
-    pieces at HYDRA's 100M preset, packages/hydra-model/BENCHMARKS.md). The cache is not
-    trimmed: the graphs allocate from their own pool either way, and a trim gave its blocks back
-    to the driver only for the next prefill to ask for them again (seven frees, then as many
-    allocations: about a millisecond of host time in a batch-1 generate call on an H100)."""
+    with ``keep_graph``), one after the other in one memory pool, on the current device's capture
+    stream (hydra_kernels' ``capture_stream``). ``torch.cuda.graph`` synchronizes the device and
+    trims the allocator's cache before every capture; here the device is synchronized once for
+    all of them (a decode step is eleven pieces at HYDRA's 100M preset,
+    packages/hydra-model/BENCHMARKS.md). The cache is not trimmed: the graphs allocate from their
+    own pool either way, and a trim gave its blocks back to the driver only for the next prefill
+    to ask for them again (seven frees, then as many allocations: about a millisecond of host
+    time in a batch-1 generate call on an H100)."""
     torch.cuda.synchronize()
-    if torch.cuda.graph.default_capture_stream is None:  # the stream torch.cuda.graph captures on
-        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
     graphs = []
-    with torch.cuda.stream(torch.cuda.graph.default_capture_stream):
+    with torch.cuda.stream(capture_stream()):  # the current device's (cuda_graph.py)
         for fn in fns:
             graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
             graph.capture_begin(pool)
