@@ -220,9 +220,9 @@ def test_graphed_decoding_replays_the_eager_steps_on_cuda(arch, batch):
 @pytest.mark.parametrize("arch", ["hydra", "gpt"])
 def test_graphed_decoding_on_a_second_gpu_replays_the_eager_steps(arch):
     """A model on cuda:1 while cuda:0 is current, after a capture on cuda:0 in the same process:
-    torch's own default capture stream lives on cuda:0 then, and a capture there recorded none of
-    cuda:1's kernels (an empty graph, stale logits every step). Graphed, masked and kept decoding
-    give the eager tokens."""
+    torch's own default capture stream lives on cuda:0 then (with it, HYDRA's one-graph capture
+    failed and neither model's decoder could be kept). Graphed, masked and kept decoding give the
+    eager tokens, the kept decoder is reused, and the caller's device stays current."""
     torch.cuda.set_device(0)
     first, prompt0 = cuda_case(arch, 1)
     first.generate(prompt0, 4, decode="graphs")  # a capture on cuda:0 first

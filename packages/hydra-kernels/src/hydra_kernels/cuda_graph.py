@@ -77,9 +77,10 @@ _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
     """A side stream on ``device`` (the current device by default) for captures there, one per
     device for the process. ``torch.cuda.graph``'s own default is one stream for the whole
-    process, made on whichever device was current at the first capture: a later capture for
-    another device would record nothing of its kernels (they go to that device's own stream) and
-    replay an empty graph."""
+    process, made on whichever device was current at the first capture, so a later capture for
+    another device ran on the wrong device's stream: on two H200s a model on cuda:1 decoded with a
+    graph per segment instead of one graph, and its decoder could not be kept
+    (packages/hydra-model/BENCHMARKS.md, "Graphed decoding on a second GPU")."""
     index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
     if index is None:  # torch.device("cuda"): the current one
         index = torch.cuda.current_device()
