@@ -192,15 +192,10 @@ def _ref_with_logits_one_ulp_off(seed: int, count: int = 3):
     return ref
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_strict_allowance_covers_a_logit_one_ulp_off_and_still_catches_a_wrong_gradient(reduction):
-    """At full strictness (incoming gradient 1), with logits of the check's scale: a computation
-    whose bf16 logits are one ulp off torch's at a few of them, where they move G most, passes;
-    a dW rounded to bf16 after each of 19 chunks (Liger's precision), or off by eight allowances
-    at one element, fails."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    h, w, y = _inputs(seed % 10_000)
-    w = w / 3  # 0.1·randn weights: |logits| up to about 3, as in bench_linear_ce's check
+def _assert_logits_one_ulp_off_pass(h, w, y, reduction, seed):
+    """At full strictness (incoming gradient 1), bf16: the reference with a few logits one ulp
+    off (:func:`_ref_with_logits_one_ulp_off`) passes for dh and dW. → (torch's bf16 result, the
+    fp64 result, dW's allowance)."""
     same = _run(linear_cross_entropy_ref, h, w, y, torch.bfloat16, reduction, 1e-3)
     ref = _run(linear_cross_entropy_ref, h, w, y, torch.float64, reduction, 1e-3)
     flip_dh, flip_dw = grad_rounding_atol(h, w, y, torch.bfloat16, -100, reduction, 1e-3, torch.tensor(1.0))
@@ -211,6 +206,19 @@ def test_strict_allowance_covers_a_logit_one_ulp_off_and_still_catches_a_wrong_g
     ):
         res = _check(k, t, r, extra)
         assert res, f"seed {seed}, {name}: {res.describe()}"
+    return same, ref, flip_dw
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_strict_allowance_covers_a_logit_one_ulp_off_and_still_catches_a_wrong_gradient(reduction):
+    """At full strictness (incoming gradient 1), with logits of the check's scale: a computation
+    whose bf16 logits are one ulp off torch's at a few of them, where they move G most, passes;
+    a dW rounded to bf16 after each of 19 chunks (Liger's precision), or off by eight allowances
+    at one element, fails."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    h, w, y = _inputs(seed % 10_000)
+    w = w / 3  # 0.1·randn weights: |logits| up to about 3, as in bench_linear_ce's check
+    same, ref, flip_dw = _assert_logits_one_ulp_off_pass(h, w, y, reduction, seed)
     atol = flip_dw + fp32_noise_atol(ref[2])
     worst = int(atol.argmax())
     bad = same[2].clone()
@@ -233,16 +241,7 @@ def test_strict_allowance_covers_a_logit_one_ulp_off_in_a_confident_row():
     cols = torch.randperm(w.shape[0], generator=gen)[:3].tolist()
     for n, v in zip(rows, cols, strict=True):
         w[v] = 7.0 * h[n] / h[n].pow(2).sum()  # x[n, v] = 7
-    same = _run(linear_cross_entropy_ref, h, w, y, torch.bfloat16, "mean", 1e-3)
-    ref = _run(linear_cross_entropy_ref, h, w, y, torch.float64, "mean", 1e-3)
-    flip_dh, flip_dw = grad_rounding_atol(h, w, y, torch.bfloat16, -100, "mean", 1e-3, torch.tensor(1.0))
-    off = _run(_ref_with_logits_one_ulp_off(seed), h, w, y, torch.bfloat16, "mean", 1e-3)
-    for name, k, t, r, extra in (
-        ("dh", off[1], same[1], ref[1], flip_dh),
-        ("dW", off[2], same[2], ref[2], flip_dw),
-    ):
-        res = _check(k, t, r, extra)
-        assert res, f"seed {seed}, {name}: {res.describe()}"
+    _assert_logits_one_ulp_off_pass(h, w, y, "mean", seed)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -7,8 +7,8 @@ tokens, batch BATCH (8 unless set)), each call building its decoder, with the tr
 the order flipping every round, PAIRS rounds (15 unless set); prints each model's median ms per
 setting and the median paired ratio keep / trim; writes $OUT/capture_trim_ab_b{BATCH}.json. Only
 the plain (one-capture) step is switched: HYDRA's step composed through the driver (a torch
-without IF nodes in its capture) is captured by ``capture_all_kept``, which never trimmed, so its
-two settings are a control.
+without IF nodes in its capture) is captured by ``capture_graphs(..., keep_graph=True)``, which
+never trimmed, so its two settings are a control.
 
     source tools/gpu_env.sh
     BATCH=8 PAIRS=15 python packages/hydra-diag/bench/capture_trim_ab.py

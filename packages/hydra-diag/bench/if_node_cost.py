@@ -21,7 +21,7 @@ from ctypes import byref, c_uint64, c_void_p
 
 import torch
 
-from hydra_model.graph_compose import ComposedGraph, add_if_node, capture_all_kept, driver
+from hydra_model.graph_compose import ComposedGraph, add_if_node, capture_graphs, driver
 
 dev = torch.device("cuda")
 K = 10  # kernels per piece
@@ -54,7 +54,7 @@ def timed(replay, n=2000):
 
 
 def kept(n):
-    return capture_all_kept([piece] * n, torch.cuda.graph_pool_handle())
+    return capture_graphs([piece] * n, torch.cuda.graph_pool_handle(), keep_graph=True)
 
 
 res = {}

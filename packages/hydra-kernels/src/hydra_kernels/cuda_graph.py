@@ -74,16 +74,14 @@ def end_generator_capture(device: torch.device | int | None = None) -> None:
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
-    """A side stream on ``device`` (the current device by default) for captures there, one per
-    device for the process. ``torch.cuda.graph``'s own default is one stream for the whole
-    process, made on whichever device was current at the first capture, so a later capture for
-    another device ran on the wrong device's stream: on two H200s a model on cuda:1 decoded with a
-    graph per segment instead of one graph, and its decoder could not be kept
-    (packages/hydra-model/BENCHMARKS.md, "Graphed decoding on a second GPU")."""
-    index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
-    if index is None:  # torch.device("cuda"): the current one
-        index = torch.cuda.current_device()
+def capture_stream() -> torch.cuda.Stream:
+    """A side stream on the current device for captures there, one per device for the process.
+    ``torch.cuda.graph``'s own default is one stream for the whole process, made on whichever
+    device was current at the first capture, so a later capture for another device ran on the
+    wrong device's stream: on two H200s a model on cuda:1 decoded with a graph per segment instead
+    of one graph, and its decoder could not be kept (packages/hydra-model/BENCHMARKS.md, "Graphed
+    decoding on a second GPU")."""
+    index = torch.cuda.current_device()
     stream = _CAPTURE_STREAMS.get(index)
     if stream is None:
         stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
@@ -96,7 +94,7 @@ def graph_capture(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
     raises: torch's exit skips restoring the caller's stream (and device) when ending the capture
     fails, so the caller's eager fallback would run on the capture stream; and the CUDA generator
     is taken out of capture mode (:func:`end_generator_capture`) before the error propagates.
-    Without a ``stream`` it captures on :func:`capture_stream` of the current device."""
+    Without a ``stream`` it captures on the current device's :func:`capture_stream`."""
     kwargs.setdefault("stream", capture_stream())
     capture = torch.cuda.graph(graph, **kwargs)
     device = capture.capture_stream.device

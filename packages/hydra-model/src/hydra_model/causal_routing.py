@@ -83,8 +83,8 @@ def take_first_k(taken: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     b, n = taken.shape
     t = torch.arange(n, device=taken.device).expand(b, n)
     took = taken.long()
-    ahead = took.cumsum(-1) - took  # taken tokens before t
-    total = took.sum(dim=1, keepdim=True)
+    running = took.cumsum(-1)
+    ahead, total = running - took, running[:, -1:]  # taken before t; taken in all
     dest = torch.where(taken, ahead, total + t - ahead)  # [B, n]: a permutation of 0..n−1
     idx = torch.empty_like(dest).scatter_(1, dest, t)[:, :k]
     member = torch.arange(k, device=taken.device).unsqueeze(0) < total

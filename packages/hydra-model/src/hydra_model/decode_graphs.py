@@ -54,7 +54,7 @@ import torch
 from hydra_kernels.cuda_graph import graph_capture
 from hydra_model.conditional_graphs import conditional_nodes_fail, if_node
 from hydra_model.decoder_hold import Fingerprint, is_warm, mark_warm, warm_signature
-from hydra_model.graph_compose import ComposedGraph, capture_all_kept, capture_graphs, driver_conditional_fail
+from hydra_model.graph_compose import ComposedGraph, capture_graphs, driver_conditional_fail
 
 DECODE_MODES = ("auto", "eager", "staged", "graphs", "masked")
 
@@ -376,7 +376,7 @@ class StagedDecoder:
         """Each piece captured on its own (one pool, capture order), then one driver-built graph
         of them with each gated segment under an IF node on its decide stage's flag."""
         pieces = self._pieces()
-        graphs = capture_all_kept([run for run, _ in pieces], torch.cuda.graph_pool_handle())
+        graphs = capture_graphs([run for run, _ in pieces], torch.cuda.graph_pool_handle(), keep_graph=True)
         return ComposedGraph([(graph, gate) for graph, (_, gate) in zip(graphs, pieces, strict=True)])
 
     def _pieces(self) -> list[tuple[Callable[[], None], torch.Tensor | None]]:

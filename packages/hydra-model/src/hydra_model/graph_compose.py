@@ -299,27 +299,16 @@ class ComposedGraph:
             drv.cuGraphDestroy(self._graph)
 
 
-def capture_kept(fn, pool) -> torch.cuda.CUDAGraph:
-    """``fn`` captured into a graph kept un-instantiated (for :class:`ComposedGraph`)."""
-    return capture_all_kept([fn], pool)[0]
-
-
-def capture_all_kept(fns: list, pool) -> list[torch.cuda.CUDAGraph]:
-    """Each of ``fns`` captured into a graph of its own kept un-instantiated (for
-    :class:`ComposedGraph`), as :func:`capture_graphs` captures them."""
-    return capture_graphs(fns, pool, keep_graph=True)
-
-
 def capture_graphs(fns: list, pool, keep_graph: bool = False) -> list[torch.cuda.CUDAGraph]:
     """Each of ``fns`` captured into a graph of its own (instantiated, or kept un-instantiated
-    with ``keep_graph``), one after the other in one memory pool, on the current device's capture
-    stream (hydra_kernels' ``capture_stream``). ``torch.cuda.graph`` synchronizes the device and
-    trims the allocator's cache before every capture; here the device is synchronized once for
-    all of them (a decode step is eleven pieces at HYDRA's 100M preset,
+    with ``keep_graph``, for :class:`ComposedGraph`), one after the other in one memory pool, on
+    the current device's capture stream (hydra_kernels' ``capture_stream``). ``torch.cuda.graph``
+    synchronizes the device and trims the allocator's cache before every capture; here the device
+    is synchronized once for all of them (a decode step is eleven pieces at HYDRA's 100M preset,
     packages/hydra-model/BENCHMARKS.md). The cache is not trimmed: the graphs allocate from their
     own pool either way, and a trim gave its blocks back to the driver only for the next prefill
-    to ask for them again (seven frees, then as many allocations: about a millisecond of host
-    time in a batch-1 generate call on an H100)."""
+    to ask for them again (seven frees, then as many allocations: about a millisecond of host time
+    in a batch-1 generate call on an H100)."""
     torch.cuda.synchronize()
     graphs = []
     with torch.cuda.stream(capture_stream()):  # the current device's (cuda_graph.py)
@@ -363,7 +352,8 @@ def _probe(device: torch.device) -> str | None:
             case.warm_up()
             torch.cuda.synchronize(device)
             pool = torch.cuda.graph_pool_handle()
-            pieces = [(capture_kept(case.body, pool), case.flag), (capture_kept(case.tail, pool), None)]
+            body, tail = capture_graphs([case.body, case.tail], pool, keep_graph=True)
+            pieces = [(body, case.flag), (tail, None)]
             composed = ComposedGraph(pieces)
             return case.check(composed.replay, "a composed IF node")
     except Exception as err:  # a driver or torch without what this needs

@@ -22,7 +22,8 @@ go first, in time order, followed by the untaken ones, and the first k form the 
     idx [B, k], member [B, k] (j < count), pos_k [B, k] = pos at idx, flat [B·k] = b·n + idx,
     count [B] = tokens taken, taken [B, n]
 
-Faces: the PyTorch reference :func:`causal_select_ref` (the same ops hydra_model runs unfused),
+Faces: the PyTorch reference :func:`causal_select_ref` (the rule hydra_model runs unfused, its
+order found by a sort here where hydra_model's ``take_first_k`` scatters),
 the Triton kernel ``_causal_select_kernel`` (one program per row, the row in registers) with its
 launcher :func:`causal_select_launch`, and :func:`causal_select`, which runs the kernel where
 hydra_kernels' Triton path is on for the logits' device (CUDA, or the CPU under

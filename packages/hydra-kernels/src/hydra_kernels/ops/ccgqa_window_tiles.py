@@ -182,11 +182,11 @@ def _address_table(params: Sequence[ConvParams], device: torch.device) -> torch.
 
 
 def ccgqa_window_tiles_launch(
-    params: Sequence[ConvParams], index: torch.Tensor, block_n: int, block_k: int
+    params: Sequence[ConvParams], index: torch.Tensor, block_n: int, block_k: int, shapes: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel (arguments as :func:`ccgqa_window_tiles`); every parameter contiguous,
-    in one dtype on one device, ``index`` int32 contiguous there."""
-    c, d, k_seq, k_ch = _shapes(params)
+    """Launch the kernel (arguments as :func:`ccgqa_window_tiles`, which checked them; ``shapes``
+    its (C, d, k_seq, k_ch)); every parameter contiguous, in one dtype on one device."""
+    c, d, k_seq, k_ch = shapes
     first = params[0][0]
     dtype, device = first.dtype, first.device
     for m, module in enumerate(params):
@@ -195,7 +195,6 @@ def ccgqa_window_tiles_launch(
                 layout = "contiguous" if t.is_contiguous() else "non-contiguous"
                 raise ValueError(f"ccgqa_window_tiles: module {m}'s parameters must be contiguous "
                                  f"{dtype} on {device}; got a {layout} {t.dtype} on {t.device}")  # fmt: skip
-    _check_index(index, c, block_n, device)
     index = index.contiguous()
     nb, nnz = index.shape
     count = len(params)
@@ -243,16 +242,16 @@ def ccgqa_window_tiles(
     block_n, block_k], bias [L, C]) in the parameters' dtype. The kernel runs where hydra_kernels'
     Triton path is on for their device; fp64, a switched-off path or another device run
     :func:`ccgqa_window_tiles_ref`. No autograd: the parameters' gradients are not tracked."""
-    c = _shapes(params)[0]
+    shapes = _shapes(params)
     for name, size in (("block_n", block_n), ("block_k", block_k)):
         if size < 1 or size & (size - 1):
             raise ValueError(f"ccgqa_window_tiles: {name}={size} must be a power of two")
-    _check_index(index, c, block_n, params[0][0].device)
+    _check_index(index, shapes[0], block_n, params[0][0].device)
     if not kernel_path(params[0][0]):
         return ccgqa_window_tiles_ref(params, index, block_n, block_k)
     with torch.no_grad():
         return run_with_fallback(
             "ccgqa_window_tiles",
-            lambda: ccgqa_window_tiles_launch(params, index, block_n, block_k),
+            lambda: ccgqa_window_tiles_launch(params, index, block_n, block_k, shapes),
             lambda: ccgqa_window_tiles_ref(params, index, block_n, block_k),
         )

@@ -234,14 +234,16 @@ def grad_rounding_atol(
 def _largest_over_v(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """For non-negative per-logit sizes a [N, V]: [N, D], the max over v of a[n, v]·|W[v, d]|,
     without an [N, V, D] temporary."""
-    return torch.stack([(a[n, :, None] * w.abs()).amax(0) for n in range(a.shape[0])])
+    w_abs = w.abs()
+    return torch.stack([(a[n, :, None] * w_abs).amax(0) for n in range(a.shape[0])])
 
 
 def _largest_over_n(a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """For non-negative per-logit sizes a [N, V]: [V, D], the max over n of a[n, v]·|h[n, d]|."""
     largest = torch.zeros(a.shape[1], h.shape[1], dtype=a.dtype, device=a.device)
+    h_abs = h.abs()
     for n in range(a.shape[0]):
-        torch.maximum(largest, a[n, :, None] * h[n].abs()[None, :], out=largest)
+        torch.maximum(largest, a[n, :, None] * h_abs[n][None, :], out=largest)
     return largest
 
 
