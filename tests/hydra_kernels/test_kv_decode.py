@@ -244,7 +244,7 @@ def test_a_token_that_does_not_join_leaves_its_row_to_the_next(seed):
     st = case.fresh()
     pos = int(st["length"][0])
     before = {n: t.clone() for n, t in st.items()}
-    opts = dict(case.opts, write=torch.tensor([False]))
+    opts = dict(case.opts, write=torch.tensor([False], device=DEVICE))
     kw = {n: opts[n] for n in ("cos", "sin", "norm_scale", "k_temperature", "v_tail_next", "roll_shift")}
     args = (st["k_cache"], st["v_cache"], st["length"], st["bias"])
     kv_decode_step(
@@ -255,11 +255,10 @@ def test_a_token_that_does_not_join_leaves_its_row_to_the_next(seed):
         f"seed={seed}"
     )
     k2 = torch.randn_like(case.k)
-    kv_decode_step(
-        case.q, k2, case.v, *args, write=torch.tensor([True]), v_tail=st["v_tail"], roll=st["roll"], **kw
-    )
+    joins = torch.tensor([True], device=DEVICE)
+    kv_decode_step(case.q, k2, case.v, *args, write=joins, v_tail=st["v_tail"], roll=st["roll"], **kw)
     assert int(st["length"][0]) == pos + 1, f"seed={seed}"
-    again = Case(case.q, k2, case.v, before, dict(case.opts, write=torch.tensor([True])))
+    again = Case(case.q, k2, case.v, before, dict(case.opts, write=joins))
     _, k64, _ = oracle(again)
     torch.testing.assert_close(
         st["k_cache"][0, :, pos].double(), k64[0], rtol=1e-5, atol=1e-5, msg=f"seed={seed}"

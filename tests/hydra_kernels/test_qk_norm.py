@@ -212,19 +212,24 @@ def test_compile_fullgraph_no_graph_break(seed):
 
 
 def _compile_for_sm90() -> None:
-    """Runs in a subprocess without TRITON_INTERPRET (see the test below)."""
+    """Runs in a subprocess without TRITON_INTERPRET (see the test below): the kernels alone and
+    with RoPE fused (HALF > 0: ops/qk_norm_rope.py)."""
     bf, f32 = "*bf16", "*fp32"
-    fwd = {"X": bf, "TEMP": f32, "Y": bf, "n_rows": "i32", "stride_t": "i32", "stride_h": "i32",
-           "scale": "fp32", "eps_sq": "fp32"}  # fmt: skip
-    consts = {"N_HEADS": 6, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_ROWS": 32, "HAS_TEMP": True}
-    build_sm90(qk_mod._qk_norm_fwd_kernel, fwd, consts, 4, 2)
-    bwd = {"DY": bf, "X": bf, "TEMP": f32, "DX": bf, "DT_PARTIAL": f32, "n_rows": "i32",
-           "stride_dyt": "i32", "stride_dyh": "i32", "stride_xt": "i32", "stride_xh": "i32",
-           "scale": "fp32", "eps_sq": "fp32"}  # fmt: skip
-    consts = {"N_HEADS": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_ROWS": 16, "BLOCK_H": 16, "ITERS": 16,
-              "HAS_TEMP": True, "LOOP_STAGES": 3}  # fmt: skip
-    compiled = build_sm90(qk_mod._qk_norm_bwd_kernel, bwd, consts, 4, 3)
-    assert "cp.async" in compiled.asm["ptx"], "the backward's row loop is not pipelined"
+    fwd = {"X": bf, "TEMP": f32, "COS": f32, "SIN": f32, "Y": bf, "n_rows": "i32", "stride_t": "i32",
+           "stride_h": "i32", "seq_len": "i32", "stride_tb": "i32", "stride_ts": "i32", "scale": "fp32",
+           "eps_sq": "fp32"}  # fmt: skip
+    bwd = {"DY": bf, "X": bf, "TEMP": f32, "COS": f32, "SIN": f32, "DX": bf, "DT_PARTIAL": f32,
+           "n_rows": "i32", "stride_dyt": "i32", "stride_dyh": "i32", "stride_xt": "i32",
+           "stride_xh": "i32", "seq_len": "i32", "stride_tb": "i32", "stride_ts": "i32", "scale": "fp32",
+           "eps_sq": "fp32"}  # fmt: skip
+    for half in (0, 16):
+        consts = {"N_HEADS": 6, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_ROWS": 32, "HAS_TEMP": True,
+                  "HALF": half}  # fmt: skip
+        build_sm90(qk_mod._qk_norm_fwd_kernel, fwd, consts, 4, 2)
+        consts = {"N_HEADS": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_ROWS": 16, "BLOCK_H": 16,
+                  "ITERS": 16, "HAS_TEMP": True, "LOOP_STAGES": 3, "HALF": 4 * half}  # fmt: skip
+        compiled = build_sm90(qk_mod._qk_norm_bwd_kernel, bwd, consts, 4, 3)
+        assert "cp.async" in compiled.asm["ptx"], f"the backward's row loop is not pipelined (HALF={half})"
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():

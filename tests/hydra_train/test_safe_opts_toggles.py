@@ -191,7 +191,7 @@ def test_compile_passes_its_inductor_options_to_every_compile(scope, backend, mo
     opt.activate(FakeTrainer(m))
     monkeypatch.undo()
     assert len(seen) == (len(compile_units(m)) if scope == "blocks" else 1)
-    want = {"triton.autotune_pointwise": False} if backend == "inductor" else None
+    want = {"triton.autotune_pointwise": False, "combo_kernels": True} if backend == "inductor" else None
     assert all(kw["backend"] == backend and kw["options"] == want for kw in seen)
     fresh = compile_options("inductor")
     assert fresh == INDUCTOR_OPTIONS and fresh is not INDUCTOR_OPTIONS  # a copy: torch may keep it

@@ -164,22 +164,30 @@ def _check_qk_norm(shape, gen):
     return [_randn(gen, *shape), 0.7 * shape[-1] ** 0.5, 0.2 * _randn(gen, shape[-2])], [0, 2]
 
 
-def _bench_qk_norm(dev, dt, liger, why):
+def _qk_norm_workloads(dev, dt, why, rotate: bool):
+    """qk_norm's workloads at the presets' q/k shapes; ``rotate``: qk_norm_rope's (RoPE on half of
+    each head, fp32 tables as a rotary cache keeps them)."""
     from hydra_kernels.bench import Workload
     from hydra_kernels.bench_harness import peers
-    from hydra_kernels.ops.qk_norm import qk_norm, qk_norm_ref
+    from hydra_kernels.ops import qk_norm, qk_norm_rope
 
+    op, mod = ("qk_norm_rope", qk_norm_rope) if rotate else ("qk_norm", qk_norm)
     es = torch.empty((), dtype=dt).element_size()
     for bsz, seq, heads, d in PRESET_HEAD_SHAPES:
-        impls, notes = peers("qk_norm", qk_norm_ref, {}, why)
-        impls["hydra"] = qk_norm
+        impls, notes = peers(op, getattr(mod, f"{op}_ref"), {}, why)
+        impls["hydra"] = getattr(mod, op)
         notes.setdefault("liger", "Liger-Kernel has no per-head L2 norm with temperature")
         x = _rand(bsz, seq, heads, d, dev=dev, dt=dt)
-        temp = _rand(heads, dev=dev, dt=torch.float32)
+        args = [x, math.sqrt(d), _rand(heads, dev=dev, dt=torch.float32)]
+        if rotate:
+            angles = torch.rand(seq, d // 4, device=dev) * seq
+            args += [angles.cos(), angles.sin()]
         shape = f"{bsz}x{seq}x{heads}x{d}"
-        yield Workload(
-            "qk_norm", shape, [x, math.sqrt(d), temp], torch.randn_like(x), impls, notes, 5 * x.numel() * es
-        )
+        yield Workload(op, shape, args, torch.randn_like(x), impls, notes, 5 * x.numel() * es)
+
+
+def _bench_qk_norm(dev, dt, liger, why):
+    return _qk_norm_workloads(dev, dt, why, rotate=False)
 
 
 def _check_rope(shape, gen):
@@ -207,6 +215,22 @@ def _bench_rope(dev, dt, liger, why):
             floor = 4 * x.numel() * es + 4 * cos.numel() * cos.element_size()
             shape = f"{bsz}x{seq}x{heads}x{d} R={rot}"
             yield Workload("rope", shape, [x, cos, sin], torch.randn_like(x), impls, notes, floor)
+
+
+def _check_qk_norm_rope(shape, gen):
+    # shape = (B, S, H, D, R): per-sequence tables when S is odd, shared otherwise (as rope's check)
+    b, s, h, d, r = shape
+    table = (b, s, r // 2) if s % 2 else (s, r // 2)
+    angles = 3 * _randn(gen, *table)
+    return [_randn(gen, b, s, h, d), 0.7 * d**0.5, 0.2 * _randn(gen, h), angles.cos(), angles.sin()], [0, 2]
+
+
+def _bench_qk_norm_rope(dev, dt, liger, why):
+    return _qk_norm_workloads(dev, dt, why, rotate=True)
+
+
+def _small_qk_norm_rope(rnd, n, dim, hidden, shape4):
+    return [*_small_qk_norm(rnd, n, dim, hidden, shape4), *_small_rope(rnd, n, dim, hidden, shape4)[1:]]
 
 
 # --- linear_cross_entropy ------------------------------------------------------------------------
@@ -246,6 +270,10 @@ def _bench_linear_ce(dev, dt, liger, why):
 
 
 # --- model-like inputs for benchmark_kernels ------------------------------------------------------
+
+
+def _small_qk_norm(rnd, n, dim, hidden, shape4):
+    return [rnd(*shape4), math.sqrt(shape4[-1]), rnd(shape4[2], dt=torch.float32)]
 
 
 def _small_rope(rnd, n, dim, hidden, shape4):
@@ -338,7 +366,7 @@ OP_SPECS: tuple[OpSpec, ...] = (
                   ((3, 67, 6, 64), (2, 33, 5, 100))),
         ),
         bench={"qk_norm": _bench_qk_norm},
-        small_bench=lambda rnd, n, dim, h, s4: [rnd(*s4), math.sqrt(s4[-1]), rnd(s4[2], dt=torch.float32)],
+        small_bench=_small_qk_norm,
     ),
     OpSpec(
         "rope", "hydra_kernels.ops.rope", "RoPE", ("rope", "rope_ref"), "FUSED_ROPE", None,
@@ -350,6 +378,16 @@ OP_SPECS: tuple[OpSpec, ...] = (
         sweep=tuple({"block_rows": r, "num_warps": w} for r in (8, 16, 32, 64) for w in (2, 4, 8)),
         sweep_table="LAUNCH_DEFAULTS",
         small_bench=_small_rope,
+    ),
+    OpSpec(
+        "qk_norm_rope", "hydra_kernels.ops.qk_norm_rope", "QK-Norm+RoPE",
+        ("qk_norm_rope", "qk_norm_rope_ref"), "FUSED_QK_NORM_ROPE", "FUSED_QK_NORM_ROPE_BWD",
+        checks=(
+            Check("qk_norm_rope", "qk_norm_rope", "qk_norm_rope_ref", _check_qk_norm_rope,
+                  ((2, 5, 3, 24, 16),), ((3, 67, 6, 64, 64), (2, 34, 5, 100, 50)), half_reduction="max"),
+        ),
+        bench={"qk_norm_rope": _bench_qk_norm_rope},
+        small_bench=_small_qk_norm_rope,
     ),
     OpSpec(
         "linear_cross_entropy", "hydra_kernels.ops.linear_cross_entropy", "Linear+CE",

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hydra_kernels import ccgqa_conv, qk_norm, rope
+from hydra_kernels import ccgqa_conv, qk_norm, qk_norm_rope
 from hydra_kernels.ops.ccgqa_prefill import ccgqa_prefill, ccgqa_prefill_ref
 from hydra_kernels.ops.tile_linear import tile_linear
 from hydra_model import ccgqa_fold
@@ -281,17 +281,14 @@ class CCGQAAttention(nn.Module):
         else:
             q, k = self._conv_qk(window, slot, conv)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
 
-        # 5. QK norm, 6. RoPE on the normalised latent q, k
-        if joint is not None:  # a short prefill: both in one launch each (bound by launches)
-            joint = qk_norm(joint, scale, self._joint_temperature(slot))
-            if self.rotary_dim:
-                joint = rope(joint, cos, sin)
+        # 5. QK norm, 6. RoPE on the normalised latent q, k (one kernel each way, as the two
+        # ops round: hydra_kernels/ops/qk_norm_rope.py)
+        if joint is not None:  # a short prefill: both in one launch (bound by launches)
+            joint = self._norm_rope(joint, scale, self._joint_temperature(slot), cos, sin)
             q, k = joint.split([self.n_heads, hkv], dim=2)
         else:
-            q = qk_norm(q, scale, None)
-            k = qk_norm(k, scale, self.temperature)
-            if self.rotary_dim:
-                q, k = rope(q, cos, sin), rope(k, cos, sin)
+            q = self._norm_rope(q, scale, None, cos, sin)
+            k = self._norm_rope(k, scale, self.temperature, cos, sin)
 
         # 7. causal GQA attention in the latent space, softmax scale 1/√d
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, d]
@@ -301,6 +298,12 @@ class CCGQAAttention(nn.Module):
 
         # 8. output projection
         return self.w_o(out.transpose(1, 2).reshape(b, n, self.q_dim))
+
+    def _norm_rope(self, x, scale: float, temperature, cos, sin) -> torch.Tensor:
+        """x [B, n, h, d] QK-normed, then rotated on its first rotary_dim channels."""
+        if self.rotary_dim:
+            return qk_norm_rope(x, scale, temperature, cos, sin)
+        return qk_norm(x, scale, temperature)
 
     def _decode_step(self, x, cos, sin, slot: CacheSlot, member) -> torch.Tensor:
         """Steps 1–8 for one token per sequence on a filled slot, launch-lean (a graphed step at

@@ -121,10 +121,13 @@ def wrap_model(
             "ignore", message=r"FSDP2-wrapped module \(FSDPCCGQAMoDBlockWrapper\) returned a view tensor"
         )
         mesh = None
-        if info.enabled:
+        if info.enabled or dist.is_initialized():
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(device.type, (info.world_size,))
+            # on ``device``'s type: FSDP2's own default mesh is CUDA's wherever CUDA is present,
+            # which moved a model meant for the CPU (a world of one) onto the GPU
+            size = info.world_size if info.enabled else dist.get_world_size()
+            mesh = init_device_mesh(device.type, (size,))
         for child in model.modules():
             if isinstance(child, nn.ModuleList):
                 for block in child:

@@ -15,6 +15,8 @@ numerator, as ``clamp_min``'s does).
 Kernels: ``_qk_norm_fwd_kernel`` normalises ``BLOCK_ROWS`` (token, head) rows per program.
 ``_qk_norm_bwd_kernel`` is persistent style: it recomputes the norm from x, writes dx into fresh
 memory and accumulates each row's Σ dy·y into a per-program [H] fp32 partial for dtemperature.
+With ``HALF`` > 0 both also apply RoPE after the norm (forward) and undo it on dy (backward):
+ops/qk_norm_rope.py's fused op.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from hydra_kernels.ops._custom_op import (
     upcast,
 )
 from hydra_kernels.ops._launch import LaunchPlan, empty_like_contiguous, plan_cache
+from hydra_kernels.ops.rope import rope_kernel_args, rope_operands, rope_plan_key, rotate_half
 
 # Guards the division for an all-zero head; far below any real norm.
 NORM_EPS = 1e-6
@@ -110,32 +113,42 @@ def qk_norm_backward_ref(
 
 @triton.jit
 def _qk_norm_fwd_kernel(
-    X, TEMP, Y,
-    n_rows, stride_t, stride_h, scale, eps_sq,
+    X, TEMP, COS, SIN, Y,
+    n_rows, stride_t, stride_h, seq_len, stride_tb, stride_ts, scale, eps_sq,
     N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    HAS_TEMP: tl.constexpr,
+    HAS_TEMP: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # row = token · H + head
     cols = tl.arange(0, BLOCK_D)
     row_mask = rows < n_rows
     mask = row_mask[:, None] & (cols < HEAD_DIM)[None, :]
     head = rows % N_HEADS
-    src = (rows // N_HEADS).to(tl.int64) * stride_t + head * stride_h  # offsets can pass 2**31
+    token = rows // N_HEADS
+    src = token.to(tl.int64) * stride_t + head * stride_h  # offsets can pass 2**31
     rows = rows.to(tl.int64)
     x = tl.load(X + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     gain = tl.rsqrt(tl.maximum(tl.sum(x * x, axis=1), eps_sq)) * scale
     if HAS_TEMP:
         gain *= tl.exp(tl.load(TEMP + head, mask=row_mask, other=0.0).to(tl.float32))
     y = x * gain[:, None]
+    if HALF > 0:  # RoPE on the normed head, which is rounded to Y's dtype first as qk_norm's output is
+        partner, c, s, first, rotated = rope_operands(
+            COS, SIN, token, seq_len, stride_tb, stride_ts, row_mask, cols, HALF
+        )
+        xp = tl.load(X + src[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = to_output_dtype(y, Y.dtype.element_ty).to(tl.float32)
+        yp = to_output_dtype(xp * gain[:, None], Y.dtype.element_ty).to(tl.float32)
+        y = rotate_half(y, yp, c, s, first, rotated)
     tl.store(Y + rows[:, None] * HEAD_DIM + cols[None, :], to_output_dtype(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _qk_norm_bwd_kernel(
-    DY, X, TEMP, DX, DT_PARTIAL,
-    n_rows, stride_dyt, stride_dyh, stride_xt, stride_xh, scale, eps_sq,
+    DY, X, TEMP, COS, SIN, DX, DT_PARTIAL,
+    n_rows, stride_dyt, stride_dyh, stride_xt, stride_xh, seq_len, stride_tb, stride_ts, scale, eps_sq,
     N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr, ITERS: tl.constexpr, HAS_TEMP: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    HALF: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -154,6 +167,13 @@ def _qk_norm_bwd_kernel(
         dy_src = token * stride_dyt + head * stride_dyh
         x = tl.load(X + x_src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + dy_src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HALF > 0:  # the gradient rotated back first, rounded to DY's dtype as rope's backward rounds it
+            partner, c, s, first, rotated = rope_operands(
+                COS, SIN, token, seq_len, stride_tb, stride_ts, row_mask, cols, HALF
+            )
+            dyp = tl.load(DY + dy_src[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = rotate_half(dy, dyp, c, -s, first, rotated)
+            dy = to_output_dtype(dy, DY.dtype.element_ty).to(tl.float32)
         sq = tl.sum(x * x, axis=1)
         inv = tl.rsqrt(tl.maximum(sq, eps_sq))
         gain = inv * scale
@@ -211,14 +231,14 @@ _FWD_PLANS = plan_cache()
 _BWD_PLANS = plan_cache()
 
 
-def _fwd_plan(x: torch.Tensor, temperature: torch.Tensor | None, key) -> tuple[LaunchPlan, int]:
+def _fwd_plan(x: torch.Tensor, temperature: torch.Tensor | None, half: int, key) -> tuple[LaunchPlan, int]:
     n_heads, head_dim = x.shape[-2], x.shape[-1]
     block_d = _block_d(x, temperature)
     n_rows = x.numel() // head_dim
     cfg = launch_config_for("qk_norm", x.device, block_d, TABLES)
     block_rows = min(cfg.block_rows, next_power_of_2(n_rows))
     consts = {"N_HEADS": n_heads, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_ROWS": block_rows,
-              "HAS_TEMP": temperature is not None}  # fmt: skip
+              "HAS_TEMP": temperature is not None, "HALF": half}  # fmt: skip
     plan = LaunchPlan(
         _qk_norm_fwd_kernel,
         (cdiv(n_rows, block_rows),),
@@ -231,8 +251,14 @@ def _fwd_plan(x: torch.Tensor, temperature: torch.Tensor | None, key) -> tuple[L
     return _FWD_PLANS[key]
 
 
-def qk_norm_fwd_launch(x: torch.Tensor, scale: float, temperature: torch.Tensor | None) -> torch.Tensor:
-    """Run the forward kernel; the output is contiguous with x's shape and dtype."""
+def qk_norm_fwd_launch(
+    x: torch.Tensor,
+    scale: float,
+    temperature: torch.Tensor | None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Run the forward kernel; the output is contiguous with x's shape and dtype. ``tables``:
+    RoPE's (cos, sin), applied to the normed heads in the same kernel (ops/qk_norm_rope.py)."""
     y = empty_like_contiguous(x)
     if x.numel() == 0:
         _block_d(x, temperature)
@@ -240,16 +266,18 @@ def qk_norm_fwd_launch(x: torch.Tensor, scale: float, temperature: torch.Tensor 
     x3, stride_t, stride_h = _token_head_strides(x)
     if temperature is not None and not temperature.is_contiguous():
         temperature = temperature.contiguous()
+    rope = rope_kernel_args(x, tables)
     key = (x.shape, stride_t, stride_h, x.dtype, None if temperature is None else (temperature.dtype,
-           temperature.numel()), x.get_device())  # fmt: skip
-    plan, n_rows = _FWD_PLANS.get(key) or _fwd_plan(x, temperature, key)
+           temperature.numel()), x.get_device(), *rope_plan_key(rope))  # fmt: skip
+    plan, n_rows = _FWD_PLANS.get(key) or _fwd_plan(x, temperature, rope[-1], key)
+    cos, sin, seq_len, stride_tb, stride_ts, _ = rope
     with device_guard(x):
-        plan(x3, x3 if temperature is None else temperature, y, n_rows, stride_t, stride_h, float(scale),
-             NORM_EPS * NORM_EPS)  # fmt: skip
+        plan(x3, x3 if temperature is None else temperature, cos, sin, y, n_rows, stride_t, stride_h, seq_len,
+             stride_tb, stride_ts, float(scale), NORM_EPS * NORM_EPS)  # fmt: skip
     return y
 
 
-def _bwd_plan(x: torch.Tensor, dy: torch.Tensor, temperature: torch.Tensor | None, key):
+def _bwd_plan(x: torch.Tensor, dy: torch.Tensor, temperature: torch.Tensor | None, half: int, key):
     n_heads, head_dim = x.shape[-2], x.shape[-1]
     block_d = _block_d(x, temperature, dy)
     n_rows = x.numel() // head_dim
@@ -258,7 +286,7 @@ def _bwd_plan(x: torch.Tensor, dy: torch.Tensor, temperature: torch.Tensor | Non
     n_programs, iters = persistent_grid(cdiv(n_rows, block_rows), x.device, BWD_PROGRAMS_PER_SM)
     consts = {"N_HEADS": n_heads, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_ROWS": block_rows,
               "BLOCK_H": next_power_of_2(n_heads), "ITERS": iters, "HAS_TEMP": temperature is not None,
-              "LOOP_STAGES": cfg.num_stages}  # fmt: skip
+              "LOOP_STAGES": cfg.num_stages, "HALF": half}  # fmt: skip
     plan = LaunchPlan(
         _qk_norm_bwd_kernel, (n_programs,), consts, cfg.num_warps, cfg.num_stages, x.get_device()
     )
@@ -267,9 +295,14 @@ def _bwd_plan(x: torch.Tensor, dy: torch.Tensor, temperature: torch.Tensor | Non
 
 
 def qk_norm_bwd_launch(
-    dy: torch.Tensor, x: torch.Tensor, scale: float, temperature: torch.Tensor | None
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    scale: float,
+    temperature: torch.Tensor | None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the backward kernel: (dx, dtemperature or None)."""
+    """Run the backward kernel: (dx, dtemperature or None). With ``tables``, ``dy`` is the
+    gradient of the rotated output and is rotated back in the same kernel."""
     dx = empty_like_contiguous(x)
     if x.numel() == 0:
         _block_d(x, temperature, dy)
@@ -279,15 +312,19 @@ def qk_norm_bwd_launch(
     has_temp = temperature is not None
     if has_temp and not temperature.is_contiguous():
         temperature = temperature.contiguous()
+    rope = rope_kernel_args(x, tables)
     key = (x.shape, dy.shape, stride_xt, stride_xh, stride_dyt, stride_dyh, x.dtype, dy.dtype,
-           (temperature.dtype, temperature.numel()) if has_temp else None, x.get_device())  # fmt: skip
-    plan, n_programs, n_rows = _BWD_PLANS.get(key) or _bwd_plan(x, dy, temperature, key)
+           (temperature.dtype, temperature.numel()) if has_temp else None, x.get_device(),
+           *rope_plan_key(rope))  # fmt: skip
+    plan, n_programs, n_rows = _BWD_PLANS.get(key) or _bwd_plan(x, dy, temperature, rope[-1], key)
+    cos, sin, seq_len, stride_tb, stride_ts, _ = rope
     partial = torch.empty(
         (n_programs, x.shape[-2]) if has_temp else (1,), dtype=torch.float32, device=x.device
     )
     with device_guard(x):
-        plan(dy3, x3, temperature if has_temp else x3, dx, partial, n_rows, stride_dyt, stride_dyh, stride_xt,
-             stride_xh, float(scale), NORM_EPS * NORM_EPS)  # fmt: skip
+        plan(dy3, x3, temperature if has_temp else x3, cos, sin, dx, partial, n_rows, stride_dyt,
+             stride_dyh, stride_xt, stride_xh, seq_len, stride_tb, stride_ts, float(scale),
+             NORM_EPS * NORM_EPS)  # fmt: skip
     if not has_temp:
         return dx, None
     dtemp = partial.sum(0)

@@ -88,6 +88,29 @@ def _rope_kernel(
         tl.store(out_ptr + o_row + 2 * HALF + rcols, v, mask=mr)
 
 
+@triton.jit
+def rope_operands(COS, SIN, token, seq_len, stride_tb, stride_ts, row_mask, cols, HALF: tl.constexpr):
+    """For a kernel that holds whole rows (ops/qk_norm.py with RoPE fused): each column's
+    rotate-half partner, the cos and sin of its token's position (cos 1 and sin 0 past the rotated
+    width R = 2·HALF), and the first-half and rotated column masks."""
+    first = cols < HALF
+    rotated = cols < 2 * HALF
+    partner = tl.where(first, cols + HALF, tl.where(rotated, cols - HALF, cols))
+    t_row = (token // seq_len).to(tl.int64) * stride_tb + (token % seq_len).to(tl.int64) * stride_ts
+    t_mask = row_mask[:, None] & rotated[None, :]
+    t_off = t_row[:, None] + tl.where(first, cols, cols - HALF)[None, :]
+    c = tl.load(COS + t_off, mask=t_mask, other=1.0).to(tl.float32)
+    s = tl.load(SIN + t_off, mask=t_mask, other=0.0).to(tl.float32)
+    return partner, c, s, first[None, :], rotated[None, :]
+
+
+@triton.jit
+def rotate_half(v, vp, c, s, first, rotated):
+    """``_rope_kernel``'s rotate-half on whole rows (v and its partners vp), written as that
+    kernel's (and kv_decode's) expressions are, so that a fused caller rounds as they do."""
+    return tl.where(first, v * c - vp * s, tl.where(rotated, v * c + vp * s, v))
+
+
 # --- references ------------------------------------------------------------------------------
 
 
@@ -159,6 +182,31 @@ def _launch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse:
     with device_guard(x):
         plan(x, cos, sin, out, bsz * seq * heads, heads, seq, xs[0], xs[1], xs[2], stride_tb, stride_ts)
     return out
+
+
+#: RoPE tables as a kernel using :func:`rope_operands` takes them: (cos, sin, seq_len, table batch
+#: stride, table position stride, HALF); HALF = 0 (and x itself for the pointers): no rotation
+RopeKernelArgs = tuple[torch.Tensor, torch.Tensor, int, int, int, int]
+
+
+def rope_kernel_args(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None) -> RopeKernelArgs:
+    """Tables ``(cos, sin)``, [S, R/2] or [B, S, R/2] for x [B, S, H, D] (the caller checks the
+    shapes), as the arguments of a kernel using :func:`rope_operands`; one stride set serves both
+    tables."""
+    if tables is None:
+        return x, x, 1, 0, 0, 0
+    cos, sin = tables
+    cs = cos.stride()
+    if cs[-1] != 1 or cs != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+        cs = cos.stride()
+    stride_tb, stride_ts = (0, cs[0]) if len(cs) == 2 else (cs[0], cs[1])
+    return cos, sin, x.shape[-3], stride_tb, stride_ts, cos.shape[-1]
+
+
+def rope_plan_key(rope: RopeKernelArgs) -> tuple:
+    cos, sin, seq_len, stride_tb, stride_ts, half = rope
+    return (half, seq_len, stride_tb, stride_ts, cos.dtype, sin.dtype) if half else ()
 
 
 # --- torch.library op: opaque to torch.compile, autograd attached ----------------------------
