@@ -1,8 +1,9 @@
 """QK norm then RoPE in one kernel each way: ``rope(qk_norm(x, scale, temperature), cos, sin)``.
 
-Why: CCGQA normalises q and k per head and then rotates them (hydra_model/ccgqa.py). Done as two
-ops, a training step reads and writes q and k twice forward and three times backward, in four
-launches a tensor; fused, once forward and twice backward, in two. The kernels are qk_norm's
+Why: CCGQA normalises q and k per head and then rotates them (hydra_model/ccgqa.py). As two ops,
+each of q and k takes four launches and nine passes over its memory (forward: read, write, read,
+write; backward: read dz, write, read it and x, write dx); fused, two launches and five passes
+(read x, write; read dz and x, write dx). The kernels are qk_norm's
 (ops/qk_norm.py) with RoPE's rotate-half added (``HALF`` > 0), so the per-head statistics are
 computed the one way.
 

@@ -247,12 +247,12 @@ BLOCK_GRAPHS_LIMIT = 64
 #: Pointwise kernels take inductor's one default launch configuration instead of compiling two and
 #: timing them at the first call: on an H100, HYDRA 100M's whole forward compiled 832 Triton kernels
 #: instead of 1336, timed 6 instead of 129, and stepped as fast
-#: (packages/hydra-train/BENCHMARKS.md, 2026-11-27). Combo kernels: independent small kernels
-#: (the optimizer-side casts, the routing glue of parallel branches) are launched as one: on an H100
-#: the race's graphed 100M step went from 1095 to 920 kernels and from 26.52 to 26.15 ms for HYDRA,
-#: 33.96 to 33.79 ms for the dense GPT, compile time unchanged (hydra-model's BENCHMARKS.md,
-#: 2026-11-27). Coordinate-descent tuning was measured too and left off: the whole-model compile
-#: did not finish in 150 s.
+#: (packages/hydra-train/BENCHMARKS.md, 2026-11-27). Combo kernels: inductor launches independent
+#: small kernels as one. On an H100 the race's graphed 100M step went from 1095 to 920 kernels and
+#: from 26.52 to 26.15 ms for HYDRA, 33.96 to 33.79 ms for the dense GPT (hydra-model's
+#: BENCHMARKS.md); `hydra-train run`'s cold compile arm took 34.3 and 38.4 s against 33.3 s
+#: without (this package's BENCHMARKS.md, both 2026-11-27). Coordinate-descent tuning was measured
+#: too and left off: the whole-model compile did not finish in 150 s.
 INDUCTOR_OPTIONS: dict[str, Any] = {"triton.autotune_pointwise": False, "combo_kernels": True}
 
 
