@@ -182,3 +182,16 @@ def test_compiled_fullgraph_equals_eager(seed):
     for c, e in zip(*results, strict=True):
         torch.testing.assert_close(c, e, rtol=0, atol=0, msg=f"seed={seed}")  # the same kernels
     torch._dynamo.reset()
+
+
+def test_the_custom_ops_refuse_tables_that_do_not_fit_x():
+    """Called directly (as compiled code does), the ops check what the kernel would index: a
+    rotary width past the head, or tables of another length, raise instead of reading past them."""
+    x = torch.randn(1, 2, 2, 8, device=DEVICE)
+    wide = torch.ones(2, 6, device=DEVICE)  # R = 12 > D = 8
+    with pytest.raises(ValueError, match="exceeds the head dim"):
+        fused_mod._fwd_op(x, 1.0, None, wide, wide)
+    short = torch.ones(1, 4, device=DEVICE)  # S = 1, x has 2
+    with pytest.raises(ValueError, match=r"\[S, R/2\]"):
+        fused_mod._bwd_op(torch.randn_like(x), x, 1.0, None, short, short)
+    assert controls.fallback_counts()["qk_norm_rope"] == 0

@@ -230,7 +230,9 @@ def _bench_qk_norm_rope(dev, dt, liger, why):
 
 
 def _small_qk_norm_rope(rnd, n, dim, hidden, shape4):
-    return [*_small_qk_norm(rnd, n, dim, hidden, shape4), *_small_rope(rnd, n, dim, hidden, shape4)[1:]]
+    seq, quarter = shape4[1], shape4[3] // 4  # RoPE on half of each head, as CCGQA's
+    angles = torch.rand(seq, quarter, device=rnd(1).device) * seq
+    return [*_small_qk_norm(rnd, n, dim, hidden, shape4), angles.cos(), angles.sin()]
 
 
 # --- linear_cross_entropy ------------------------------------------------------------------------

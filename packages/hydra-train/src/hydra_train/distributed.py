@@ -121,7 +121,7 @@ def wrap_model(
             "ignore", message=r"FSDP2-wrapped module \(FSDPCCGQAMoDBlockWrapper\) returned a view tensor"
         )
         mesh = None
-        if info.enabled or dist.is_initialized():
+        if info.enabled or (dist.is_available() and dist.is_initialized()):
             from torch.distributed.device_mesh import init_device_mesh
 
             # on ``device``'s type: FSDP2's own default mesh is CUDA's wherever CUDA is present,

@@ -43,7 +43,7 @@ from hydra_kernels.ops.qk_norm import (  # noqa: F401 (TABLES, BWD_TABLES: what 
     qk_norm_fwd_launch,
     qk_norm_ref,
 )
-from hydra_kernels.ops.rope import _check_shapes, rope, rope_ref
+from hydra_kernels.ops.rope import check_rope_shapes, rope, rope_ref
 
 # --- PyTorch references --------------------------------------------------------------------------
 
@@ -99,6 +99,9 @@ def _backward(dy, x, scale, temperature, cos, sin) -> tuple[torch.Tensor, torch.
 def _fwd_op(
     x: torch.Tensor, scale: float, temperature: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
+    # a direct call of the op skips the public function's checks; the kernel indexes the tables
+    # by x's shape, so bad ones would read out of bounds
+    check_rope_shapes(x, cos, sin)
     return _forward(x, scale, temperature, cos, sin)
 
 
@@ -117,6 +120,7 @@ def _bwd_op(
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Custom ops return tensors only: without a temperature the second output is empty."""
+    check_rope_shapes(x, cos, sin)  # as the forward op
     dx, dtemp = _backward(dy, x, scale, temperature, cos, sin)
     return dx, dtemp if dtemp is not None else x.new_empty(0)
 
@@ -160,7 +164,7 @@ def qk_norm_rope(
     on the fused path). The result is a new contiguous tensor in x's dtype. fp64 runs the
     references in fp64.
     """
-    _check_shapes(x, cos, sin)
+    check_rope_shapes(x, cos, sin)
     if temperature is not None and tuple(temperature.shape) != (x.shape[-2],):
         raise ValueError(
             f"qk_norm_rope: temperature has shape {tuple(temperature.shape)} but x has {x.shape[-2]} "

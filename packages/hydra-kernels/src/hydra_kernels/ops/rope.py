@@ -258,7 +258,9 @@ _RopeEager = eager_autograd_function("RopeEager", _rope_impl, _rope_setup_contex
 # --- public function -------------------------------------------------------------------------
 
 
-def _check_shapes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def check_rope_shapes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Raise ValueError unless x is [B, S, H, D] and cos/sin are [S, R/2] or [B, S, R/2] with R ≤ D
+    (rope's shapes; qk_norm_rope's too)."""
     if x.dim() != 4:
         raise ValueError(f"rope: x must be [B, S, H, D], got shape {tuple(x.shape)}")
     if cos.shape != sin.shape:
@@ -281,7 +283,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     ``x`` only: cos/sin are position buffers. If either of them requires grad, the call runs
     the PyTorch reference instead, which is differentiable in them too.
     """
-    _check_shapes(x, cos, sin)
+    check_rope_shapes(x, cos, sin)
     if (
         x.dtype in KERNEL_DTYPES
         and cos.is_floating_point()
