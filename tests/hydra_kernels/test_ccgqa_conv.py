@@ -75,6 +75,41 @@ def test_strided_rows_of_a_wider_projection(seed):
     assert torch.count_nonzero(kern[1][..., g * d :]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 70, 2, 3, 16), (1, 5, 3, 2, 32), (1, 130, 1, 4, 16)])
+def test_zero_context_equals_the_zero_padded_window(shape, dtype, seed):
+    """``zero_context``: x [B, n, C] (a column slice of the projection, rows strided) gives, bit
+    for bit, what the window with K − 1 zero rows in front gives: z, the weight's and bias's
+    gradients, and x's gradient (the padded window's gradient without its first K − 1 rows)."""
+    b, n, g, k, d = shape
+    proj = torch.randn(b, n, g * d + 24, device=DEVICE).to(dtype)
+    x = proj[..., : g * d].detach().requires_grad_()
+    assert not x.is_contiguous()
+    window = torch.nn.functional.pad(x.detach(), (0, 0, k - 1, 0)).requires_grad_()
+    _, _, weight, bias = _inputs(b, n, g, k, d, dtype)
+    upstream = torch.randn(b, n, g, d, device=DEVICE)
+    z = ccgqa_conv(x, weight, bias, True)
+    assert "CCGQAConv" in type(z.grad_fn).__name__, f"reference ran instead: {z.grad_fn}"
+    got = (z, *torch.autograd.grad((z.double() * upstream.double()).sum(), (x, weight, bias)))
+    z_pad = ccgqa_conv(window, weight, bias)
+    want = list(torch.autograd.grad((z_pad.double() * upstream.double()).sum(), (window, weight, bias)))
+    want = (z_pad, want[0][:, k - 1 :], *want[1:])
+    for name, gv, wv in zip(("z", "dx", "dweight", "dbias"), got, want, strict=True):
+        assert gv.shape == wv.shape and torch.equal(gv, wv), f"{name} (seed={seed})"
+    # and against fp64 through the reference's own zero_context
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    z64 = ccgqa_conv_ref(*leaves64, True)
+    ref = (z64, *torch.autograd.grad((z64 * upstream.double()).sum(), leaves64))
+    same_leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+    z_same = ccgqa_conv_ref(*same_leaves, True)
+    same = (z_same, *torch.autograd.grad((z_same.double() * upstream.double()).sum(), same_leaves))
+    for name, kv, tv, rv in zip(("z", "dx", "dweight", "dbias"), got, same, ref, strict=True):
+        reduction = "elementwise" if dtype == torch.float32 else "max"
+        res = check_against_fp64(kv, tv, rv, atol=fp32_noise_atol(rv), reduction=reduction)
+        assert res.passed, f"{name} (seed={seed}): {res.describe()}"
+    assert controls.fallback_counts()["ccgqa_conv"] == 0
+
+
 def test_by_hand_loop_and_causality(seed):
     """z[t] = bias + Σ_s W[s] · window[t + s], written as a loop in fp64; and z[t] does not move
     when window rows after t + K − 1 change."""
@@ -170,13 +205,16 @@ def test_switched_off_runs_the_reference(monkeypatch):
 def _compile_for_sm90() -> None:
     """Runs in a subprocess without TRITON_INTERPRET (see the test below)."""
     bf, f32 = "*bf16", "*fp32"
-    consts = {"N_HEADS": 16, "K": 3, "D": 64, "BLOCK_T": conv_mod.LAUNCH["default"].block_rows, "IEEE": False}
     fwd = {"WIN": bf, "W": bf, "BIAS": f32, "Z": bf, "n": "i32", "stride_wb": "i32", "stride_wt": "i32"}
-    build_sm90(conv_mod._ccgqa_conv_fwd_kernel, fwd, consts, 4, 2)
-    build_sm90(conv_mod._ccgqa_conv_dwin_kernel, {"DZ": bf, "W": bf, "DWIN": bf, "n": "i32"}, consts, 4, 2)
+    dwin = {"DZ": bf, "W": bf, "DWIN": bf, "n": "i32"}
     dw = {"DZ": bf, "WIN": bf, "PW": f32, "PB": f32, "n": "i32", "n_blocks": "i32", "blocks_per_seq": "i32",
           "stride_wb": "i32", "stride_wt": "i32"}  # fmt: skip
-    build_sm90(conv_mod._ccgqa_conv_dw_kernel, dw, {**consts, "ITERS": 8}, 4, 2)
+    for pad in (0, 2):  # a stored window, and one whose K − 1 context rows are zeros (zero_context)
+        consts = {"N_HEADS": 16, "K": 3, "D": 64, "BLOCK_T": conv_mod.LAUNCH["default"].block_rows,
+                  "IEEE": False, "PAD": pad}  # fmt: skip
+        build_sm90(conv_mod._ccgqa_conv_fwd_kernel, fwd, consts, 4, 2)
+        build_sm90(conv_mod._ccgqa_conv_dwin_kernel, dwin, consts, 4, 2)
+        build_sm90(conv_mod._ccgqa_conv_dw_kernel, dw, {**consts, "ITERS": 8}, 4, 2)
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():

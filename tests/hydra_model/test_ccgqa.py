@@ -386,3 +386,45 @@ def test_conv_stage_through_the_kernel_matches_the_two_convolutions_in_fp64(monk
     names = ("window", "seq weight", "seq bias", "ch weight", "ch bias")
     for name, g, w in zip(names, got, want, strict=True):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_training_forward_reads_u_in_place_as_the_padded_window_would(monkeypatch):
+    """A training forward hands the conv kernels u [B, n, C] with its zero context implied
+    (``zero_context``): output and every gradient bit for bit those of the same forward given the
+    zero-padded window, with hydra_kernels' kernels on (interpreted here)."""
+    import torch.nn.functional as F
+
+    import hydra_kernels
+
+    if not hydra_kernels.controls.device_supports_triton(torch.device("cpu")):
+        pytest.skip("needs the Triton interpreter")
+    torch.manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    attn = CCGQAAttention(64, 2, 1, 16, 8, 2, 2)
+    x = torch.randn(2, 37, 64, requires_grad=True)
+    cos, sin = RotaryEmbedding(8, 64).tables(37)
+    real, calls = ccgqa_mod.ccgqa_conv, []
+    from hydra_kernels.ops import ccgqa_conv as conv_op
+
+    launches, launch = [], conv_op.ccgqa_conv_fwd_launch
+    monkeypatch.setattr(conv_op, "ccgqa_conv_fwd_launch", lambda *a: launches.append(a[-1]) or launch(*a))
+
+    def padded(window, weight, bias, zero_context=False):
+        calls.append(zero_context)
+        if zero_context:  # the old way: a padded copy, read from its first row
+            window = F.pad(window, (0, 0, weight.shape[1] - 1, 0))
+        return real(window, weight, bias)
+
+    hydra_kernels.set_use_triton_kernels(True)
+    try:
+        results = []
+        for fn in (real, padded):
+            monkeypatch.setattr(ccgqa_mod, "ccgqa_conv", fn)
+            out = attn(x, cos, sin)
+            results.append((out, *torch.autograd.grad(out.square().sum(), [x, *attn.parameters()])))
+    finally:
+        hydra_kernels.set_use_triton_kernels(False)
+    assert calls == [True], calls  # the training forward took the in-place path
+    assert launches == [True, False], launches  # the kernels ran: u in place, then the padded copy
+    assert hydra_kernels.fallback_counts()["ccgqa_conv"] == 0
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)

@@ -299,6 +299,12 @@ def _check_ccgqa_conv(shape, gen):
     return [_randn(gen, b, n + k - 1, g * d), weight, 0.1 * _randn(gen, g * d)], [0, 1, 2]
 
 
+def _check_ccgqa_conv_zero_context(shape, gen):
+    b, n, g, k, d = shape  # x [B, n, G·d] with K - 1 zero rows implied in front (zero_context)
+    args, grads = _check_ccgqa_conv((b, n - k + 1, g, k, d), gen)
+    return [args[0][:, k - 1 :].contiguous(), *args[1:], True], grads
+
+
 #: (B, n, heads, taps, head dim): the 100M preset's CCGQA (12 + 4 heads of 64, K = 3) and the
 #: 2026-11-23 preset's (4 + 2 heads)
 CCGQA_CONV_SHAPES = ((8, 2048, 16, 3, 64), (8, 2048, 6, 3, 64))
@@ -410,6 +416,8 @@ OP_SPECS: tuple[OpSpec, ...] = (
         checks=(
             Check("ccgqa_conv", "ccgqa_conv", "ccgqa_conv_ref", _check_ccgqa_conv, ((2, 9, 2, 3, 16),),
                   ((3, 300, 4, 3, 64), (2, 77, 3, 2, 32)), half_reduction="max"),
+            Check("ccgqa_conv_zero_context", "ccgqa_conv", "ccgqa_conv_ref", _check_ccgqa_conv_zero_context,
+                  ((2, 9, 2, 3, 16),), ((3, 300, 4, 3, 64),), half_reduction="max"),
         ),
         bench={"ccgqa_conv": _bench_ccgqa_conv},
         small_bench=lambda rnd, n, dim, h, s4: [rnd(s4[0], s4[1] + 2, s4[2] * s4[3]),

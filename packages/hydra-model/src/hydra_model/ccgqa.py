@@ -141,15 +141,20 @@ class CCGQAAttention(nn.Module):
         self.qk_mean_mix = mix.to(self.qk_mean_mix.device, self.qk_mean_mix.dtype)
 
     def _conv_qk(
-        self, window: torch.Tensor, slot: CacheSlot | None = None, conv: tuple | None = None
+        self,
+        window: torch.Tensor,
+        slot: CacheSlot | None = None,
+        conv: tuple | None = None,
+        zero_context: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 2–3 on a time-major window [B, n + K−1, C] of packed pre-conv inputs (K−1 rows of
         left context) → pre-norm q [B, n, n_heads, d] and k [B, n, n_kv_heads, d]. ``conv``: the
-        folded weight and bias, where the caller has them."""
+        folded weight and bias, where the caller has them. ``zero_context`` (the headwise form
+        only): ``window`` is [B, n, C] and its context rows are zeros, which the kernels mask."""
         b, length, c = window.shape
         hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         k_total = self.conv_context + 1
-        n = length - self.conv_context
+        n = length if zero_context else length - self.conv_context
         weight, bias = conv if conv is not None else self._folded(slot)
         if self.conv_impl == "folded":
             taps = window.unfold(1, k_total, 1).reshape(b, n, c * k_total)  # [c, s] = u[t+s, c]
@@ -158,10 +163,10 @@ class CCGQAAttention(nn.Module):
         # each head's [d, d·K] block (columns i·K + s) as K [out, in] matrices; hydra_kernels'
         # ccgqa_conv reads the window in place (its reference unfolds it and runs one GEMM a head)
         per_tap = weight.view(hq + hkv, d, d, k_total).permute(0, 3, 1, 2)  # [heads, K, d, d]
-        z = ccgqa_conv(window, per_tap, bias)  # [B, n, heads, d]
+        z = ccgqa_conv(window, per_tap, bias, zero_context)  # [B, n, heads, d]
         # q-k mean on the current token's inputs: query head h gets (q_pre[h] + k_pre[h // G])/2,
         # kv head g the mean of those over its G query heads
-        u = window[:, self.conv_context :]  # [B, n, C]
+        u = window if zero_context else window[:, self.conv_context :]  # [B, n, C]
         q_pre = u[..., : self.q_dim].view(b, n, hkv, hq // hkv, d)
         k_pre = u[..., self.q_dim :].view(b, n, hkv, 1, d)
         mean = 0.5 * (q_pre + k_pre)  # [B, n, n_kv, G, d]
@@ -257,10 +262,18 @@ class CCGQAAttention(nn.Module):
         # a prefill's [B] real tokens (member: a prefix mask; None = all)
         count = None if member is None or slot is None else member.sum(dim=1)
         state = None if slot is None else self._state_buffers(slot, proj)
-        if torch.is_grad_enabled():
+        zero_context = False  # True: ``window`` is u [B, n, C]; its K−1 context rows are zeros
+        if torch.is_grad_enabled() and slot is None and self.conv_impl == "headwise":
+            # training: the conv kernels read u in place and mask the zero context (no padded
+            # copy); 4. the value shift (channels [0, half) from x_t, [half, kv_dim) from x_{t−1},
+            # zero at t=0), as ccgqa_prefill_ref builds it
+            window, v_cur, src = proj.split([c, self.kv_dim // 2, self.kv_dim // 2], dim=-1)
+            v = torch.cat([v_cur, F.pad(src[:, : n - 1], (0, 0, 1, 0))], dim=-1)
+            zero_context = True
+        elif torch.is_grad_enabled():
             # the op's reference, differentiable: window [B, n + K−1, C] (left context zeros) and
-            # 4. the value shift (channels [0, half) from x_t, [half, kv_dim) from x_{t−1}, zero at
-            # t=0); it splits proj, so the backward writes one [B, n, C + kv_dim] gradient (a cat)
+            # the value shift; it splits proj, so the backward writes one [B, n, C + kv_dim]
+            # gradient (a cat)
             window, v, *_ = ccgqa_prefill_ref(proj, c, ctx)
             if state is not None:  # the slot's state, from a detached projection: no autograd history
                 self._write_state(proj.detach(), count, state, views=False)
@@ -278,8 +291,8 @@ class CCGQAAttention(nn.Module):
                 joint = self._conv_qk_prefill(window, slot)
             else:
                 q, k = self._conv_qk(window, slot)
-        else:
-            q, k = self._conv_qk(window, slot, conv)  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
+        else:  # [B, n, n_heads, d], [B, n, n_kv_heads, d]
+            q, k = self._conv_qk(window, slot, conv, zero_context=zero_context)
 
         # 5. QK norm, 6. RoPE on the normalised latent q, k (one kernel each way, as the two
         # ops round: hydra_kernels/ops/qk_norm_rope.py)

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -77,11 +78,16 @@ DW_PROGRAMS_PER_SM = 4
 # --- PyTorch reference ---------------------------------------------------------------------------
 
 
-def ccgqa_conv_ref(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def ccgqa_conv_ref(
+    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False
+) -> torch.Tensor:
     """Reference: the taps unfolded ([B, n, G, d, K]) and one batched product per head in the
-    window's dtype (autocast's choice, as the model ran it), the bias added in that dtype."""
-    b, length, _ = window.shape
+    window's dtype (autocast's choice, as the model ran it), the bias added in that dtype.
+    ``zero_context``: ``window`` is [B, n, C] and its K − 1 rows of left context are zeros."""
     g, k, d, _ = weight.shape
+    if zero_context:
+        window = F.pad(window, (0, 0, k - 1, 0))
+    b, length, _ = window.shape
     n = length - k + 1
     taps = window.unfold(1, k, 1).reshape(b, n, g, d, k)  # [B, n, G, i, s] = window[t + s, g·d + i]
     z = torch.einsum("bngis,gsoi->bngo", taps, weight.to(taps.dtype))
@@ -106,6 +112,7 @@ def _ccgqa_conv_fwd_kernel(
     WIN, W, BIAS, Z,
     n, stride_wb, stride_wt,
     N_HEADS: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
+    PAD: tl.constexpr,
 ):  # fmt: skip
     pid_t, g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -114,8 +121,9 @@ def _ccgqa_conv_fwd_kernel(
     src = WIN + b.to(tl.int64) * stride_wb + g * D
     acc = tl.zeros((BLOCK_T, D), dtype=tl.float32)
     for s in tl.static_range(K):
-        rows = (t + s).to(tl.int64)
-        a = tl.load(src + rows[:, None] * stride_wt + ch[None, :], mask=t_mask[:, None], other=0.0)
+        rows = (t + s - PAD).to(tl.int64)  # PAD leading rows of the window are zeros, not stored
+        m = t_mask & (rows >= 0) if PAD > 0 else t_mask
+        a = tl.load(src + rows[:, None] * stride_wt + ch[None, :], mask=m[:, None], other=0.0)
         # W[g, s] is [out, in]: read it as [in, out] for a @ w
         w = tl.load(W + (g * K + s) * D * D + ch[None, :] * D + ch[:, None])
         acc = _dot_acc(acc, a, w, IEEE)
@@ -130,11 +138,13 @@ def _ccgqa_conv_dwin_kernel(
     DZ, W, DWIN,
     n,
     N_HEADS: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
+    PAD: tl.constexpr,
 ):  # fmt: skip
     pid_r, g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    r = pid_r * BLOCK_T + tl.arange(0, BLOCK_T)  # window rows: 0 .. n + K − 2
+    r_out = pid_r * BLOCK_T + tl.arange(0, BLOCK_T)  # the stored window's rows
+    r = r_out + PAD  # window rows: 0 .. n + K − 2; the PAD zero rows in front get no gradient
     ch = tl.arange(0, D)
-    length = n + K - 1
+    length = n + K - 1 - PAD
     acc = tl.zeros((BLOCK_T, D), dtype=tl.float32)
     for s in tl.static_range(K):
         rows = r - s  # the output rows that read window row r at offset s
@@ -143,9 +153,9 @@ def _ccgqa_conv_dwin_kernel(
         a = tl.load(DZ + src[:, None] * D + ch[None, :], mask=m[:, None], other=0.0)
         w = tl.load(W + (g * K + s) * D * D + ch[:, None] * D + ch[None, :])  # [out, in]
         acc = _dot_acc(acc, a, w, IEEE)
-    dst = (b.to(tl.int64) * length + r) * (N_HEADS * D) + g * D  # dwin is [B, n + K − 1, C]
+    dst = (b.to(tl.int64) * length + r_out) * (N_HEADS * D) + g * D  # dwin is [B, n + K − 1 − PAD, C]
     tl.store(DWIN + dst[:, None] + ch[None, :], to_output_dtype(acc, DWIN.dtype.element_ty),
-             mask=(r < length)[:, None])  # fmt: skip
+             mask=(r_out < length)[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -153,7 +163,7 @@ def _ccgqa_conv_dw_kernel(
     DZ, WIN, PW, PB,
     n, n_blocks, blocks_per_seq, stride_wb, stride_wt,
     N_HEADS: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PAD: tl.constexpr,
 ):  # fmt: skip
     g, s, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ch = tl.arange(0, D)
@@ -166,8 +176,10 @@ def _ccgqa_conv_dw_kernel(
         t_mask = (t < n) & (blk < n_blocks)
         rows = (b * n + t) * N_HEADS + g
         dz = tl.load(DZ + rows[:, None] * D + ch[None, :], mask=t_mask[:, None], other=0.0)
-        a = tl.load(WIN + b * stride_wb + (t + s).to(tl.int64)[:, None] * stride_wt + g * D + ch[None, :],
-                    mask=t_mask[:, None], other=0.0)  # fmt: skip
+        w_rows = (t + s - PAD).to(tl.int64)  # PAD leading rows of the window are zeros, not stored
+        m = t_mask & (w_rows >= 0) if PAD > 0 else t_mask
+        a = tl.load(WIN + b * stride_wb + w_rows[:, None] * stride_wt + g * D + ch[None, :],
+                    mask=m[:, None], other=0.0)  # fmt: skip
         acc = _dot_acc(acc, tl.trans(dz), a, IEEE)
         acc_b += tl.sum(dz.to(tl.float32), axis=0)
     part = split * N_HEADS + g
@@ -179,7 +191,9 @@ def _ccgqa_conv_dw_kernel(
 # --- host launchers ------------------------------------------------------------------------------
 
 
-def _shape_error(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> str | None:
+def _shape_error(
+    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False
+) -> str | None:
     """Why these are not a window, per-tap weight and bias of one conv stage (None when they are)."""
     if window.dim() != 3 or weight.dim() != 4 or bias.dim() != 1:
         return (
@@ -188,7 +202,7 @@ def _shape_error(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
         )
     g, k, d, d_in = weight.shape
     c = window.shape[-1]
-    if d != d_in or g * d != c or bias.numel() != c or window.shape[1] < k:
+    if d != d_in or g * d != c or bias.numel() != c or window.shape[1] < (1 if zero_context else k):
         return (
             f"ccgqa_conv: weight {tuple(weight.shape)} needs square [d, d] blocks with G·d = C = {c} "
             f"channels, bias [C] and a window of at least K = {k} rows; got window "
@@ -213,14 +227,16 @@ def _kernel_refusal(window: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-def _check(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[int, int, int, int]:
-    """(G, K, d, n) for inputs the kernels take; raises (→ counted fallback) otherwise, which
-    only a direct call of the custom ops can reach (the public function checks first)."""
-    error = _shape_error(window, weight, bias) or _kernel_refusal(window, weight)
+def _check(window, weight, bias, zero_context: bool) -> tuple[int, int, int, int, int]:
+    """(G, K, d, n, PAD) for inputs the kernels take; raises (→ counted fallback) otherwise, which
+    only a direct call of the custom ops can reach (the public function checks first). PAD: the
+    window's zero rows in front that are not stored (K − 1 with ``zero_context``, else 0)."""
+    error = _shape_error(window, weight, bias, zero_context) or _kernel_refusal(window, weight)
     if error:
         raise ValueError(error)
     g, k, d, _ = weight.shape
-    return g, k, d, window.shape[1] - k + 1
+    pad = k - 1 if zero_context else 0
+    return g, k, d, window.shape[1] - k + 1 + pad, pad
 
 
 def _launch(device: torch.device, dtype: torch.dtype) -> LaunchConfig:
@@ -232,9 +248,11 @@ def _launch(device: torch.device, dtype: torch.dtype) -> LaunchConfig:
     return cfg
 
 
-def ccgqa_conv_fwd_launch(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def ccgqa_conv_fwd_launch(
+    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False
+) -> torch.Tensor:
     """Run the forward kernel: z [B, n, G, d], contiguous, in the window's dtype."""
-    g, k, d, n = _check(window, weight, bias)
+    g, k, d, n, pad = _check(window, weight, bias, zero_context)
     b = window.shape[0]
     z = window.new_empty(b, n, g, d)
     if z.numel() == 0:
@@ -245,17 +263,21 @@ def ccgqa_conv_fwd_launch(window: torch.Tensor, weight: torch.Tensor, bias: torc
     with device_guard(window):
         _ccgqa_conv_fwd_kernel[(cdiv(n, cfg.block_rows), g, b)](
             window, weight, bias, z, n, window.stride(0), window.stride(1),
-            N_HEADS=g, K=k, D=d, BLOCK_T=cfg.block_rows, IEEE=window.dtype == torch.float32,
+            N_HEADS=g, K=k, D=d, BLOCK_T=cfg.block_rows, IEEE=window.dtype == torch.float32, PAD=pad,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return z
 
 
 def ccgqa_conv_bwd_launch(
-    dz: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    dz: torch.Tensor,
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    zero_context: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels: (d window, d weight, d bias), each in its input's dtype."""
-    g, k, d, n = _check(window, weight, bias)
+    g, k, d, n, pad = _check(window, weight, bias, zero_context)
     b, length, _ = window.shape
     dz = dz.contiguous()
     dwin = torch.empty(window.shape, dtype=window.dtype, device=window.device)
@@ -274,12 +296,13 @@ def ccgqa_conv_bwd_launch(
     pb = torch.empty(splits, g, d, dtype=torch.float32, device=window.device)
     with device_guard(window):
         _ccgqa_conv_dwin_kernel[(cdiv(length, block_t), g, b)](
-            dz, w_in, dwin, n, N_HEADS=g, K=k, D=d, BLOCK_T=block_t, IEEE=ieee,
+            dz, w_in, dwin, n, N_HEADS=g, K=k, D=d, BLOCK_T=block_t, IEEE=ieee, PAD=pad,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
         _ccgqa_conv_dw_kernel[(g, k, splits)](
             dz, window, pw, pb, n, n_blocks, blocks_per_seq, window.stride(0), window.stride(1),
-            N_HEADS=g, K=k, D=d, BLOCK_T=block_t, ITERS=iters, IEEE=ieee, num_warps=warps, num_stages=stages,
+            N_HEADS=g, K=k, D=d, BLOCK_T=block_t, ITERS=iters, IEEE=ieee, PAD=pad, num_warps=warps,
+            num_stages=stages,
         )  # fmt: skip
     dw, db = pw.sum(0), pb.sum(0).reshape(-1)
     return dwin, dw.to(weight.dtype), db.to(bias.dtype)
@@ -288,67 +311,82 @@ def ccgqa_conv_bwd_launch(
 # --- implementations behind the custom ops (Triton with a counted fallback) ---------------------
 
 
-def _ccgqa_conv_backward_ref(dz, window, weight, bias):
+def _ccgqa_conv_backward_ref(dz, window, weight, bias, zero_context: bool = False):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (window, weight, bias)]
-        out = ccgqa_conv_ref(*leaves)
+        out = ccgqa_conv_ref(*leaves, zero_context)
         # contiguous, as the kernels return them (and the custom op's fake says)
         return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, dz))
 
 
-def _ccgqa_conv_forward(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _ccgqa_conv_forward(window, weight, bias, zero_context: bool = False) -> torch.Tensor:
     return run_with_fallback(
         "ccgqa_conv",
-        lambda: ccgqa_conv_fwd_launch(window, weight, bias),
-        lambda: ccgqa_conv_ref(window, weight, bias).contiguous(),
+        lambda: ccgqa_conv_fwd_launch(window, weight, bias, zero_context),
+        lambda: ccgqa_conv_ref(window, weight, bias, zero_context).contiguous(),
     )
 
 
-def _ccgqa_conv_backward(dz, window, weight, bias) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    reference = lambda: _ccgqa_conv_backward_ref(dz, window, weight, bias)
+def _ccgqa_conv_backward(
+    dz, window, weight, bias, zero_context: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    reference = lambda: _ccgqa_conv_backward_ref(dz, window, weight, bias, zero_context)
     # read at run time, so the switch holds inside compiled graphs too
     if not controls.triton_path("ccgqa_conv", dz, window, weight, bias, backward=True):
         return reference()
-    return run_with_fallback("ccgqa_conv", lambda: ccgqa_conv_bwd_launch(dz, window, weight, bias), reference)
+    return run_with_fallback(
+        "ccgqa_conv", lambda: ccgqa_conv_bwd_launch(dz, window, weight, bias, zero_context), reference
+    )
 
 
 # --- torch.library registration ------------------------------------------------------------------
 
 
 @torch.library.custom_op("hydra_kernels::ccgqa_conv_fwd", mutates_args=())
-def _ccgqa_conv_fwd_op(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return _ccgqa_conv_forward(window, weight, bias)
+def _ccgqa_conv_fwd_op(
+    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False
+) -> torch.Tensor:
+    return _ccgqa_conv_forward(window, weight, bias, zero_context)
 
 
 @_ccgqa_conv_fwd_op.register_fake
-def _(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False):
     g, k, d, _ = weight.shape
-    return window.new_empty(window.shape[0], window.shape[1] - k + 1, g, d)
+    rows = window.shape[1] if zero_context else window.shape[1] - k + 1
+    return window.new_empty(window.shape[0], rows, g, d)
 
 
 @torch.library.custom_op("hydra_kernels::ccgqa_conv_bwd", mutates_args=())
 def _ccgqa_conv_bwd_op(
-    dz: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    dz: torch.Tensor,
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    zero_context: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ccgqa_conv_backward(dz, window, weight, bias)
+    return _ccgqa_conv_backward(dz, window, weight, bias, zero_context)
 
 
 @_ccgqa_conv_bwd_op.register_fake
-def _(dz, window, weight, bias):
+def _(dz, window, weight, bias, zero_context=False):
     # contiguous whatever the inputs' strides (a permuted weight, a strided window): what the
     # launcher and the reference return
     return window.new_empty(window.shape), weight.new_empty(weight.shape), bias.new_empty(bias.shape)
 
 
 def _ccgqa_conv_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
+    window, weight, bias, *flag = inputs
+    ctx.save_for_backward(window, weight, bias)
+    ctx.zero_context = bool(flag and flag[0])
 
 
 def _ccgqa_conv_grads(ctx, dz):
     window, weight, bias = ctx.saved_tensors
     if getattr(ctx, "eager", False):
-        return _ccgqa_conv_backward(dz, window, weight, bias)
-    return _ccgqa_conv_bwd_op(dz, window, weight, bias)
+        grads = _ccgqa_conv_backward(dz, window, weight, bias, ctx.zero_context)
+    else:
+        grads = _ccgqa_conv_bwd_op(dz, window, weight, bias, ctx.zero_context)
+    return (*grads, None)
 
 
 _ccgqa_conv_fwd_op.register_autograd(_ccgqa_conv_grads, setup_context=_ccgqa_conv_setup)
@@ -360,14 +398,18 @@ _CCGQAConvFunction = eager_autograd_function(
 # --- public function -----------------------------------------------------------------------------
 
 
-def ccgqa_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def ccgqa_conv(
+    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False
+) -> torch.Tensor:
     """CCGQA's folded conv stage: ``window`` [B, n + K − 1, C] (K − 1 rows of left context),
     ``weight`` [G, K, d, d] (per head and window offset an [out, in] matrix, G·d = C), ``bias``
     [C] → [B, n, G, d] in the window's dtype (autocast's dtype for an fp32 window under autocast,
-    as the reference's einsum gives); differentiable in all three. fp64, and shapes the kernels do
-    not take (heads not in :data:`HEAD_DIMS`, fp32 heads wider than :data:`FP32_MAX_HEAD_DIM`,
-    more than :data:`MAX_TAPS` taps), run the reference."""
-    error = _shape_error(window, weight, bias)
+    as the reference's einsum gives); differentiable in all three. ``zero_context``: ``window`` is
+    [B, n, C] without its context rows, which are zeros (a sequence's start: the kernels mask them
+    instead of reading a padded copy). fp64, and shapes the kernels do not take (heads not in
+    :data:`HEAD_DIMS`, fp32 heads wider than :data:`FP32_MAX_HEAD_DIM`, more than
+    :data:`MAX_TAPS` taps), run the reference."""
+    error = _shape_error(window, weight, bias, zero_context)
     if error:
         raise ValueError(error)
     device_type = window.device.type
@@ -375,7 +417,7 @@ def ccgqa_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
         # the reference's einsum would run in autocast's dtype: so do the kernels, on a cast copy
         window = window.to(torch.get_autocast_dtype(device_type))
     if _kernel_refusal(window, weight) or not controls.triton_path("ccgqa_conv", window, weight, bias):
-        return ccgqa_conv_ref(window, weight, bias)
+        return ccgqa_conv_ref(window, weight, bias, zero_context)
     if compiling():
-        return _ccgqa_conv_fwd_op(window, weight, bias)
-    return eager_apply(_CCGQAConvFunction, window, weight, bias)
+        return _ccgqa_conv_fwd_op(window, weight, bias, zero_context)
+    return eager_apply(_CCGQAConvFunction, window, weight, bias, zero_context)
