@@ -218,11 +218,10 @@ def _bench_rope(dev, dt, liger, why):
 
 
 def _check_qk_norm_rope(shape, gen):
-    # shape = (B, S, H, D, R): per-sequence tables when S is odd, shared otherwise (as rope's check)
-    b, s, h, d, r = shape
-    table = (b, s, r // 2) if s % 2 else (s, r // 2)
-    angles = 3 * _randn(gen, *table)
-    return [_randn(gen, b, s, h, d), 0.7 * d**0.5, 0.2 * _randn(gen, h), angles.cos(), angles.sin()], [0, 2]
+    # shape = (B, S, H, D, R): qk_norm's inputs, then rope's tables (per-sequence when S is odd)
+    norm_args, grads = _check_qk_norm(shape[:4], gen)
+    (_, cos, sin), _ = _check_rope(shape, gen)
+    return [*norm_args, cos, sin], grads
 
 
 def _bench_qk_norm_rope(dev, dt, liger, why):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydra_kernels import ccgqa_conv, qk_norm, qk_norm_rope
-from hydra_kernels.ops.ccgqa_prefill import ccgqa_prefill, ccgqa_prefill_ref
+from hydra_kernels.ops.ccgqa_prefill import ccgqa_prefill, ccgqa_prefill_ref, shifted_values
 from hydra_kernels.ops.tile_linear import tile_linear
 from hydra_model import ccgqa_fold
 from hydra_model.attention_backend import flexible_attention
@@ -266,9 +266,8 @@ class CCGQAAttention(nn.Module):
         if torch.is_grad_enabled() and slot is None and self.conv_impl == "headwise":
             # training: the conv kernels read u in place and mask the zero context (no padded
             # copy); 4. the value shift (channels [0, half) from x_t, [half, kv_dim) from x_{t−1},
-            # zero at t=0), as ccgqa_prefill_ref builds it
-            window, v_cur, src = proj.split([c, self.kv_dim // 2, self.kv_dim // 2], dim=-1)
-            v = torch.cat([v_cur, F.pad(src[:, : n - 1], (0, 0, 1, 0))], dim=-1)
+            # zero at t=0)
+            window, v = shifted_values(proj, c)
             zero_context = True
         elif torch.is_grad_enabled():
             # the op's reference, differentiable: window [B, n + K−1, C] (left context zeros) and

@@ -57,6 +57,16 @@ class PrefillCopies(NamedTuple):
 # --- PyTorch reference ---------------------------------------------------------------------------
 
 
+def shifted_values(proj: torch.Tensor, qk_channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u, v) of proj [B, n, C + KV] op by op, differentiable: u [B, n, C] a view, and the shifted
+    values v [B, n, KV] = [v₁[t] | v₂[t−1]] (zeros for t = 0): the reference's v, and what CCGQA's
+    training forward takes (its conv kernels read u in place)."""
+    n = proj.shape[1]
+    half = (proj.shape[2] - qk_channels) // 2
+    u, v_cur, src = proj.split([qk_channels, half, half], dim=-1)
+    return u, torch.cat([v_cur, F.pad(src[:, : n - 1], (0, 0, 1, 0))], dim=-1)
+
+
 def _tail_rows(src: torch.Tensor, length: torch.Tensor, rows: int) -> torch.Tensor:
     """[B, rows·C]: each sequence's last ``rows`` of its first length[b] rows, zeros before row 0."""
     b, _, c = src.shape
@@ -72,11 +82,11 @@ def ccgqa_prefill_ref(
     """The outputs op by op (see the module docstring)."""
     b, n, _ = proj.shape
     half = (proj.shape[2] - qk_channels) // 2
-    u, v_cur, src = proj.split([qk_channels, half, half], dim=-1)
+    u, _, src = proj.split([qk_channels, half, half], dim=-1)
     window = v = tail = prev = None
     if views:
         window = F.pad(u, (0, 0, context, 0))
-        v = torch.cat([v_cur, F.pad(src[:, : n - 1], (0, 0, 1, 0))], dim=-1)
+        v = shifted_values(proj, qk_channels)[1]
     if state:
         if length is None:
             length = torch.full((b,), n, dtype=torch.long, device=proj.device)

@@ -142,6 +142,33 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
 _PLANS = plan_cache()
 
 
+#: RoPE tables as the kernels take them (``_rope_kernel``, and those using :func:`rope_operands`):
+#: (cos, sin, seq_len, table batch stride, table position stride, HALF); HALF = 0 (and x itself
+#: for the pointers): no rotation
+RopeKernelArgs = tuple[torch.Tensor, torch.Tensor, int, int, int, int]
+
+
+def rope_kernel_args(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None) -> RopeKernelArgs:
+    """Tables ``(cos, sin)``, [S, R/2] or [B, S, R/2] for x [B, S, H, D] (the caller checks the
+    shapes), as kernel arguments; one stride set serves both tables (non-matching or channel-strided
+    tables are copied)."""
+    if tables is None:
+        return x, x, 1, 0, 0, 0
+    cos, sin = tables
+    cs = cos.stride()
+    if cs[-1] != 1 or cs != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+        cs = cos.stride()
+    stride_tb, stride_ts = (0, cs[0]) if len(cs) == 2 else (cs[0], cs[1])
+    return cos, sin, x.shape[-3], stride_tb, stride_ts, cos.shape[-1]
+
+
+def rope_plan_key(rope: RopeKernelArgs) -> tuple:
+    """What a fused caller's launch-plan key needs of the tables (nothing without a rotation)."""
+    cos, sin, seq_len, stride_tb, stride_ts, half = rope
+    return (half, seq_len, stride_tb, stride_ts, cos.dtype, sin.dtype) if half else ()
+
+
 def _plan(x: torch.Tensor, cos: torch.Tensor, inverse: bool, key) -> LaunchPlan:
     bsz, seq, heads, dim = x.shape
     half = cos.shape[-1]
@@ -170,43 +197,14 @@ def _launch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse:
         return out
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cs, ss = cos.stride(), sin.stride()
-    if cs[-1] != 1 or cs != ss:
-        cos, sin = cos.contiguous(), sin.contiguous()  # one stride set serves both tables
-        cs = cos.stride()
-    stride_tb, stride_ts = (0, cs[0]) if len(cs) == 2 else (cs[0], cs[1])
+    cos, sin, _, stride_tb, stride_ts, _ = rope_kernel_args(x, (cos, sin))  # one stride set for both
     xs = x.stride()
-    key = (x.shape, xs, cos.shape, cs, x.dtype, cos.dtype, sin.dtype, inverse, x.get_device())
+    key = (x.shape, xs, cos.shape, cos.stride(), x.dtype, cos.dtype, sin.dtype, inverse, x.get_device())
     plan = _PLANS.get(key) or _plan(x, cos, inverse, key)
     bsz, seq, heads, _ = x.shape
     with device_guard(x):
         plan(x, cos, sin, out, bsz * seq * heads, heads, seq, xs[0], xs[1], xs[2], stride_tb, stride_ts)
     return out
-
-
-#: RoPE tables as a kernel using :func:`rope_operands` takes them: (cos, sin, seq_len, table batch
-#: stride, table position stride, HALF); HALF = 0 (and x itself for the pointers): no rotation
-RopeKernelArgs = tuple[torch.Tensor, torch.Tensor, int, int, int, int]
-
-
-def rope_kernel_args(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None) -> RopeKernelArgs:
-    """Tables ``(cos, sin)``, [S, R/2] or [B, S, R/2] for x [B, S, H, D] (the caller checks the
-    shapes), as the arguments of a kernel using :func:`rope_operands`; one stride set serves both
-    tables."""
-    if tables is None:
-        return x, x, 1, 0, 0, 0
-    cos, sin = tables
-    cs = cos.stride()
-    if cs[-1] != 1 or cs != sin.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-        cs = cos.stride()
-    stride_tb, stride_ts = (0, cs[0]) if len(cs) == 2 else (cs[0], cs[1])
-    return cos, sin, x.shape[-3], stride_tb, stride_ts, cos.shape[-1]
-
-
-def rope_plan_key(rope: RopeKernelArgs) -> tuple:
-    cos, sin, seq_len, stride_tb, stride_ts, half = rope
-    return (half, seq_len, stride_tb, stride_ts, cos.dtype, sin.dtype) if half else ()
 
 
 # --- torch.library op: opaque to torch.compile, autograd attached ----------------------------
