@@ -222,6 +222,23 @@ def test_the_race_compiles_with_hydra_trains_inductor_options(monkeypatch, scope
         assert kw["options"] == {**INDUCTOR_OPTIONS, **extra}, kw
 
 
+@pytest.mark.parametrize("name", ["gpt", "hydra"])
+def test_entrants_take_the_chunked_loss_on_cuda_as_hydra_train_does(name):
+    """Every entrant's loss is the fused chunked linear + CE on a CUDA device (hydra-train's
+    default there), the full-logits loss elsewhere; a ``--set`` of the field wins either way."""
+    from hydra_diag.race.loop import build_entrant
+
+    tiny = [f"{name}.{k}={v}" for k, v in (GPT_TINY if name == "gpt" else HYDRA_TINY).items()]
+    (cfg,) = resolve_configs([name], parse_sets(tiny), lr=1e-3, compile_default="none")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the device's type is read
+    assert build_entrant(cfg, "tiny", 256, 32, cuda).config.use_chunked_ce is True
+    assert build_entrant(cfg, "tiny", 256, 32, cpu).config.use_chunked_ce is False
+    assert build_entrant(cfg, "tiny", 256, 32).config.use_chunked_ce is False
+    sets = parse_sets([*tiny, f"{name}.use_chunked_ce=false"])
+    (off,) = resolve_configs([name], sets, lr=1e-3, compile_default="none")
+    assert build_entrant(off, "tiny", 256, 32, cuda).config.use_chunked_ce is False
+
+
 @pytest.mark.slow
 def test_compiled_model_after_restore_matches_a_fresh_model():
     """The setup's compile → warm-up steps → in-place restore, with inductor on the CPU: the compiled

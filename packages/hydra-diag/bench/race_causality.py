@@ -49,7 +49,7 @@ def main() -> None:
     rows = []
     for cfg in resolve_configs(names, [], lr=6e-4, compile_default="model"):
         torch.manual_seed(0)
-        model = build_entrant(cfg, args.model_size, args.vocab, args.seq_len).to(dev).train()
+        model = build_entrant(cfg, args.model_size, args.vocab, args.seq_len, dev).to(dev).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator(device=dev).manual_seed(1)
         for _ in range(args.train_steps):  # thresholds committed, routers past their start

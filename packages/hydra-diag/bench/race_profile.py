@@ -31,11 +31,11 @@ from profile_model import kernel_events, kind_of
 
 def profile_config(cfg, args, device) -> dict:
     from hydra_diag.race.loop import BETAS, build_entrant, compile_entrant, graphs_compiled
-    from hydra_train.optim import build_optimizer
+    from hydra_train.optim import build_optimizer, clip_and_step
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    model = build_entrant(cfg, args.model_size, args.vocab, args.seq_len).to(device).train()
+    model = build_entrant(cfg, args.model_size, args.vocab, args.seq_len, device).to(device).train()
     gen = torch.Generator(device=device).manual_seed(1)
 
     def batch():
@@ -62,8 +62,7 @@ def profile_config(cfg, args, device) -> dict:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = fwd(x, targets=y, return_logits=args.return_logits)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        clip_and_step(opt, params, 1.0)
         if commit is not None:
             commit()
         opt.zero_grad(set_to_none=True)

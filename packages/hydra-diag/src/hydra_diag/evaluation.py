@@ -143,7 +143,7 @@ def overfit_single_batch(
     model, batch, steps: int, lr: float, device: torch.device, progress: Progress
 ) -> list[float]:
     """Train on one batch ``steps`` times with hydra-train's AdamW; the losses before each step."""
-    from hydra_train.optim import build_optimizer
+    from hydra_train.optim import build_optimizer, clip_and_step
 
     opt = build_optimizer(model, lr=lr, weight_decay=0.0, betas=(0.9, 0.95), log=lambda m: None).optimizer
     model.train()
@@ -153,8 +153,7 @@ def overfit_single_batch(
         with autocast_for(device):
             out = model(x, targets=y)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        clip_and_step(opt, [p for p in model.parameters() if p.requires_grad], 1.0)
         opt.zero_grad(set_to_none=True)
         losses.append(float(out.ce_loss.detach()))
         if i % 10 == 0:

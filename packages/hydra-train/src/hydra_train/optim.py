@@ -94,6 +94,52 @@ def build_optimizer(
     return OptimizerChoice(opt, "adamw_fused" if fused else "adamw", note)
 
 
+def folds_grad_clip(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` can clip the gradients itself: a fused torch Adam/AdamW divides each gradient
+    by its ``grad_scale`` as it reads it and writes the quotient back, so the clip needs no pass
+    over the gradients of its own (``clip_grad_norm_`` reads and writes every gradient once more
+    between the norm and the optimizer)."""
+    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and bool(opt.defaults.get("fused"))
+
+
+def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What ``clip_grad_norm_(max_norm)`` multiplies the gradients by, ``min(1, max_norm / (norm +
+    1e-6))``, as the divisor a fused Adam takes: ``max(1, (norm + 1e-6) / max_norm)`` (fp32, on the
+    norm's device; inf or NaN with a non-finite norm, where the step is skipped anyway)."""
+    return torch.clamp((total_norm.float() + 1e-6) / max_norm, min=1.0)
+
+
+def step_with(
+    opt: torch.optim.Optimizer,
+    grad_divisor: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """``opt.step()`` with a fused Adam's ``grad_scale`` (each gradient divided by it, the result
+    written back: :func:`clip_divisor`) and ``found_inf`` (1: the update skipped on the device,
+    gradients untouched), cleared again afterwards so that a later step does not reuse them."""
+    if (grad_divisor is not None or found_inf is not None) and not folds_grad_clip(opt):
+        name = f"{type(opt).__name__} (fused={opt.defaults.get('fused')})"
+        raise TypeError(f"{name} takes no grad_scale/found_inf: pass None, or build a fused Adam/AdamW")
+    opt.grad_scale, opt.found_inf = grad_divisor, found_inf
+    try:
+        opt.step()
+    finally:
+        opt.grad_scale = opt.found_inf = None
+
+
+def clip_and_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> None:
+    """``clip_grad_norm_(params, max_norm)`` (nothing when ``max_norm`` <= 0), then ``opt.step()``;
+    the clip folded into the step where the optimizer can take it (:func:`folds_grad_clip`)."""
+    if max_norm <= 0:
+        opt.step()
+    elif folds_grad_clip(opt):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        step_with(opt, clip_divisor(norm, max_norm))
+    else:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        opt.step()
+
+
 class LRSchedule:
     """Sets every group's lr to ``base_lr * factor(step)``; ``state_dict`` is just the step."""
 

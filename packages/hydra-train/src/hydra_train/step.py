@@ -12,6 +12,10 @@ with ``grad_averager`` set (a graphed DDP step, or ``--ddp_grad_sync allreduce``
 :class:`hydra_train.data_parallel.GradAverager` after the last backward, in the step body itself,
 so that a graph captures it.
 
+Clipping (``--grad_clip``): a fused torch Adam/AdamW clips as it reads the gradients (its
+``grad_scale``, :func:`hydra_train.optim.clip_divisor`), so only the norm is computed here; other
+optimizers get ``clip_grad_norm_``, a pass of its own over the gradients.
+
 The non-finite rule: ``finite = isfinite(total grad norm) & isfinite(loss)``, one fused reduction
 (the grad-norm computation already visits every gradient); under DDP/FSDP only the norm of the
 synchronised gradients decides, so that every rank takes the same decision. A fused torch
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hydra_train.distributed import all_reduce_sum, coalesced, grad_sync, is_fsdp
+from hydra_train.optim import clip_divisor, folds_grad_clip, step_with
 
 if TYPE_CHECKING:
     from hydra_train.data_parallel import GradAverager
@@ -98,8 +103,9 @@ def loss_only_kwargs(model: torch.nn.Module) -> dict[str, bool]:
 
 
 def supports_found_inf(opt: torch.optim.Optimizer) -> bool:
-    """Fused torch Adam/AdamW skip their update on device when ``found_inf`` is set."""
-    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and bool(opt.defaults.get("fused"))
+    """Fused torch Adam/AdamW skip their update on device when ``found_inf`` is set (the same
+    optimizers that clip as they step: :func:`hydra_train.optim.folds_grad_clip`)."""
+    return folds_grad_clip(opt)
 
 
 class StepMixin:
@@ -143,12 +149,12 @@ class StepMixin:
             averager.average_gradients()  # before anything reads them: hooks, norm, optimizer
         if hooks:
             self.callbacks.call("on_after_backward", self.step + 1, self.model)
-        grad_norm = self._grad_norm()
+        grad_norm, clip = self._grad_norm()
         loss_mean, ce_mean, aux_mean = sums.means(n)
         finite = torch.isfinite(grad_norm)
         if not self.dist.enabled:  # ranks decide from the synchronised gradients only, so they agree
             finite = finite & torch.isfinite(loss_mean)
-        self.apply_if_finite(finite)
+        self.apply_if_finite(finite, clip)
         return StepResult(loss_mean, ce_mean, aux_mean, grad_norm, finite)
 
     def eager_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
@@ -238,27 +244,29 @@ class StepMixin:
         self.graph_failures.append(reason)
         self.callbacks.call("on_graph_failure", self.step + 1, reason)
 
-    def _grad_norm(self) -> torch.Tensor:
+    def _grad_norm(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The total gradient norm (fp32, before clipping), and the divisor the optimizer is to
+        clip with where it clips itself (None: clipped here already, or no clipping)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
-            return torch.zeros((), device=self.device)
-        if self.cfg.optim.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip, foreach=True)
+            return torch.zeros((), device=self.device), None
+        max_norm = self.cfg.optim.grad_clip
+        folded = max_norm > 0 and folds_grad_clip(self.optimizer)
+        if max_norm > 0 and not folded:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
             norm = norm.full_tensor()
-        return norm.float()
+        norm = norm.float()
+        return norm, clip_divisor(norm, max_norm) if folded else None
 
-    def apply_if_finite(self, finite: torch.Tensor) -> None:
-        """Step the optimizer unless ``finite`` is False (see the module docstring)."""
+    def apply_if_finite(self, finite: torch.Tensor, clip: torch.Tensor | None = None) -> None:
+        """Step the optimizer unless ``finite`` is False (see the module docstring); ``clip``: the
+        divisor a fused Adam clips the gradients with as it steps (``_grad_norm``)."""
         opt = self.optimizer
         if supports_found_inf(opt):
-            opt.found_inf = (~finite).to(torch.float32)
-            try:
-                opt.step()
-            finally:
-                opt.found_inf = None
+            step_with(opt, clip, (~finite).to(torch.float32))
         elif bool(finite):  # host sync: this optimizer cannot skip on its own
             opt.step()
         self._commit_router_thresholds(finite)

@@ -11,9 +11,11 @@ back IN PLACE to its value from before the warm-up (compiled code keeps referenc
 tensors), the optimizer is built afresh and the clock starts. ``setup_s`` is all of that.
 
 Training step: bf16 autocast on CUDA, ``out.loss.backward()`` (CE plus the model's weighted
-auxiliary losses), gradient-norm clip, AdamW (betas 0.9/0.95, weight decay on matrices only, fused
-on CUDA; hydra-train's ``build_optimizer``), learning rate from :mod:`hydra_diag.race.schedule` at
-the clock's reading; HYDRA's causal routing thresholds are committed at the start of the next
+auxiliary losses; on CUDA the fused chunked linear + CE for every entrant, as hydra-train
+defaults there: :func:`build_entrant`), gradient-norm clip, AdamW (betas 0.9/0.95, weight decay
+on matrices only, fused on CUDA; hydra-train's ``build_optimizer``, the fused one clipping as it
+steps: ``clip_and_step``), learning rate from :mod:`hydra_diag.race.schedule` at the clock's
+reading; HYDRA's causal routing thresholds are committed at the start of the next
 training forward (the model's default), inside the compiled code. Batches are built and pinned
 one to four steps ahead by a worker thread (hydra-train's Prefetcher). Nothing is read back to
 the host per step; the clock is read on the host and ``torch.cuda.synchronize()`` runs at every clock boundary
@@ -99,10 +101,17 @@ def restore(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
         p.grad = None
 
 
-def build_entrant(cfg: RaceConfig, model_size: str, vocab_size: int, seq_len: int) -> torch.nn.Module:
+def build_entrant(
+    cfg: RaceConfig, model_size: str, vocab_size: int, seq_len: int, device: torch.device | None = None
+) -> torch.nn.Module:
+    """``cfg``'s model (on the CPU). On a CUDA ``device`` its loss is the fused chunked linear +
+    cross-entropy unless ``cfg`` sets ``use_chunked_ce``: hydra-train's default there, for every
+    entrant alike (on an H100 it took 0.3 ms off HYDRA's 25.8 ms step; BENCHMARKS.md)."""
     from hydra_model.architectures import build_config, build_model
 
     extra: dict[str, Any] = {"vocab_size": vocab_size}
+    if device is not None and device.type == "cuda":
+        extra["use_chunked_ce"] = True
     if "max_seq_len" not in cfg.overrides and build_config(cfg.arch, model_size).max_seq_len < seq_len:
         extra["max_seq_len"] = seq_len
     return build_model(cfg.arch, model_size, **{**extra, **cfg.overrides})
@@ -158,7 +167,7 @@ def race_one(
 ) -> dict[str, Any]:
     """Race ``cfg`` for ``s.budget_s`` seconds of training; the per-configuration result."""
     from hydra_model.fused_routing import compiled_routing_enabled, set_compiled_routing
-    from hydra_train.optim import build_optimizer
+    from hydra_train.optim import build_optimizer, clip_and_step
     from hydra_train.prefetch import Prefetcher
     from hydra_train.step import loss_only_kwargs
 
@@ -177,7 +186,7 @@ def race_one(
     setup_s: float | None = None
     torch.manual_seed(s.seed)
     say("building")
-    model = build_entrant(cfg, s.model_size, data.vocab_size, data.seq_len).to(device).train()
+    model = build_entrant(cfg, s.model_size, data.vocab_size, data.seq_len, device).to(device).train()
     n_params = int(model.num_parameters())
     fpt = float(model.flops_per_token(data.seq_len, executed=True))
     fpt_dense = float(model.flops_per_token(data.seq_len, executed=False))
@@ -226,9 +235,7 @@ def race_one(
         with autocast(device):
             out = fwd(x, targets=y, **forward_kwargs)
         out.loss.backward()
-        if s.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-        opt.step()
+        clip_and_step(opt, params, s.grad_clip)  # fused AdamW clips as it steps
         opt.zero_grad(set_to_none=True)
         return out.ce_loss.detach().clone()  # a graph replay reuses the output's memory
 
@@ -329,6 +336,7 @@ def race_one(
         "status": status if all(math.isfinite(e["val_loss"]) for e in evals) else "diverged",
         "compile": scope,
         "optimizer": choice.name,
+        "chunked_ce": bool(getattr(model.config, "use_chunked_ce", False)),
         "params": n_params,
         "flops_per_token": fpt,
         "flops_per_token_dense": fpt_dense,

@@ -1,0 +1,171 @@
+"""Gradient clipping folded into fused AdamW's step (hydra_train.optim.clip_and_step / step_with):
+against an fp64 AdamW written out by hand on the clipped gradients, against clip_grad_norm_ then
+the same fused step, and the trainer's step against the same hand-written reference. CUDA too,
+where present (the fused kernel there is another implementation)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hydra_train.optim import build_optimizer, clip_and_step, clip_divisor, folds_grad_clip, step_with
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+LR, BETAS, EPS, WD = 3e-2, (0.9, 0.95), 1e-8, 0.1
+
+
+def _model(seed: int, device: str) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers = torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 5)
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def _set_grads(model: torch.nn.Module, gen: torch.Generator, scale: float) -> list[torch.Tensor]:
+    grads = []
+    for p in model.parameters():
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale
+        p.grad = g.to(p.device, p.dtype)
+        grads.append(g)
+    return grads
+
+
+def _adamw_fp64(params, grads_per_step, max_norm, decays):
+    """AdamW on fp64 copies, the gradients clipped as clip_grad_norm_ defines it."""
+    p = [q.detach().double().cpu().clone() for q in params]
+    m = [torch.zeros_like(q) for q in p]
+    v = [torch.zeros_like(q) for q in p]
+    for t, grads in enumerate(grads_per_step, start=1):
+        norm = torch.sqrt(sum((g * g).sum() for g in grads))
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        for i, g in enumerate(grads):
+            g = g * coef
+            p[i] *= 1 - LR * decays[i]
+            m[i] = BETAS[0] * m[i] + (1 - BETAS[0]) * g
+            v[i] = BETAS[1] * v[i] + (1 - BETAS[1]) * g * g
+            mhat, vhat = m[i] / (1 - BETAS[0] ** t), v[i] / (1 - BETAS[1] ** t)
+            p[i] -= LR * mhat / (vhat.sqrt() + EPS)
+    return p
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [3.0, 0.01])  # norm far above max_norm (clipped), and below it
+def test_clip_and_step_equals_clipping_then_stepping(device, scale):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    folded, unfolded = _model(seed, device), _model(seed, device)
+    start = [p.detach().clone() for p in folded.parameters()]
+    opts = [build_optimizer(m, lr=LR, weight_decay=WD, betas=BETAS).optimizer for m in (folded, unfolded)]
+    assert all(folds_grad_clip(o) for o in opts)
+    gen = torch.Generator().manual_seed(seed)
+    history = []
+    for _ in range(3):
+        grads = _set_grads(folded, gen, scale)
+        history.append(grads)
+        for p, q in zip(folded.parameters(), unfolded.parameters(), strict=True):
+            q.grad = p.grad.clone()
+        clip_and_step(opts[0], list(folded.parameters()), 1.0)
+        torch.nn.utils.clip_grad_norm_(list(unfolded.parameters()), 1.0)
+        for p, q in zip(folded.parameters(), unfolded.parameters(), strict=True):
+            # the fused kernel writes the clipped gradient back, as the multiply would have
+            torch.testing.assert_close(p.grad, q.grad, rtol=3e-7, atol=0)
+        opts[1].step()
+        assert opts[0].grad_scale is None and opts[0].found_inf is None
+    decays = [WD if p.ndim >= 2 else 0.0 for p in folded.parameters()]
+    want = _adamw_fp64(start, history, 1.0, decays)
+    for p, q, w in zip(folded.parameters(), unfolded.parameters(), want, strict=True):
+        if scale < 1:  # nothing clipped: the divisor is exactly 1, the two paths round alike
+            assert torch.equal(p, q)
+        torch.testing.assert_close(p.detach().double().cpu(), w, rtol=0, atol=2e-6)
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-6)
+
+
+def test_clip_divisor_is_the_inverse_of_clip_grad_norms_factor():
+    norms = torch.cat([torch.rand(25, dtype=torch.float64) * 4, torch.rand(25, dtype=torch.float64) * 1e-3])
+    for norm in norms:
+        factor = min(1.0, 2.0 / (float(norm) + 1e-6))
+        assert float(clip_divisor(norm, 2.0)) == pytest.approx(1.0 / factor, rel=1e-7)
+    assert float(clip_divisor(torch.tensor(float("inf")), 1.0)) == float("inf")
+
+
+def test_step_with_found_inf_skips_and_leaves_the_gradients():
+    model = _model(3, "cpu")
+    opt = build_optimizer(model, lr=LR, weight_decay=WD, betas=BETAS).optimizer
+    gen = torch.Generator().manual_seed(5)
+    _set_grads(model, gen, 2.0)
+    opt.step()
+    before = copy.deepcopy(model.state_dict())
+    _set_grads(model, gen, 2.0)
+    grads = [p.grad.clone() for p in model.parameters()]
+    step_with(opt, torch.tensor(7.0), torch.ones(()))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g)
+    assert opt.grad_scale is None and opt.found_inf is None
+
+
+def test_step_with_refuses_an_optimizer_that_cannot_take_the_divisor():
+    model = _model(0, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    assert not folds_grad_clip(opt)
+    with pytest.raises(TypeError, match=r"AdamW.*takes no grad_scale"):
+        step_with(opt, torch.tensor(2.0))
+    # clip_and_step clips such an optimizer's gradients itself
+    _set_grads(model, torch.Generator().manual_seed(1), 5.0)
+    clip_and_step(opt, list(model.parameters()), 1.0)
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
+    assert float(norm) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_step_with_clears_its_inputs_when_the_step_raises(monkeypatch):
+    model = _model(0, "cpu")
+    opt = build_optimizer(model, lr=LR, weight_decay=WD, betas=BETAS).optimizer
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(opt, "step", boom)
+    with pytest.raises(RuntimeError, match="step failed"):
+        step_with(opt, torch.tensor(2.0), torch.zeros(()))
+    assert opt.grad_scale is None and opt.found_inf is None
+
+
+def test_the_trainers_clipped_step_equals_clipping_then_stepping(bin_dataset, tmp_path, monkeypatch):
+    """hydra-train's step (fused AdamW on the CPU, the clip folded in) against the same run with
+    the fold switched off (clip_grad_norm_, then the step): the same losses and weights to fp32
+    rounding, with the clip active in every step."""
+    from hydra_train import step as step_module
+    from hydra_train.callbacks import TrainerCallback
+    from hydra_train.run import run_training
+
+    from .conftest import tiny_config
+
+    class Norms(TrainerCallback):
+        name = "norms"
+
+        def __init__(self):
+            self.losses, self.norms = {}, {}
+
+        def on_step_end(self, step, metrics):
+            f = metrics.as_floats()
+            self.losses[step], self.norms[step] = f["loss"], f["grad_norm"]
+
+    runs = {}
+    for folded in (True, False):
+        if not folded:
+            monkeypatch.setattr(step_module, "folds_grad_clip", lambda opt: False)
+        rec = Norms()
+        run_training(
+            tiny_config(bin_dataset, tmp_path / str(folded), max_steps=4, log_every=1, grad_clip=0.05),
+            callbacks=[rec],
+        )
+        final = torch.load(tmp_path / str(folded) / "hydra_tiny_final.pt", weights_only=True)["model"]
+        runs[folded] = (rec, final)
+    (rec_a, model_a), (rec_b, model_b) = runs[True], runs[False]
+    assert all(n > 0.05 for n in rec_a.norms.values())  # every step clipped
+    for step in range(1, 5):
+        assert rec_a.losses[step] == pytest.approx(rec_b.losses[step], rel=1e-5)
+        assert rec_a.norms[step] == pytest.approx(rec_b.norms[step], rel=1e-4)
+    for k in model_a:
+        torch.testing.assert_close(model_a[k], model_b[k], rtol=0, atol=1e-5)
