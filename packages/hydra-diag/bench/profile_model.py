@@ -49,12 +49,18 @@ def kind_of(name: str) -> str:
 
 
 def kernel_events(prof) -> list[tuple[str, float]]:
-    """(name, µs) of every device activity (kernels, copies, fills) the profiler recorded."""
+    """(name, µs) of every device activity (kernels, copies, fills) the profiler recorded. User
+    annotations are left out: a ``record_function`` range (``Optimizer.step#AdamW.step``) also
+    shows on the device's timeline, spanning kernels already counted."""
     cuda = torch.autograd.DeviceType.CUDA
-    out = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == cuda]
+    out = [
+        (e.name, e.time_range.elapsed_us())
+        for e in prof.events()
+        if e.device_type == cuda and not getattr(e, "is_user_annotation", False)
+    ]
     if not out:  # older layouts keep device activities only in the raw kineto results
         for k in prof.profiler.kineto_results.events():
-            if k.device_type() == cuda:
+            if k.device_type() == cuda and not k.is_user_annotation():
                 out.append((k.name(), k.duration_ns() / 1e3))
     return out
 
