@@ -19,6 +19,7 @@ app = new_app(
     "\n\n[bold]Fairness rules.[/] The same tokens in the same order for every configuration (one "
     "seeded stream of [B, T] windows from the training split); the same fixed validation windows; "
     "the same optimizer (AdamW 0.9/0.95, weight decay 0.1 on matrices, grad clip 1, fused on CUDA); "
+    "the same loss (on CUDA the fused chunked linear + cross-entropy, hydra-train's default there); "
     "the same peak LR (a per-configuration override is allowed) on a schedule of TRAINING SECONDS "
     "(linear warmup over the first 5% of the budget, cosine to 10% at its end). Setup (build, "
     "compile, warm-up steps, then the initial weights restored) is reported apart and not counted; "

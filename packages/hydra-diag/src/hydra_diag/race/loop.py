@@ -106,7 +106,8 @@ def build_entrant(
 ) -> torch.nn.Module:
     """``cfg``'s model (on the CPU). On a CUDA ``device`` its loss is the fused chunked linear +
     cross-entropy unless ``cfg`` sets ``use_chunked_ce``: hydra-train's default there, for every
-    entrant alike (on an H100 it took 0.3 ms off HYDRA's 25.8 ms step; BENCHMARKS.md)."""
+    entrant alike (on an H100 it took 0.3 ms off HYDRA's 25.7 ms step and the GPT's 33.3 ms:
+    packages/hydra-model/BENCHMARKS.md)."""
     from hydra_model.architectures import build_config, build_model
 
     extra: dict[str, Any] = {"vocab_size": vocab_size}
