@@ -110,6 +110,75 @@ def test_zero_context_equals_the_zero_padded_window(shape, dtype, seed):
     assert controls.fallback_counts()["ccgqa_conv"] == 0
 
 
+# (B, n, heads, K, d, query heads): G = 3 as the 100M preset, G = 2, G = 1; one block and a tail
+QK_MEAN_CASES = [(2, 37, 8, 3, 16, 6), (1, 150, 6, 3, 16, 4), (2, 20, 4, 2, 32, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("zero_context", [False, True])
+@pytest.mark.parametrize("case", QK_MEAN_CASES)
+def test_qk_mean_matches_fp64(case, zero_context, dtype, seed):
+    """``qk_mean_heads``: the q-k mean added inside the kernels (forward, and its transpose in the
+    window's gradient) against the fp64 reference, by the rule the plain conv meets; u given in
+    place (zero_context) or as a window with its context rows."""
+    b, n, g, k, d, q = case
+    wide, window, weight, bias = _inputs(b, n, g, k, d, dtype)
+    if zero_context:
+        window = wide.detach()[:, k - 1 :].clone().requires_grad_()
+    upstream = torch.randn(b, n, g, d, device=DEVICE)
+
+    def run(fn, *leaves):
+        z = fn(*leaves, zero_context, q)
+        return (z, *torch.autograd.grad((z.double() * upstream.double()).sum(), leaves))
+
+    kern = run(ccgqa_conv, window, weight, bias)
+    assert "CCGQAConv" in type(kern[0].grad_fn).__name__, f"reference ran instead: {kern[0].grad_fn}"
+    same = run(ccgqa_conv_ref, *[t.detach().requires_grad_() for t in (window, weight, bias)])
+    ref = run(ccgqa_conv_ref, *[t.detach().double().requires_grad_() for t in (window, weight, bias)])
+    for name, kv, tv, rv in zip(("z", "dwindow", "dweight", "dbias"), kern, same, ref, strict=True):
+        assert kv.dtype == tv.dtype and kv.shape == tv.shape, name
+        reduction = "elementwise" if dtype == torch.float32 else "max"
+        res = check_against_fp64(kv, tv, rv, atol=fp32_noise_atol(rv), reduction=reduction)
+        assert res.passed, f"{name} (seed={seed}): {res.describe()}"
+    assert controls.fallback_counts()["ccgqa_conv"] == 0
+    # the mean is really there: without it the output moves by more than rounding
+    plain = ccgqa_conv(window, weight, bias, zero_context).double()
+    assert (plain - kern[0].double()).abs().max() > 0.1
+
+
+def test_qk_mean_ref_by_hand(seed):
+    """qk_mean_ref against CCGQA's formula written head by head in fp64: query head h gets
+    (u_q[h] + u_k[h // G]) / 2, key head j the mean over its query heads of the same."""
+    from hydra_kernels.ops.ccgqa_conv import qk_mean_ref
+
+    b, n, q, kv, d = 2, 5, 6, 2, 8
+    group = q // kv
+    u = torch.randn(b, n, (q + kv) * d, dtype=torch.float64)
+    got = qk_mean_ref(u, q, d)
+    heads = u.view(b, n, q + kv, d)
+    for h in range(q):
+        want = 0.5 * (heads[:, :, h] + heads[:, :, q + h // group])
+        torch.testing.assert_close(got[:, :, h], want, rtol=0, atol=1e-12)
+    for j in range(kv):
+        pairs = [0.5 * (heads[:, :, i] + heads[:, :, q + j]) for i in range(j * group, (j + 1) * group)]
+        want = sum(pairs) / group
+        torch.testing.assert_close(got[:, :, q + j], want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "heads, q, ok", [(8, 6, True), (5, 4, True), (8, -1, False), (8, 3, False), (8, 5, False), (8, 8, False)]
+)
+def test_qk_mean_heads_must_be_the_query_heads(heads, q, ok):
+    """Query heads: fewer than the heads, a multiple of the key heads (the rest); else a
+    ValueError that names the argument."""
+    _, window, weight, bias = _inputs(1, 6, heads, 2, 16, torch.float32)
+    if ok:
+        assert ccgqa_conv(window, weight, bias, False, q).shape == (1, 6, heads, 16)
+        return
+    with pytest.raises(ValueError, match="qk_mean_heads"):
+        ccgqa_conv(window, weight, bias, False, q)
+
+
 def test_by_hand_loop_and_causality(seed):
     """z[t] = bias + Σ_s W[s] · window[t + s], written as a loop in fp64; and z[t] does not move
     when window rows after t + K − 1 change."""
@@ -129,12 +198,17 @@ def test_by_hand_loop_and_causality(seed):
     torch.testing.assert_close(z2[:, :10], z[:, :10].to(z2.dtype), rtol=0, atol=0)
 
 
-def test_under_torch_compile_the_custom_op_gives_the_same_bits(seed):
-    _, window, weight, bias = _inputs(2, 33, 2, 3, 16, torch.bfloat16)
-    upstream = torch.randn(2, 33, 2, 16, device=DEVICE)
-    eager = _run(ccgqa_conv, window, weight, bias, upstream)
+@pytest.mark.parametrize("qk_mean_heads", [0, 2])
+def test_under_torch_compile_the_custom_op_gives_the_same_bits(qk_mean_heads, seed):
+    _, window, weight, bias = _inputs(2, 33, 3, 3, 16, torch.bfloat16)
+    upstream = torch.randn(2, 33, 3, 16, device=DEVICE)
+
+    def conv(*args):
+        return ccgqa_conv(*args, False, qk_mean_heads)
+
+    eager = _run(conv, window, weight, bias, upstream)
     torch._dynamo.reset()
-    compiled = torch.compile(ccgqa_conv, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(conv, backend="aot_eager", fullgraph=True)
     got = _run(compiled, window, weight, bias, upstream)
     for e, c in zip(eager, got, strict=True):
         torch.testing.assert_close(c, e, rtol=0, atol=0)
@@ -153,6 +227,11 @@ def test_the_custom_ops_fakes_match_what_they_return(seed):
     torch.library.opcheck(conv_mod._ccgqa_conv_fwd_op, (window, weight, bias))
     dz = torch.randn(b, n, g, d, device=DEVICE).to(torch.bfloat16)
     torch.library.opcheck(conv_mod._ccgqa_conv_bwd_op, (dz, window.detach(), weight.detach(), bias.detach()))
+    # with the q-k mean (one query head, one key head) and u in place (n + K - 1 tokens)
+    torch.library.opcheck(conv_mod._ccgqa_conv_fwd_op, (window, weight, bias, True, 1))
+    dz_u = torch.randn(b, n + k - 1, g, d, device=DEVICE).to(torch.bfloat16)
+    args = (dz_u, window.detach(), weight.detach(), bias.detach(), True, 1)
+    torch.library.opcheck(conv_mod._ccgqa_conv_bwd_op, args)
     assert controls.fallback_counts()["ccgqa_conv"] == 0
 
 
@@ -209,12 +288,16 @@ def _compile_for_sm90() -> None:
     dwin = {"DZ": bf, "W": bf, "DWIN": bf, "n": "i32"}
     dw = {"DZ": bf, "WIN": bf, "PW": f32, "PB": f32, "n": "i32", "n_blocks": "i32", "blocks_per_seq": "i32",
           "stride_wb": "i32", "stride_wt": "i32"}  # fmt: skip
-    for pad in (0, 2):  # a stored window, and one whose K − 1 context rows are zeros (zero_context)
+    # a stored window, and one whose K − 1 context rows are zeros (zero_context); without and with
+    # the q-k mean (the 100M preset's 12 query heads, 3 a key head)
+    for pad, n_q in ((0, 0), (2, 0), (2, 12), (0, 12)):
         consts = {"N_HEADS": 16, "K": 3, "D": 64, "BLOCK_T": conv_mod.LAUNCH["default"].block_rows,
                   "IEEE": False, "PAD": pad}  # fmt: skip
-        build_sm90(conv_mod._ccgqa_conv_fwd_kernel, fwd, consts, 4, 2)
-        build_sm90(conv_mod._ccgqa_conv_dwin_kernel, dwin, consts, 4, 2)
-        build_sm90(conv_mod._ccgqa_conv_dw_kernel, dw, {**consts, "ITERS": 8}, 4, 2)
+        mean = {"N_Q": n_q, "GROUP": 3 if n_q else 1}
+        build_sm90(conv_mod._ccgqa_conv_fwd_kernel, fwd, {**consts, **mean}, 4, 2)
+        build_sm90(conv_mod._ccgqa_conv_dwin_kernel, dwin, {**consts, **mean}, 4, 2)
+        if not n_q:  # the weight's gradient takes no q-k mean
+            build_sm90(conv_mod._ccgqa_conv_dw_kernel, dw, {**consts, "ITERS": 8}, 4, 2)
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():

@@ -405,14 +405,14 @@ def test_training_forward_reads_u_in_place_as_the_padded_window_would(monkeypatc
     real, calls = ccgqa_mod.ccgqa_conv, []
     from hydra_kernels.ops import ccgqa_conv as conv_op
 
-    launches, launch = [], conv_op.ccgqa_conv_fwd_launch
-    monkeypatch.setattr(conv_op, "ccgqa_conv_fwd_launch", lambda *a: launches.append(a[-1]) or launch(*a))
+    launches, launch = [], conv_op.ccgqa_conv_fwd_launch  # a[3]: zero_context
+    monkeypatch.setattr(conv_op, "ccgqa_conv_fwd_launch", lambda *a: launches.append(a[3]) or launch(*a))
 
-    def padded(window, weight, bias, zero_context=False):
+    def padded(window, weight, bias, zero_context=False, qk_mean_heads=0):
         calls.append(zero_context)
         if zero_context:  # the old way: a padded copy, read from its first row
             window = F.pad(window, (0, 0, weight.shape[1] - 1, 0))
-        return real(window, weight, bias)
+        return real(window, weight, bias, qk_mean_heads=qk_mean_heads)
 
     hydra_kernels.set_use_triton_kernels(True)
     try:

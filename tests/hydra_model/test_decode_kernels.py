@@ -87,8 +87,9 @@ def _decode_step_kernels(attn, slot, dim, rope, pos) -> collections.Counter:
 def test_a_decode_step_launches_few_kernels(conv, monkeypatch):
     """At batch 1 a graphed step is bound by its launch count. GQA: the projection, the step
     kernel, attention, the output projection. CCGQA adds its conv stage: one GEMM over the window
-    (window_gemm) or the head-wise batched GEMM with its copy and q-k mean; no cat, no copy of the
-    window, no mask build, no cast."""
+    (window_gemm) or the head-wise batched GEMM with its copy and q-k mean (the conv op's
+    reference: heads of 8 are not its kernels'; the mean's two halves joined by a cat, in place of
+    a second add); no copy of the window, no mask build, no cast."""
     monkeypatch.setattr(OPTIONS, "decode_conv", conv)
     hydra_kernels.set_use_triton_kernels(True)
     torch.manual_seed(0)
@@ -104,7 +105,7 @@ def test_a_decode_step_launches_few_kernels(conv, monkeypatch):
         counts[name] = _decode_step_kernels(attn, slot, 48, rope, 6)
     sdpa = "_scaled_dot_product_flash_attention_for_cpu"
     assert counts["gqa"] == {"mm": 2, "triton:_kv_decode_kernel": 1, sdpa: 1}
-    headwise = {"clone": 1, "bmm": 1, "add": 4, "mul": 1, "mean": 1}
+    headwise = {"clone": 1, "bmm": 1, "add": 3, "cat": 1, "mul": 1, "mean": 1}
     one_kernel = {"window_gemm": {"addmm": 1}, "window_tiles": {"triton:_tile_linear_kernel": 1}}
     conv_stage = one_kernel.get(conv, headwise)
     assert counts["ccgqa"] == {**counts["gqa"], **conv_stage}, counts["ccgqa"]

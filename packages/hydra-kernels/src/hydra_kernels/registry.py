@@ -304,6 +304,12 @@ def _check_ccgqa_conv_zero_context(shape, gen):
     return [args[0][:, k - 1 :].contiguous(), *args[1:], True], grads
 
 
+def _check_ccgqa_conv_qk_mean(shape, gen):
+    # u in place, CCGQA's q-k mean on: 3/4 of the heads queries, 3 of them a key head
+    args, grads = _check_ccgqa_conv_zero_context(shape, gen)
+    return [*args, 3 * shape[2] // 4], grads
+
+
 #: (B, n, heads, taps, head dim): the 100M preset's CCGQA (12 + 4 heads of 64, K = 3) and the
 #: 2026-11-23 preset's (4 + 2 heads)
 CCGQA_CONV_SHAPES = ((8, 2048, 16, 3, 64), (8, 2048, 6, 3, 64))
@@ -417,6 +423,8 @@ OP_SPECS: tuple[OpSpec, ...] = (
                   ((3, 300, 4, 3, 64), (2, 77, 3, 2, 32)), half_reduction="max"),
             Check("ccgqa_conv_zero_context", "ccgqa_conv", "ccgqa_conv_ref", _check_ccgqa_conv_zero_context,
                   ((2, 9, 2, 3, 16),), ((3, 300, 4, 3, 64),), half_reduction="max"),
+            Check("ccgqa_conv_qk_mean", "ccgqa_conv", "ccgqa_conv_ref", _check_ccgqa_conv_qk_mean,
+                  ((2, 9, 4, 3, 16),), ((3, 300, 16, 3, 64),), half_reduction="max"),
         ),
         bench={"ccgqa_conv": _bench_ccgqa_conv},
         small_bench=lambda rnd, n, dim, h, s4: [rnd(s4[0], s4[1] + 2, s4[2] * s4[3]),

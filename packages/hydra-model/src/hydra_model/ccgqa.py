@@ -17,7 +17,8 @@ weights each forward, every block's at once (ccgqa_fold.py's ``headwise`` form, 
 the depthwise conv scales its columns). hydra_kernels' ``ccgqa_conv`` runs them reading the
 left-padded u in place; its reference (what ran before) unfolds the window per head
 [B, n, heads, d·K], copied once, into one batched matmul. The q-k mean reads only the current
-token's inputs and is added elementwise. This replaces two cuDNN
+token's inputs; the conv kernels add it (and its transpose to u's gradient) themselves, where it
+was an elementwise pass of its own over u and the conv's output. This replaces two cuDNN
 depthwise/grouped conv1d calls (and their slow weight-gradient kernels) and two layout transposes.
 An earlier form (``folded``, kept for ``conv_impl = "folded"``) ran convs and q-k mean
 as one [C, C·K] GEMM whose block-diagonal weight spends (heads − 1)/heads of its work on zeros:
@@ -162,17 +163,11 @@ class CCGQAAttention(nn.Module):
             return q.view(b, n, hq, d), k.view(b, n, hkv, d)
         # each head's [d, d·K] block (columns i·K + s) as K [out, in] matrices; hydra_kernels'
         # ccgqa_conv reads the window in place (its reference unfolds it and runs one GEMM a head)
+        # and adds the q-k mean of the current token's inputs: query head h gets (q_pre[h] +
+        # k_pre[h // G])/2, kv head g the mean of those over its G query heads
         per_tap = weight.view(hq + hkv, d, d, k_total).permute(0, 3, 1, 2)  # [heads, K, d, d]
-        z = ccgqa_conv(window, per_tap, bias, zero_context)  # [B, n, heads, d]
-        # q-k mean on the current token's inputs: query head h gets (q_pre[h] + k_pre[h // G])/2,
-        # kv head g the mean of those over its G query heads
-        u = window if zero_context else window[:, self.conv_context :]  # [B, n, C]
-        q_pre = u[..., : self.q_dim].view(b, n, hkv, hq // hkv, d)
-        k_pre = u[..., self.q_dim :].view(b, n, hkv, 1, d)
-        mean = 0.5 * (q_pre + k_pre)  # [B, n, n_kv, G, d]
-        q = z[:, :, :hq] + mean.reshape(b, n, hq, d).to(z.dtype)
-        k = z[:, :, hq:] + mean.mean(3).to(z.dtype)
-        return q, k
+        z = ccgqa_conv(window, per_tap, bias, zero_context, qk_mean_heads=hq)  # [B, n, heads, d]
+        return z[:, :, :hq], z[:, :, hq:]
 
     def _conv_qk_window(self, window: torch.Tensor, slot: CacheSlot) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's steps 2–3 (``decode_conv="window_gemm"``): the window [B, K·C] of one

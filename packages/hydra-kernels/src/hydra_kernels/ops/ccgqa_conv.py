@@ -26,6 +26,13 @@ offset straight from the window and accumulate the K small products in registers
   offset, token split) sums dzᵀ · window over its share of the row blocks into fp32 partials,
   which the host adds (a few per head: no atomics, the same bits every call).
 
+With ``qk_mean_heads`` = Q > 0 the output also carries CCGQA's q-k mean of the current token's
+own channels (u = the window's row t + K − 1, heads 0..Q−1 queries, the rest keys, G = Q /
+(heads − Q) queries a key): query head h gets (u[h] + u[Q + h // G]) / 2, key head j the mean of
+its G query heads' values of that, i.e. u[Q + j] / 2 + Σ u[j·G + i] / (2G). The forward kernel
+adds it before its one rounding (the model added it to the rounded z as another elementwise
+pass), the window-gradient kernel adds its transpose for row t + K − 1.
+
 Products run on tensor cores in the input's dtype with fp32 accumulation (fp32 inputs take IEEE
 products, not TF32, for heads up to :data:`FP32_MAX_HEAD_DIM`); the weight is cast to the
 window's dtype for them and the bias read as fp32; their gradients are summed in fp32 and
@@ -78,11 +85,28 @@ DW_PROGRAMS_PER_SM = 4
 # --- PyTorch reference ---------------------------------------------------------------------------
 
 
+def qk_mean_ref(u: torch.Tensor, n_q: int, d: int) -> torch.Tensor:
+    """CCGQA's q-k mean of the current token's pre-conv channels ``u`` [B, n, C] (C = heads·d,
+    the ``n_q`` query heads first) → [B, n, heads, d] in u's dtype: query head h gets (u_q[h] +
+    u_k[h // G]) / 2, key head j the mean of those over its G = n_q / (heads − n_q) query heads."""
+    b, n, c = u.shape
+    n_kv = c // d - n_q
+    q_pre = u[..., : n_q * d].reshape(b, n, n_kv, n_q // n_kv, d)
+    k_pre = u[..., n_q * d :].reshape(b, n, n_kv, 1, d)
+    mean = 0.5 * (q_pre + k_pre)  # [B, n, n_kv, G, d]
+    return torch.cat([mean.reshape(b, n, n_q, d), mean.mean(3)], dim=2)
+
+
 def ccgqa_conv_ref(
-    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    zero_context: bool = False,
+    qk_mean_heads: int = 0,
 ) -> torch.Tensor:
     """Reference: the taps unfolded ([B, n, G, d, K]) and one batched product per head in the
-    window's dtype (autocast's choice, as the model ran it), the bias added in that dtype.
+    window's dtype (autocast's choice, as the model ran it), the bias added in that dtype; with
+    ``qk_mean_heads`` the q-k mean (:func:`qk_mean_ref`) added in it too, as the model did.
     ``zero_context``: ``window`` is [B, n, C] and its K − 1 rows of left context are zeros."""
     g, k, d, _ = weight.shape
     if zero_context:
@@ -91,7 +115,10 @@ def ccgqa_conv_ref(
     n = length - k + 1
     taps = window.unfold(1, k, 1).reshape(b, n, g, d, k)  # [B, n, G, i, s] = window[t + s, g·d + i]
     z = torch.einsum("bngis,gsoi->bngo", taps, weight.to(taps.dtype))
-    return z + bias.view(g, d).to(z.dtype)
+    z = z + bias.view(g, d).to(z.dtype)
+    if qk_mean_heads:
+        z = z + qk_mean_ref(window[:, k - 1 :], qk_mean_heads, d).to(z.dtype)
+    return z
 
 
 # --- Triton kernels ------------------------------------------------------------------------------
@@ -108,11 +135,58 @@ def _dot_acc(acc, a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _head_rows(base, rows, stride_wt, head, D: tl.constexpr, mask):
+    """[rows, D] of one head's channels, fp32: window rows ``rows`` from ``base`` (a sequence's
+    row 0)."""
+    ch = tl.arange(0, D)
+    return tl.load(base + rows[:, None] * stride_wt + head * D + ch[None, :], mask=mask[:, None],
+                   other=0.0).to(tl.float32)  # fmt: skip
+
+
+@triton.jit
+def _qk_mean_rows(base, rows, stride_wt, g, N_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, mask):
+    """Head g's q-k mean term at window rows ``rows`` (the tokens' own rows), fp32 [rows, D]: a
+    query head's (own + its key head's) / 2, a key head's own / 2 + its query heads' sum / (2G).
+    The same sums, with the head strides of dz instead of the window's, are the term's transpose
+    (a query head's row gets own / 2 + its key head's / (2G), a key head's own / 2 + its query
+    heads' sum / 2): _qk_mean_grad_rows."""
+    if g < N_Q:
+        out = 0.5 * (_head_rows(base, rows, stride_wt, g, D, mask)
+                     + _head_rows(base, rows, stride_wt, N_Q + g // GROUP, D, mask))  # fmt: skip
+    else:
+        j = g - N_Q
+        acc = _head_rows(base, rows, stride_wt, j * GROUP, D, mask)
+        for i in tl.static_range(1, GROUP):
+            acc += _head_rows(base, rows, stride_wt, j * GROUP + i, D, mask)
+        out = 0.5 * _head_rows(base, rows, stride_wt, g, D, mask) + (0.5 / GROUP) * acc
+    return out
+
+
+@triton.jit
+def _qk_mean_grad_rows(
+    base, rows, stride_t, g, N_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, mask
+):
+    """The transpose of :func:`_qk_mean_rows` on the output's gradient dz (``base`` a sequence's
+    first token, ``stride_t`` a token's stride): the term the current token's own channels of
+    head g get, fp32 [rows, D]."""
+    if g < N_Q:
+        out = 0.5 * _head_rows(base, rows, stride_t, g, D, mask) + (0.5 / GROUP) * _head_rows(
+            base, rows, stride_t, N_Q + g // GROUP, D, mask)  # fmt: skip
+    else:
+        j = g - N_Q
+        acc = _head_rows(base, rows, stride_t, j * GROUP, D, mask)
+        for i in tl.static_range(1, GROUP):
+            acc += _head_rows(base, rows, stride_t, j * GROUP + i, D, mask)
+        out = 0.5 * (_head_rows(base, rows, stride_t, g, D, mask) + acc)
+    return out
+
+
+@triton.jit
 def _ccgqa_conv_fwd_kernel(
     WIN, W, BIAS, Z,
     n, stride_wb, stride_wt,
     N_HEADS: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
-    PAD: tl.constexpr,
+    PAD: tl.constexpr, N_Q: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     pid_t, g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -128,6 +202,9 @@ def _ccgqa_conv_fwd_kernel(
         w = tl.load(W + (g * K + s) * D * D + ch[None, :] * D + ch[:, None])
         acc = _dot_acc(acc, a, w, IEEE)
     acc += tl.load(BIAS + g * D + ch).to(tl.float32)[None, :]
+    if N_Q > 0:  # the q-k mean of the tokens' own rows (offset K − 1: always stored)
+        own = (t + K - 1 - PAD).to(tl.int64)
+        acc += _qk_mean_rows(WIN + b.to(tl.int64) * stride_wb, own, stride_wt, g, N_Q, GROUP, D, t_mask)
     out = (b.to(tl.int64) * n + t) * N_HEADS + g  # z is [B, n, G, d], contiguous
     z = to_output_dtype(acc, Z.dtype.element_ty)
     tl.store(Z + out[:, None] * D + ch[None, :], z, mask=t_mask[:, None])
@@ -138,7 +215,7 @@ def _ccgqa_conv_dwin_kernel(
     DZ, W, DWIN,
     n,
     N_HEADS: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
-    PAD: tl.constexpr,
+    PAD: tl.constexpr, N_Q: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     pid_r, g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r_out = pid_r * BLOCK_T + tl.arange(0, BLOCK_T)  # the stored window's rows
@@ -153,6 +230,11 @@ def _ccgqa_conv_dwin_kernel(
         a = tl.load(DZ + src[:, None] * D + ch[None, :], mask=m[:, None], other=0.0)
         w = tl.load(W + (g * K + s) * D * D + ch[:, None] * D + ch[None, :])  # [out, in]
         acc = _dot_acc(acc, a, w, IEEE)
+    if N_Q > 0:  # window row r is token r − K + 1's own row: the q-k mean's transpose
+        tok = r - (K - 1)
+        m = (tok >= 0) & (tok < n)
+        acc += _qk_mean_grad_rows(DZ + b.to(tl.int64) * n * N_HEADS * D, tok.to(tl.int64), N_HEADS * D, g,
+                                  N_Q, GROUP, D, m)  # fmt: skip
     dst = (b.to(tl.int64) * length + r_out) * (N_HEADS * D) + g * D  # dwin is [B, n + K − 1 − PAD, C]
     tl.store(DWIN + dst[:, None] + ch[None, :], to_output_dtype(acc, DWIN.dtype.element_ty),
              mask=(r_out < length)[:, None])  # fmt: skip
@@ -192,9 +274,14 @@ def _ccgqa_conv_dw_kernel(
 
 
 def _shape_error(
-    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    zero_context: bool = False,
+    qk_mean_heads: int = 0,
 ) -> str | None:
-    """Why these are not a window, per-tap weight and bias of one conv stage (None when they are)."""
+    """Why these are not a window, per-tap weight and bias of one conv stage, or ``qk_mean_heads``
+    not a query-head count of its heads (None when they are)."""
     if window.dim() != 3 or weight.dim() != 4 or bias.dim() != 1:
         return (
             f"ccgqa_conv: expected window [B, n + K - 1, C], weight [G, K, d, d], bias [C]; got "
@@ -207,6 +294,11 @@ def _shape_error(
             f"ccgqa_conv: weight {tuple(weight.shape)} needs square [d, d] blocks with G·d = C = {c} "
             f"channels, bias [C] and a window of at least K = {k} rows; got window "
             f"{tuple(window.shape)}, bias {tuple(bias.shape)}"
+        )
+    if qk_mean_heads and not (0 < qk_mean_heads < g and qk_mean_heads % (g - qk_mean_heads) == 0):
+        return (
+            f"ccgqa_conv: qk_mean_heads={qk_mean_heads} must be the query heads of the {g} heads, a "
+            "multiple of the key heads (the rest), or 0 for no q-k mean"
         )
     return None
 
@@ -227,16 +319,23 @@ def _kernel_refusal(window: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-def _check(window, weight, bias, zero_context: bool) -> tuple[int, int, int, int, int]:
+def _check(
+    window, weight, bias, zero_context: bool, qk_mean_heads: int = 0
+) -> tuple[int, int, int, int, int]:
     """(G, K, d, n, PAD) for inputs the kernels take; raises (→ counted fallback) otherwise, which
     only a direct call of the custom ops can reach (the public function checks first). PAD: the
     window's zero rows in front that are not stored (K − 1 with ``zero_context``, else 0)."""
-    error = _shape_error(window, weight, bias, zero_context) or _kernel_refusal(window, weight)
+    error = _shape_error(window, weight, bias, zero_context, qk_mean_heads) or _kernel_refusal(window, weight)
     if error:
         raise ValueError(error)
     g, k, d, _ = weight.shape
     pad = k - 1 if zero_context else 0
     return g, k, d, window.shape[1] - k + 1 + pad, pad
+
+
+def _qk_mean_args(heads: int, qk_mean_heads: int) -> dict[str, int]:
+    """The kernels' q-k mean constants: N_Q query heads (0: none), GROUP of them a key head."""
+    return {"N_Q": qk_mean_heads, "GROUP": qk_mean_heads // (heads - qk_mean_heads) if qk_mean_heads else 1}
 
 
 def _launch(device: torch.device, dtype: torch.dtype) -> LaunchConfig:
@@ -249,10 +348,14 @@ def _launch(device: torch.device, dtype: torch.dtype) -> LaunchConfig:
 
 
 def ccgqa_conv_fwd_launch(
-    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    zero_context: bool = False,
+    qk_mean_heads: int = 0,
 ) -> torch.Tensor:
     """Run the forward kernel: z [B, n, G, d], contiguous, in the window's dtype."""
-    g, k, d, n, pad = _check(window, weight, bias, zero_context)
+    g, k, d, n, pad = _check(window, weight, bias, zero_context, qk_mean_heads)
     b = window.shape[0]
     z = window.new_empty(b, n, g, d)
     if z.numel() == 0:
@@ -264,7 +367,7 @@ def ccgqa_conv_fwd_launch(
         _ccgqa_conv_fwd_kernel[(cdiv(n, cfg.block_rows), g, b)](
             window, weight, bias, z, n, window.stride(0), window.stride(1),
             N_HEADS=g, K=k, D=d, BLOCK_T=cfg.block_rows, IEEE=window.dtype == torch.float32, PAD=pad,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **_qk_mean_args(g, qk_mean_heads), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return z
 
@@ -275,10 +378,13 @@ def ccgqa_conv_bwd_launch(
     weight: torch.Tensor,
     bias: torch.Tensor,
     zero_context: bool = False,
+    qk_mean_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the backward kernels: (d window, d weight, d bias), each in its input's dtype."""
-    g, k, d, n, pad = _check(window, weight, bias, zero_context)
+    g, k, d, n, pad = _check(window, weight, bias, zero_context, qk_mean_heads)
     b, length, _ = window.shape
+    if dz.shape != (b, n, g, d):  # the kernels would read past it
+        raise ValueError(f"ccgqa_conv: dz must be the output's shape {(b, n, g, d)}, got {tuple(dz.shape)}")
     dz = dz.contiguous()
     dwin = torch.empty(window.shape, dtype=window.dtype, device=window.device)
     if window.numel() == 0 or n == 0:
@@ -297,7 +403,7 @@ def ccgqa_conv_bwd_launch(
     with device_guard(window):
         _ccgqa_conv_dwin_kernel[(cdiv(length, block_t), g, b)](
             dz, w_in, dwin, n, N_HEADS=g, K=k, D=d, BLOCK_T=block_t, IEEE=ieee, PAD=pad,
-            num_warps=warps, num_stages=stages,
+            **_qk_mean_args(g, qk_mean_heads), num_warps=warps, num_stages=stages,
         )  # fmt: skip
         _ccgqa_conv_dw_kernel[(g, k, splits)](
             dz, window, pw, pb, n, n_blocks, blocks_per_seq, window.stride(0), window.stride(1),
@@ -311,31 +417,35 @@ def ccgqa_conv_bwd_launch(
 # --- implementations behind the custom ops (Triton with a counted fallback) ---------------------
 
 
-def _ccgqa_conv_backward_ref(dz, window, weight, bias, zero_context: bool = False):
+def _ccgqa_conv_backward_ref(dz, window, weight, bias, zero_context: bool = False, qk_mean_heads: int = 0):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (window, weight, bias)]
-        out = ccgqa_conv_ref(*leaves, zero_context)
+        out = ccgqa_conv_ref(*leaves, zero_context, qk_mean_heads)
         # contiguous, as the kernels return them (and the custom op's fake says)
         return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, dz))
 
 
-def _ccgqa_conv_forward(window, weight, bias, zero_context: bool = False) -> torch.Tensor:
+def _ccgqa_conv_forward(
+    window, weight, bias, zero_context: bool = False, qk_mean_heads: int = 0
+) -> torch.Tensor:
     return run_with_fallback(
         "ccgqa_conv",
-        lambda: ccgqa_conv_fwd_launch(window, weight, bias, zero_context),
-        lambda: ccgqa_conv_ref(window, weight, bias, zero_context).contiguous(),
+        lambda: ccgqa_conv_fwd_launch(window, weight, bias, zero_context, qk_mean_heads),
+        lambda: ccgqa_conv_ref(window, weight, bias, zero_context, qk_mean_heads).contiguous(),
     )
 
 
 def _ccgqa_conv_backward(
-    dz, window, weight, bias, zero_context: bool = False
+    dz, window, weight, bias, zero_context: bool = False, qk_mean_heads: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    reference = lambda: _ccgqa_conv_backward_ref(dz, window, weight, bias, zero_context)
+    reference = lambda: _ccgqa_conv_backward_ref(dz, window, weight, bias, zero_context, qk_mean_heads)
     # read at run time, so the switch holds inside compiled graphs too
     if not controls.triton_path("ccgqa_conv", dz, window, weight, bias, backward=True):
         return reference()
     return run_with_fallback(
-        "ccgqa_conv", lambda: ccgqa_conv_bwd_launch(dz, window, weight, bias, zero_context), reference
+        "ccgqa_conv",
+        lambda: ccgqa_conv_bwd_launch(dz, window, weight, bias, zero_context, qk_mean_heads),
+        reference,
     )
 
 
@@ -344,13 +454,17 @@ def _ccgqa_conv_backward(
 
 @torch.library.custom_op("hydra_kernels::ccgqa_conv_fwd", mutates_args=())
 def _ccgqa_conv_fwd_op(
-    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    zero_context: bool = False,
+    qk_mean_heads: int = 0,
 ) -> torch.Tensor:
-    return _ccgqa_conv_forward(window, weight, bias, zero_context)
+    return _ccgqa_conv_forward(window, weight, bias, zero_context, qk_mean_heads)
 
 
 @_ccgqa_conv_fwd_op.register_fake
-def _(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False):
+def _(window, weight, bias, zero_context=False, qk_mean_heads=0):
     g, k, d, _ = weight.shape
     rows = window.shape[1] if zero_context else window.shape[1] - k + 1
     return window.new_empty(window.shape[0], rows, g, d)
@@ -363,30 +477,30 @@ def _ccgqa_conv_bwd_op(
     weight: torch.Tensor,
     bias: torch.Tensor,
     zero_context: bool = False,
+    qk_mean_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ccgqa_conv_backward(dz, window, weight, bias, zero_context)
+    return _ccgqa_conv_backward(dz, window, weight, bias, zero_context, qk_mean_heads)
 
 
 @_ccgqa_conv_bwd_op.register_fake
-def _(dz, window, weight, bias, zero_context=False):
+def _(dz, window, weight, bias, zero_context=False, qk_mean_heads=0):
     # contiguous whatever the inputs' strides (a permuted weight, a strided window): what the
     # launcher and the reference return
     return window.new_empty(window.shape), weight.new_empty(weight.shape), bias.new_empty(bias.shape)
 
 
 def _ccgqa_conv_setup(ctx, inputs, output) -> None:
-    window, weight, bias, *flag = inputs
+    window, weight, bias, *flags = inputs
     ctx.save_for_backward(window, weight, bias)
-    ctx.zero_context = bool(flag and flag[0])
+    ctx.zero_context = bool(flags and flags[0])
+    ctx.qk_mean_heads = int(flags[1]) if len(flags) > 1 else 0
 
 
 def _ccgqa_conv_grads(ctx, dz):
     window, weight, bias = ctx.saved_tensors
-    if getattr(ctx, "eager", False):
-        grads = _ccgqa_conv_backward(dz, window, weight, bias, ctx.zero_context)
-    else:
-        grads = _ccgqa_conv_bwd_op(dz, window, weight, bias, ctx.zero_context)
-    return (*grads, None)
+    op = _ccgqa_conv_backward if getattr(ctx, "eager", False) else _ccgqa_conv_bwd_op
+    grads = op(dz, window, weight, bias, ctx.zero_context, ctx.qk_mean_heads)
+    return (*grads, None, None)
 
 
 _ccgqa_conv_fwd_op.register_autograd(_ccgqa_conv_grads, setup_context=_ccgqa_conv_setup)
@@ -399,17 +513,23 @@ _CCGQAConvFunction = eager_autograd_function(
 
 
 def ccgqa_conv(
-    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, zero_context: bool = False
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    zero_context: bool = False,
+    qk_mean_heads: int = 0,
 ) -> torch.Tensor:
     """CCGQA's folded conv stage: ``window`` [B, n + K − 1, C] (K − 1 rows of left context),
     ``weight`` [G, K, d, d] (per head and window offset an [out, in] matrix, G·d = C), ``bias``
     [C] → [B, n, G, d] in the window's dtype (autocast's dtype for an fp32 window under autocast,
     as the reference's einsum gives); differentiable in all three. ``zero_context``: ``window`` is
     [B, n, C] without its context rows, which are zeros (a sequence's start: the kernels mask them
-    instead of reading a padded copy). fp64, and shapes the kernels do not take (heads not in
+    instead of reading a padded copy). ``qk_mean_heads`` = Q > 0: the first Q heads are queries,
+    the rest keys, and CCGQA's q-k mean of each token's own channels is added (:func:`qk_mean_ref`;
+    the module docstring). fp64, and shapes the kernels do not take (heads not in
     :data:`HEAD_DIMS`, fp32 heads wider than :data:`FP32_MAX_HEAD_DIM`, more than
     :data:`MAX_TAPS` taps), run the reference."""
-    error = _shape_error(window, weight, bias, zero_context)
+    error = _shape_error(window, weight, bias, zero_context, qk_mean_heads)
     if error:
         raise ValueError(error)
     device_type = window.device.type
@@ -417,7 +537,7 @@ def ccgqa_conv(
         # the reference's einsum would run in autocast's dtype: so do the kernels, on a cast copy
         window = window.to(torch.get_autocast_dtype(device_type))
     if _kernel_refusal(window, weight) or not controls.triton_path("ccgqa_conv", window, weight, bias):
-        return ccgqa_conv_ref(window, weight, bias, zero_context)
+        return ccgqa_conv_ref(window, weight, bias, zero_context, qk_mean_heads)
     if compiling():
-        return _ccgqa_conv_fwd_op(window, weight, bias, zero_context)
-    return eager_apply(_CCGQAConvFunction, window, weight, bias, zero_context)
+        return _ccgqa_conv_fwd_op(window, weight, bias, zero_context, qk_mean_heads)
+    return eager_apply(_CCGQAConvFunction, window, weight, bias, zero_context, qk_mean_heads)
