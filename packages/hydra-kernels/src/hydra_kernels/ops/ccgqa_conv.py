@@ -147,9 +147,7 @@ def _head_rows(base, rows, stride_wt, head, D: tl.constexpr, mask):
 def _qk_mean_rows(base, rows, stride_wt, g, N_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, mask):
     """Head g's q-k mean term at window rows ``rows`` (the tokens' own rows), fp32 [rows, D]: a
     query head's (own + its key head's) / 2, a key head's own / 2 + its query heads' sum / (2G).
-    The same sums, with the head strides of dz instead of the window's, are the term's transpose
-    (a query head's row gets own / 2 + its key head's / (2G), a key head's own / 2 + its query
-    heads' sum / 2): _qk_mean_grad_rows."""
+    Its transpose is :func:`_qk_mean_grad_rows`."""
     if g < N_Q:
         out = 0.5 * (_head_rows(base, rows, stride_wt, g, D, mask)
                      + _head_rows(base, rows, stride_wt, N_Q + g // GROUP, D, mask))  # fmt: skip
@@ -167,8 +165,9 @@ def _qk_mean_grad_rows(
     base, rows, stride_t, g, N_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, mask
 ):
     """The transpose of :func:`_qk_mean_rows` on the output's gradient dz (``base`` a sequence's
-    first token, ``stride_t`` a token's stride): the term the current token's own channels of
-    head g get, fp32 [rows, D]."""
+    first token, ``stride_t`` a token's stride): what head g's channels of the tokens' own rows
+    get, fp32 [rows, D]: a query head's own / 2 + its key head's / (2G), a key head's (own + its
+    query heads' sum) / 2."""
     if g < N_Q:
         out = 0.5 * _head_rows(base, rows, stride_t, g, D, mask) + (0.5 / GROUP) * _head_rows(
             base, rows, stride_t, N_Q + g // GROUP, D, mask)  # fmt: skip
