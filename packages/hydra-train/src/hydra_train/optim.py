@@ -127,16 +127,30 @@ def step_with(
         opt.grad_scale = opt.found_inf = None
 
 
+def grad_norm_for_step(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float, foreach: bool | None = None
+) -> tuple[torch.Tensor, bool]:
+    """(the gradients' total norm before clipping, whether ``opt`` is to clip them as it steps):
+    with ``max_norm`` > 0 they are clipped here by ``clip_grad_norm_`` unless ``opt`` folds the
+    clip (:func:`folds_grad_clip`; then step it with ``step_with(opt, clip_divisor(norm,
+    max_norm))``)."""
+    folded = max_norm > 0 and folds_grad_clip(opt)
+    if max_norm > 0 and not folded:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach), False
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads, foreach=foreach), folded
+
+
 def clip_and_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> None:
     """``clip_grad_norm_(params, max_norm)`` (nothing when ``max_norm`` <= 0), then ``opt.step()``;
     the clip folded into the step where the optimizer can take it (:func:`folds_grad_clip`)."""
     if max_norm <= 0:
         opt.step()
-    elif folds_grad_clip(opt):
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        return
+    norm, folded = grad_norm_for_step(opt, params, max_norm)
+    if folded:
         step_with(opt, clip_divisor(norm, max_norm))
     else:
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
         opt.step()
 
 

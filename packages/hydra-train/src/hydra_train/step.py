@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hydra_train.distributed import all_reduce_sum, coalesced, grad_sync, is_fsdp
-from hydra_train.optim import clip_divisor, folds_grad_clip, step_with
+from hydra_train.optim import clip_divisor, folds_grad_clip, grad_norm_for_step, step_with
 
 if TYPE_CHECKING:
     from hydra_train.data_parallel import GradAverager
@@ -247,15 +247,10 @@ class StepMixin:
     def _grad_norm(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The total gradient norm (fp32, before clipping), and the divisor the optimizer is to
         clip with where it clips itself (None: clipped here already, or no clipping)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
+        if all(p.grad is None for p in self.params):
             return torch.zeros((), device=self.device), None
         max_norm = self.cfg.optim.grad_clip
-        folded = max_norm > 0 and folds_grad_clip(self.optimizer)
-        if max_norm > 0 and not folded:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        norm, folded = grad_norm_for_step(self.optimizer, self.params, max_norm, foreach=True)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
             norm = norm.full_tensor()
         norm = norm.float()

@@ -144,39 +144,26 @@ def _head_rows(base, rows, stride_wt, head, D: tl.constexpr, mask):
 
 
 @triton.jit
-def _qk_mean_rows(base, rows, stride_wt, g, N_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, mask):
-    """Head g's q-k mean term at window rows ``rows`` (the tokens' own rows), fp32 [rows, D]: a
-    query head's (own + its key head's) / 2, a key head's own / 2 + its query heads' sum / (2G).
-    Its transpose is :func:`_qk_mean_grad_rows`."""
+def _qk_mean_rows(
+    base, rows, stride_t, g, N_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, mask,
+    TRANSPOSE: tl.constexpr,
+):  # fmt: skip
+    """Head g's q-k mean term at rows ``rows`` (the tokens' own rows; ``base`` a sequence's first
+    row, ``stride_t`` a row's stride), fp32 [rows, D]: a query head's own / 2 + its key head's /
+    2, a key head's own / 2 + its query heads' sum / (2G). ``TRANSPOSE`` (read from dz: what the
+    window's rows get back) swaps the two cross weights: its key head's / (2G), its query heads'
+    sum / 2."""
+    key_w: tl.constexpr = 0.5 / GROUP if TRANSPOSE else 0.5
+    query_w: tl.constexpr = 0.5 if TRANSPOSE else 0.5 / GROUP
+    own = 0.5 * _head_rows(base, rows, stride_t, g, D, mask)
     if g < N_Q:
-        out = 0.5 * (_head_rows(base, rows, stride_wt, g, D, mask)
-                     + _head_rows(base, rows, stride_wt, N_Q + g // GROUP, D, mask))  # fmt: skip
-    else:
-        j = g - N_Q
-        acc = _head_rows(base, rows, stride_wt, j * GROUP, D, mask)
-        for i in tl.static_range(1, GROUP):
-            acc += _head_rows(base, rows, stride_wt, j * GROUP + i, D, mask)
-        out = 0.5 * _head_rows(base, rows, stride_wt, g, D, mask) + (0.5 / GROUP) * acc
-    return out
-
-
-@triton.jit
-def _qk_mean_grad_rows(
-    base, rows, stride_t, g, N_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, mask
-):
-    """The transpose of :func:`_qk_mean_rows` on the output's gradient dz (``base`` a sequence's
-    first token, ``stride_t`` a token's stride): what head g's channels of the tokens' own rows
-    get, fp32 [rows, D]: a query head's own / 2 + its key head's / (2G), a key head's (own + its
-    query heads' sum) / 2."""
-    if g < N_Q:
-        out = 0.5 * _head_rows(base, rows, stride_t, g, D, mask) + (0.5 / GROUP) * _head_rows(
-            base, rows, stride_t, N_Q + g // GROUP, D, mask)  # fmt: skip
+        out = own + key_w * _head_rows(base, rows, stride_t, N_Q + g // GROUP, D, mask)
     else:
         j = g - N_Q
         acc = _head_rows(base, rows, stride_t, j * GROUP, D, mask)
         for i in tl.static_range(1, GROUP):
             acc += _head_rows(base, rows, stride_t, j * GROUP + i, D, mask)
-        out = 0.5 * (_head_rows(base, rows, stride_t, g, D, mask) + acc)
+        out = own + query_w * acc
     return out
 
 
@@ -203,7 +190,8 @@ def _ccgqa_conv_fwd_kernel(
     acc += tl.load(BIAS + g * D + ch).to(tl.float32)[None, :]
     if N_Q > 0:  # the q-k mean of the tokens' own rows (offset K − 1: always stored)
         own = (t + K - 1 - PAD).to(tl.int64)
-        acc += _qk_mean_rows(WIN + b.to(tl.int64) * stride_wb, own, stride_wt, g, N_Q, GROUP, D, t_mask)
+        seq = WIN + b.to(tl.int64) * stride_wb
+        acc += _qk_mean_rows(seq, own, stride_wt, g, N_Q, GROUP, D, t_mask, False)
     out = (b.to(tl.int64) * n + t) * N_HEADS + g  # z is [B, n, G, d], contiguous
     z = to_output_dtype(acc, Z.dtype.element_ty)
     tl.store(Z + out[:, None] * D + ch[None, :], z, mask=t_mask[:, None])
@@ -232,8 +220,8 @@ def _ccgqa_conv_dwin_kernel(
     if N_Q > 0:  # window row r is token r − K + 1's own row: the q-k mean's transpose
         tok = r - (K - 1)
         m = (tok >= 0) & (tok < n)
-        acc += _qk_mean_grad_rows(DZ + b.to(tl.int64) * n * N_HEADS * D, tok.to(tl.int64), N_HEADS * D, g,
-                                  N_Q, GROUP, D, m)  # fmt: skip
+        acc += _qk_mean_rows(DZ + b.to(tl.int64) * n * N_HEADS * D, tok.to(tl.int64), N_HEADS * D, g,
+                             N_Q, GROUP, D, m, True)  # fmt: skip
     dst = (b.to(tl.int64) * length + r_out) * (N_HEADS * D) + g * D  # dwin is [B, n + K − 1 − PAD, C]
     tl.store(DWIN + dst[:, None] + ch[None, :], to_output_dtype(acc, DWIN.dtype.element_ty),
              mask=(r_out < length)[:, None])  # fmt: skip
