@@ -32,7 +32,7 @@ KINDS = [
     ("hydra triton", r"^_(rms_norm|swiglu|qk_norm|rope|dw_|ce_rows|scale)_?\w*kernel"),
     ("inductor triton", r"^triton_"),
     ("conv", r"conv|depthwise|implicit"),
-    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("optimizer", r"adam|multi_tensor|foreach|^_sq_sums_kernel"),  # with the clip's total norm
     ("sort/topk", r"sort|topk|radix|bitonic|TopK"),
     ("index/scatter", r"index|scatter|gather|embedding"),
     ("reduce", r"reduce|Reduce|norm_kernel|mean|sum_"),

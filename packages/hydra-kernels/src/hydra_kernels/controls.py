@@ -56,6 +56,7 @@ DECODE_OPS: dict[str, str] = {
     "ccgqa_prefill": "CCGQA_PREFILL",  # CCGQA's window, shifted values, a prefill's state (no-grad)
     "kv_prefill": "KV_PREFILL",  # a prefill's attention cache: keys, values, mask, lengths (generation)
     "ccgqa_window_tiles": "CCGQA_WINDOW_TILES",  # CCGQA's conv weights as a decode window's tiles
+    "total_norm": "TOTAL_NORM",  # a gradient clip's total norm (hydra-train's step, no grad)
 }
 
 # op -> (environment stem of the forward switch, stem of the backward switch or None)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hydra_kernels.ops.total_norm import total_norm
+
 if TYPE_CHECKING:
     from hydra_train.config import TrainConfig
 
@@ -133,12 +135,14 @@ def grad_norm_for_step(
     """(the gradients' total norm before clipping, whether ``opt`` is to clip them as it steps):
     with ``max_norm`` > 0 they are clipped here by ``clip_grad_norm_`` unless ``opt`` folds the
     clip (:func:`folds_grad_clip`; then step it with ``step_with(opt, clip_divisor(norm,
-    max_norm))``)."""
+    max_norm))``). ``foreach``: ``clip_grad_norm_``'s; a norm without that clip is hydra_kernels'
+    ``total_norm`` (torch's ``get_total_norm`` where its kernel does not take the gradients)."""
     folded = max_norm > 0 and folds_grad_clip(opt)
     if max_norm > 0 and not folded:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach), False
     grads = [p.grad for p in params if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads, foreach=foreach), folded
+    # hydra_kernels' few-launch norm where it takes the gradients (plain CUDA tensors), else torch's
+    return total_norm(grads), folded
 
 
 def clip_and_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> None:

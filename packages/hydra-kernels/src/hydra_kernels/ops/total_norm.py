@@ -1,0 +1,167 @@
+"""The L2 norm of many tensors taken together (a gradient clip's total norm), in a few launches.
+
+Why: a training step that clips its gradients reads every gradient once for their total norm
+before the optimizer reads them again. torch's ``get_total_norm`` (``_foreach_norm``, then a norm
+of the per-tensor norms) took 0.38 ms for the 144 gradients of the 100M HYDRA preset on an H100,
+where reading their 0.4 GB takes about 0.14 ms (packages/hydra-kernels/BENCHMARKS.md,
+2026-11-27). Here one kernel takes up to ``GROUP`` tensors a launch, a program per ``BLOCK``
+elements of one of them, and writes that block's sum of squares; one sum and a square root
+finish it.
+
+    total_norm(ts) = sqrt(Σ_t Σ_i t_i²)      (squares summed in fp32 for any input dtype)
+
+Faces: the reference :func:`total_norm_ref` (torch's ``get_total_norm``: what a step without
+the kernel computes), the Triton kernel ``_sq_sums_kernel`` with its launch plan, and
+:func:`total_norm`, which runs the kernel where hydra_kernels' Triton path is on for the
+tensors' device and they are plain contiguous fp32/bf16/fp16 tensors, and the reference
+otherwise (DTensors, other dtypes or layouts). A kernel failure is counted as a fallback and
+answered by the reference.
+
+The programs find their tensor from a small table of first programs and sizes, on the device:
+it depends on the tensors' sizes only, so it is built once per set of sizes (outside any CUDA
+graph capture: a new table during a capture is a counted fallback) and nothing is read on the
+host. The tensors' addresses are kernel arguments, so a captured step replays with the
+addresses it was captured with, as every captured kernel does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from hydra_kernels import controls
+from hydra_kernels.ops._custom_op import cdiv, device_guard, run_with_fallback
+
+#: Tensors one launch takes (the kernel's pointer tuple; a short last group is padded).
+GROUP = 32
+#: Elements one program reads (fp32: 32 KB), and its warps.
+BLOCK = 8192
+NUM_WARPS = 8
+#: A first program past every grid: padding entries of the table are never picked.
+NEVER = 1 << 62
+#: Input dtypes the kernel takes.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --- PyTorch reference ---------------------------------------------------------------------------
+
+
+def total_norm_ref(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """torch's ``get_total_norm(tensors, 2.0)``: each tensor's norm in its dtype, then their norm."""
+    return torch.nn.utils.get_total_norm(list(tensors), 2.0)
+
+
+# --- Triton kernel -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sq_sums_kernel(PTRS, TABLE, OUT, G: tl.constexpr, BLOCK: tl.constexpr):
+    # TABLE [2, G] int64: the first program of each tensor (ascending), then its size
+    pid = tl.program_id(0)
+    ptr = PTRS[0]
+    first = tl.load(TABLE)
+    size = tl.load(TABLE + G)
+    for j in tl.static_range(1, G):
+        first_j = tl.load(TABLE + j)
+        mine = pid >= first_j
+        ptr = tl.where(mine, PTRS[j], ptr)
+        size = tl.where(mine, tl.load(TABLE + G + j), size)
+        first = tl.where(mine, first_j, first)
+    offs = (pid - first).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(ptr + offs, mask=offs < size, other=0.0).to(tl.float32)
+    tl.store(OUT + pid, tl.sum(x * x, axis=0))
+
+
+# --- host launch plan ----------------------------------------------------------------------------
+
+
+class _Plan:
+    """The launches for one list of tensor sizes and dtypes on one device: groups of at most
+    GROUP same-dtype tensors, each with its table (a row of ``tables``) and its programs' slice
+    of the partial sums."""
+
+    def __init__(self, sizes: list[int], dtypes: list[torch.dtype], device: torch.device):
+        self.groups: list[tuple[list[int], int, int]] = []  # (tensor indices, first partial, programs)
+        rows: list[list[int]] = []
+        order = sorted(range(len(sizes)), key=lambda i: str(dtypes[i]))  # stable: same dtypes together
+        start = 0
+        i = 0
+        while i < len(order):
+            members = [order[i]]
+            while len(members) < GROUP and i + len(members) < len(order):
+                nxt = order[i + len(members)]
+                if dtypes[nxt] != dtypes[members[0]]:
+                    break
+                members.append(nxt)
+            firsts, total = [], 0
+            for m in members:
+                firsts.append(total)
+                total += max(1, cdiv(sizes[m], BLOCK))  # an empty tensor's program adds 0
+            pad = GROUP - len(members)
+            rows.append(firsts + [NEVER] * pad + [sizes[m] for m in members] + [0] * pad)
+            self.groups.append((members, start, total))
+            start += total
+            i += len(members)
+        self.partials = start
+        self.tables = torch.tensor(rows, dtype=torch.int64).to(device)  # [groups, 2·GROUP]
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        out = torch.empty(self.partials, dtype=torch.float32, device=tensors[0].device)
+        for g, (members, first, programs) in enumerate(self.groups):
+            ptrs = [tensors[m] for m in members]
+            ptrs += [ptrs[0]] * (GROUP - len(ptrs))
+            _sq_sums_kernel[(programs,)](
+                tuple(ptrs), self.tables[g], out[first:], G=GROUP, BLOCK=BLOCK, num_warps=NUM_WARPS
+            )
+        return out.sum().sqrt()
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(tensors: Sequence[torch.Tensor]) -> _Plan:
+    device = tensors[0].device
+    key = (device, tuple(t.numel() for t in tensors), tuple(t.dtype for t in tensors))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "total_norm: a new set of tensor sizes inside a CUDA graph capture (its table is "
+                "built by a host-to-device copy); call it once before capturing"
+            )
+        plan = _PLANS[key] = _Plan([t.numel() for t in tensors], [t.dtype for t in tensors], device)
+    return plan
+
+
+# --- public function -----------------------------------------------------------------------------
+
+
+def kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`total_norm` runs the kernel on ``tensors`` (else the reference)."""
+    if not tensors:
+        return False
+    device = tensors[0].device
+    for t in tensors:
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            return False  # DTensor and other subclasses: torch's norm knows their layout
+        if t.device != device or t.dtype not in KERNEL_DTYPES or not t.is_contiguous():
+            return False
+    return controls.triton_path("total_norm", *tensors)
+
+
+def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all elements of ``tensors`` together, 0-d: in fp32 from the kernel (see the
+    module docstring), or :func:`total_norm_ref`'s (torch's ``get_total_norm``) where the kernel
+    does not take the tensors. An empty list gives 0."""
+    tensors = list(tensors)
+    if not kernel_takes(tensors):
+        return total_norm_ref(tensors)
+
+    def launch() -> torch.Tensor:
+        with device_guard(tensors[0]):
+            return _plan(tensors).run(tensors)
+
+    return run_with_fallback("total_norm", launch, lambda: total_norm_ref(tensors))
