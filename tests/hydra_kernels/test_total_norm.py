@@ -28,6 +28,7 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(tn, "BLOCK", 64)
     monkeypatch.setattr(tn, "GROUP", 3)
     monkeypatch.setattr(tn, "_PLANS", {})
+    monkeypatch.setattr(tn, "MAX_PLANS", 4)
 
 
 def test_equals_fp64_across_groups_blocks_and_dtypes(seed, small_blocks):
@@ -48,6 +49,11 @@ def test_equals_fp64_across_groups_blocks_and_dtypes(seed, small_blocks):
     assert len(plan.groups) >= 4  # four dtype groups of at most 3 tensors
     # a second call reuses the plan and gives the same bits
     assert torch.equal(total_norm(ts), got) and len(tn._PLANS) == 1
+    # ever-new lists do not grow the plans past MAX_PLANS
+    for n in range(2, tn.MAX_PLANS + 5):
+        total_norm([ts[0], torch.ones(n, device=DEVICE)])
+    assert len(tn._PLANS) <= tn.MAX_PLANS
+    assert float(total_norm([torch.ones(9, device=DEVICE)])) == 3.0
 
 
 def test_a_model_s_gradients_in_one_group(seed):

@@ -120,6 +120,8 @@ class _Plan:
 
 
 _PLANS: dict[tuple, _Plan] = {}
+#: Plans kept at most (a training run needs one; callers with ever-new lists do not grow it).
+MAX_PLANS = 64
 
 
 def _plan(tensors: Sequence[torch.Tensor]) -> _Plan:
@@ -132,6 +134,8 @@ def _plan(tensors: Sequence[torch.Tensor]) -> _Plan:
                 "total_norm: a new set of tensor sizes inside a CUDA graph capture (its table is "
                 "built by a host-to-device copy); call it once before capturing"
             )
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
         plan = _PLANS[key] = _Plan([t.numel() for t in tensors], [t.dtype for t in tensors], device)
     return plan
 
