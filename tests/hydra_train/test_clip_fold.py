@@ -10,7 +10,14 @@ import copy
 import pytest
 import torch
 
-from hydra_train.optim import build_optimizer, clip_and_step, clip_divisor, folds_grad_clip, step_with
+from hydra_train.optim import (
+    build_optimizer,
+    clip_and_step,
+    clip_divisor,
+    folds_grad_clip,
+    kernel_step_groups,
+    step_with,
+)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LR, BETAS, EPS, WD = 3e-2, (0.9, 0.95), 1e-8, 0.1
@@ -64,20 +71,32 @@ def test_clip_and_step_equals_clipping_then_stepping(device, scale):
         history.append(grads)
         for p, q in zip(folded.parameters(), unfolded.parameters(), strict=True):
             q.grad = p.grad.clone()
+        by_kernel = kernel_step_groups(opts[0]) is not None  # hydra_kernels' AdamW (after step 1)
+        unclipped = [p.grad.clone() for p in folded.parameters()]
         clip_and_step(opts[0], list(folded.parameters()), 1.0)
         torch.nn.utils.clip_grad_norm_(list(unfolded.parameters()), 1.0)
-        for p, q in zip(folded.parameters(), unfolded.parameters(), strict=True):
-            # the fused kernel writes the clipped gradient back, as the multiply would have
-            torch.testing.assert_close(p.grad, q.grad, rtol=3e-7, atol=0)
+        for p, q, g in zip(folded.parameters(), unfolded.parameters(), unclipped, strict=True):
+            if by_kernel:  # hydra_kernels' AdamW leaves the gradients as they were
+                assert torch.equal(p.grad, g)
+            else:  # torch's fused kernel writes the clipped gradient back, as the multiply would have
+                torch.testing.assert_close(p.grad, q.grad, rtol=3e-7, atol=0)
         opts[1].step()
-        assert opts[0].grad_scale is None and opts[0].found_inf is None
+        assert getattr(opts[0], "grad_scale", None) is None and getattr(opts[0], "found_inf", None) is None
     decays = [WD if p.ndim >= 2 else 0.0 for p in folded.parameters()]
     want = _adamw_fp64(start, history, 1.0, decays)
     for p, q, w in zip(folded.parameters(), unfolded.parameters(), want, strict=True):
-        if scale < 1:  # nothing clipped: the divisor is exactly 1, the two paths round alike
+        if scale < 1 and not _kernel_path(device):  # nothing clipped: divisor 1, one kernel rounds alike
             assert torch.equal(p, q)
         torch.testing.assert_close(p.detach().double().cpu(), w, rtol=0, atol=2e-6)
         torch.testing.assert_close(p, q, rtol=0, atol=2e-6)
+
+
+def _kernel_path(device: str = "cpu") -> bool:
+    """Whether hydra_kernels' AdamW kernel steps an optimizer on ``device`` here (CUDA, or the
+    CPU under the Triton interpreter)."""
+    from hydra_kernels import controls
+
+    return controls.triton_path("adamw", torch.zeros(1, device=device))
 
 
 def test_clip_divisor_is_the_inverse_of_clip_grad_norms_factor():
@@ -102,7 +121,8 @@ def test_step_with_found_inf_skips_and_leaves_the_gradients():
         assert torch.equal(v, before[k]), k
     for p, g in zip(model.parameters(), grads, strict=True):
         assert torch.equal(p.grad, g)
-    assert opt.grad_scale is None and opt.found_inf is None
+    assert getattr(opt, "grad_scale", None) is None and getattr(opt, "found_inf", None) is None
+    assert (kernel_step_groups(opt) is not None) == _kernel_path()
 
 
 def test_step_with_refuses_an_optimizer_that_cannot_take_the_divisor():
@@ -171,3 +191,39 @@ def test_the_trainers_clipped_step_equals_clipping_then_stepping(bin_dataset, tm
         assert rec_a.norms[step] == pytest.approx(rec_b.norms[step], rel=1e-4)
     for k in model_a:
         torch.testing.assert_close(model_a[k], model_b[k], rtol=0, atol=1e-5)
+
+
+def test_which_optimizers_the_adamw_kernel_steps():
+    """kernel_step_groups: a fused AdamW whose state is built, without amsgrad or step hooks; one
+    entry a param group with gradients, the lists in the group's order."""
+    from hydra_kernels import controls
+
+    controls.set_use_triton_kernels(True)  # a trainer test before may have left them off
+    if not _kernel_path():
+        pytest.skip("hydra_kernels' AdamW runs on the CPU only under the Triton interpreter")
+    model = _model(2, "cpu")
+    opt = build_optimizer(model, lr=LR, weight_decay=WD, betas=BETAS).optimizer
+    _set_grads(model, torch.Generator().manual_seed(2), 1.0)
+    assert kernel_step_groups(opt) is None  # no state yet: torch's first step builds it
+    opt.step()
+    groups = kernel_step_groups(opt)
+    assert [g for g, _ in groups] == opt.param_groups
+    for group, (params, grads, m, v, steps) in groups:
+        assert params == list(group["params"])
+        assert all(g is p.grad for p, g in zip(params, grads, strict=True))
+        for p, mm, vv, t in zip(params, m, v, steps, strict=True):
+            st = opt.state[p]
+            assert mm is st["exp_avg"] and vv is st["exp_avg_sq"] and t is st["step"]
+    handle = opt.register_step_pre_hook(lambda *a: None)
+    assert kernel_step_groups(opt) is None  # hooks: torch's step runs them
+    handle.remove()
+    opt.param_groups[0]["amsgrad"] = True
+    assert kernel_step_groups(opt) is None
+    opt.param_groups[0]["amsgrad"] = False
+    assert kernel_step_groups(opt) is not None
+    plain = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    plain.step()
+    assert kernel_step_groups(plain) is None  # not fused
+    for p in model.parameters():
+        p.grad = None
+    assert kernel_step_groups(opt) is None  # nothing to step

@@ -42,8 +42,8 @@ from hydra_kernels.registry import OP_SPECS
 #: The ops, in the order status tables list them (hydra_kernels.registry, one entry each).
 OPS: tuple[str, ...] = tuple(spec.name for spec in OP_SPECS)
 
-#: Generation and no-grad forward kernels outside the registry (no ``hydra-kernels check`` or
-#: bench entry: forward only, tested in their own test modules): each has a switch
+#: Generation, no-grad forward and optimizer-step kernels outside the registry (no ``hydra-kernels
+#: check`` or bench entry: no autograd, tested in their own test modules): each has a switch
 #: (HYDRA_DISABLE_<stem>) and its run-time failures are counted with the others'. op -> stem.
 DECODE_OPS: dict[str, str] = {
     "router_decide": "ROUTER_DECIDE",
@@ -57,6 +57,7 @@ DECODE_OPS: dict[str, str] = {
     "kv_prefill": "KV_PREFILL",  # a prefill's attention cache: keys, values, mask, lengths (generation)
     "ccgqa_window_tiles": "CCGQA_WINDOW_TILES",  # CCGQA's conv weights as a decode window's tiles
     "total_norm": "TOTAL_NORM",  # a gradient clip's total norm (hydra-train's step, no grad)
+    "adamw": "ADAMW",  # AdamW's update over many tensors (hydra-train's step)
 }
 
 # op -> (environment stem of the forward switch, stem of the backward switch or None)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hydra_kernels.ops.adamw import adamw_step_
+from hydra_kernels.ops.adamw import kernel_takes as adamw_kernel_takes
 from hydra_kernels.ops.total_norm import total_norm
 
 if TYPE_CHECKING:
@@ -118,15 +120,59 @@ def step_with(
 ) -> None:
     """``opt.step()`` with a fused Adam's ``grad_scale`` (each gradient divided by it, the result
     written back: :func:`clip_divisor`) and ``found_inf`` (1: the update skipped on the device,
-    gradients untouched), cleared again afterwards so that a later step does not reuse them."""
+    gradients untouched), cleared again afterwards so that a later step does not reuse them.
+    Where :func:`kernel_step_groups` gives the groups, hydra_kernels' AdamW kernel steps them
+    instead: the same update, the gradients not written back."""
     if (grad_divisor is not None or found_inf is not None) and not folds_grad_clip(opt):
         name = f"{type(opt).__name__} (fused={opt.defaults.get('fused')})"
         raise TypeError(f"{name} takes no grad_scale/found_inf: pass None, or build a fused Adam/AdamW")
+    groups = kernel_step_groups(opt)
+    if groups is not None:
+        for group, lists in groups:
+            adamw_step_(*lists, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                        eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=grad_divisor,
+                        found_inf=found_inf)  # fmt: skip
+        return
     opt.grad_scale, opt.found_inf = grad_divisor, found_inf
     try:
         opt.step()
     finally:
         opt.grad_scale = opt.found_inf = None
+
+
+def kernel_step_groups(opt: torch.optim.Optimizer) -> list[tuple[dict, tuple[list, ...]]] | None:
+    """Each param group with its (parameters, gradients, moments, step counts) when hydra_kernels'
+    AdamW kernel is to step ``opt`` (``adamw_step_``: the same update as torch's fused AdamW, the
+    gradients left as they are), else None (then torch's own step runs): a fused torch AdamW
+    without amsgrad, maximize or step hooks, whose state is built (its first step is torch's), on
+    plain contiguous fp32 tensors where hydra_kernels' Triton path is on."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    if type(opt) is not torch.optim.AdamW or not opt.defaults.get("fused"):
+        return None
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        return None
+    if _global_optimizer_pre_hooks or _global_optimizer_post_hooks:
+        return None
+    out = []
+    for group in opt.param_groups:
+        if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
+            return None
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        states = [opt.state.get(p) for p in params]
+        if any(not st or "exp_avg" not in st for st in states):
+            return None
+        lists = (params, [p.grad for p in params], [st["exp_avg"] for st in states],
+                 [st["exp_avg_sq"] for st in states], [st["step"] for st in states])  # fmt: skip
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.device != params[0].device:
+            return None
+        if not adamw_kernel_takes(*lists):
+            return None
+        out.append((group, lists))
+    return out or None  # no gradients anywhere: torch's step (and its bookkeeping) as before
 
 
 def grad_norm_for_step(
@@ -149,7 +195,10 @@ def clip_and_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], max_no
     """``clip_grad_norm_(params, max_norm)`` (nothing when ``max_norm`` <= 0), then ``opt.step()``;
     the clip folded into the step where the optimizer can take it (:func:`folds_grad_clip`)."""
     if max_norm <= 0:
-        opt.step()
+        if folds_grad_clip(opt):
+            step_with(opt)
+        else:
+            opt.step()
         return
     norm, folded = grad_norm_for_step(opt, params, max_norm)
     if folded:

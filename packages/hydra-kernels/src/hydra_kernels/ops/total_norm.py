@@ -17,11 +17,9 @@ tensors' device and they are plain contiguous fp32/bf16/fp16 tensors, and the re
 otherwise (DTensors, other dtypes or layouts). A kernel failure is counted as a fallback and
 answered by the reference.
 
-The programs find their tensor from a small table of first programs and sizes, on the device:
-it depends on the tensors' sizes only, so it is built once per set of sizes (outside any CUDA
-graph capture: a new table during a capture is a counted fallback) and nothing is read on the
-host. The tensors' addresses are kernel arguments, so a captured step replays with the
-addresses it was captured with, as every captured kernel does.
+The programs find their tensor from a table of first programs and sizes on the device, built
+once per list of sizes (``_tensor_groups.py``; a new one inside a CUDA graph capture is refused,
+here a counted fallback), and nothing is read on the host.
 """
 
 from __future__ import annotations
@@ -33,15 +31,14 @@ import triton
 import triton.language as tl
 
 from hydra_kernels import controls
-from hydra_kernels.ops._custom_op import cdiv, device_guard, run_with_fallback
+from hydra_kernels.ops._custom_op import device_guard, run_with_fallback
+from hydra_kernels.ops._tensor_groups import TensorGroups, cached_plan, padded
 
 #: Tensors one launch takes (the kernel's pointer tuple; a short last group is padded).
 GROUP = 32
 #: Elements one program reads (fp32: 32 KB), and its warps.
 BLOCK = 8192
 NUM_WARPS = 8
-#: A first program past every grid: padding entries of the table are never picked.
-NEVER = 1 << 62
 #: Input dtypes the kernel takes.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -77,67 +74,28 @@ def _sq_sums_kernel(PTRS, TABLE, OUT, G: tl.constexpr, BLOCK: tl.constexpr):
 
 # --- host launch plan ----------------------------------------------------------------------------
 
-
-class _Plan:
-    """The launches for one list of tensor sizes and dtypes on one device: groups of at most
-    GROUP same-dtype tensors, each with its table (a row of ``tables``) and its programs' slice
-    of the partial sums."""
-
-    def __init__(self, sizes: list[int], dtypes: list[torch.dtype], device: torch.device):
-        self.groups: list[tuple[list[int], int, int]] = []  # (tensor indices, first partial, programs)
-        rows: list[list[int]] = []
-        order = sorted(range(len(sizes)), key=lambda i: str(dtypes[i]))  # stable: same dtypes together
-        start = 0
-        i = 0
-        while i < len(order):
-            members = [order[i]]
-            while len(members) < GROUP and i + len(members) < len(order):
-                nxt = order[i + len(members)]
-                if dtypes[nxt] != dtypes[members[0]]:
-                    break
-                members.append(nxt)
-            firsts, total = [], 0
-            for m in members:
-                firsts.append(total)
-                total += max(1, cdiv(sizes[m], BLOCK))  # an empty tensor's program adds 0
-            pad = GROUP - len(members)
-            rows.append(firsts + [NEVER] * pad + [sizes[m] for m in members] + [0] * pad)
-            self.groups.append((members, start, total))
-            start += total
-            i += len(members)
-        self.partials = start
-        self.tables = torch.tensor(rows, dtype=torch.int64).to(device)  # [groups, 2·GROUP]
-
-    def run(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        out = torch.empty(self.partials, dtype=torch.float32, device=tensors[0].device)
-        for g, (members, first, programs) in enumerate(self.groups):
-            ptrs = [tensors[m] for m in members]
-            ptrs += [ptrs[0]] * (GROUP - len(ptrs))
-            _sq_sums_kernel[(programs,)](
-                tuple(ptrs), self.tables[g], out[first:], G=GROUP, BLOCK=BLOCK, num_warps=NUM_WARPS
-            )
-        return out.sum().sqrt()
-
-
-_PLANS: dict[tuple, _Plan] = {}
+_PLANS: dict[tuple, TensorGroups] = {}
 #: Plans kept at most (a training run needs one; callers with ever-new lists do not grow it).
 MAX_PLANS = 64
 
 
-def _plan(tensors: Sequence[torch.Tensor]) -> _Plan:
-    device = tensors[0].device
-    key = (device, tuple(t.numel() for t in tensors), tuple(t.dtype for t in tensors))
-    plan = _PLANS.get(key)
-    if plan is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "total_norm: a new set of tensor sizes inside a CUDA graph capture (its table is "
-                "built by a host-to-device copy); call it once before capturing"
-            )
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _Plan([t.numel() for t in tensors], [t.dtype for t in tensors], device)
-    return plan
+def _plan(tensors: Sequence[torch.Tensor]) -> TensorGroups:
+    """Launch groups of one dtype each (``_tensor_groups.TensorGroups``), cached per list of sizes."""
+    device, sizes, dtypes = tensors[0].device, [t.numel() for t in tensors], [t.dtype for t in tensors]
+    key = (device, tuple(sizes), tuple(dtypes))
+    make = lambda: TensorGroups(sizes, dtypes, GROUP, BLOCK, device)
+    return cached_plan(_PLANS, key, make, "total_norm", device, MAX_PLANS)
+
+
+def _run(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    plan = _plan(tensors)
+    out = torch.empty(plan.programs, dtype=torch.float32, device=tensors[0].device)
+    for g, (members, first, programs) in enumerate(plan.groups):
+        _sq_sums_kernel[(programs,)](
+            padded(tensors, members, GROUP), plan.tables[g], out[first:], G=GROUP, BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return out.sum().sqrt()
 
 
 # --- public function -----------------------------------------------------------------------------
@@ -166,6 +124,6 @@ def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
     def launch() -> torch.Tensor:
         with device_guard(tensors[0]):
-            return _plan(tensors).run(tensors)
+            return _run(tensors)
 
     return run_with_fallback("total_norm", launch, lambda: total_norm_ref(tensors))

@@ -1,0 +1,252 @@
+"""adamw_step_: AdamW's update over many tensors (Triton, interpreted on the CPU) against an
+independent fp64 AdamW and against torch's fused AdamW, across launch groups and blocks; lr on
+the device, the clip's grad_scale, a found_inf skip; gradients left as they were; what takes the
+reference; a first launch's failure counted, a later one's raised; a capture on a GPU.
+
+Inputs are fresh random each test (the ``seed`` fixture); the seed is in every failure message.
+"""
+
+import math
+
+import pytest
+import torch
+
+from hydra_kernels import controls
+from hydra_kernels.ops import adamw as aw
+from hydra_kernels.ops.adamw import adamw_step_, adamw_step_ref_, kernel_takes
+
+from .conftest import DEVICE, NEEDS_TRITON, assert_compiles_for_sm90, build_sm90
+
+pytestmark = NEEDS_TRITON
+HP = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 64 elements and groups of 3 tensors: several programs a tensor and several
+    launches at test sizes."""
+    monkeypatch.setattr(aw, "BLOCK", 64)
+    monkeypatch.setattr(aw, "GROUP", 3)
+    monkeypatch.setattr(aw, "_PLANS", {})
+
+
+def _state(sizes, device=DEVICE):
+    params = [torch.randn(n, device=device) for n in sizes]
+    m = [torch.randn(n, device=device) * 1e-3 for n in sizes]
+    v = [torch.rand(n, device=device) * 1e-6 for n in sizes]
+    steps = [torch.tensor(float(s), device=device) for s in torch.randint(0, 20, (len(sizes),)).tolist()]
+    return params, m, v, steps
+
+
+def fp64_adamw(p, g, m, v, t, lr, beta1, beta2, eps, weight_decay, scale=1.0):
+    """Decoupled AdamW in float64, written out (step count t after its increment)."""
+    g = g / scale
+    p = p * (1 - lr * weight_decay)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
+    return p - lr * m_hat / (v_hat.sqrt() + eps), m, v
+
+
+@pytest.mark.parametrize("variant", ["float lr", "lr on device, grad_scale"])
+def test_three_steps_equal_fp64_adamw(seed, small_blocks, variant):
+    sizes = [1, 64, 65, 200, 7, 129, 3, 321]
+    params, m, v, steps = _state(sizes)
+    ref = [
+        (p.double(), a.double(), b.double(), float(t)) for p, a, b, t in zip(params, m, v, steps, strict=True)
+    ]
+    on_device = variant != "float lr"
+    lr = torch.tensor(3e-3, device=DEVICE) if on_device else 3e-3
+    falls = controls.fallback_counts().get("adamw", 0)
+    for _ in range(3):
+        grads = [torch.randn(n, device=DEVICE) * 1e-2 for n in sizes]
+        scale = torch.tensor(1.7, device=DEVICE) if on_device else None
+        kept = [g.clone() for g in grads]
+        assert kernel_takes(params, grads, m, v, steps)
+        adamw_step_(params, grads, m, v, steps, lr=lr, grad_scale=scale, **HP)
+        assert all(torch.equal(a, b) for a, b in zip(grads, kept, strict=True))  # gradients untouched
+        ref = [(*fp64_adamw(p, g.double(), a, b, t + 1, 3e-3, scale=1.7 if on_device else 1.0, **HP), t + 1)
+               for (p, a, b, t), g in zip(ref, grads, strict=True)]  # fmt: skip
+    assert controls.fallback_counts().get("adamw", 0) == falls  # the kernel ran
+    for i, (p, a, b, t) in enumerate(ref):
+        assert float(steps[i]) == t
+        # fp32 arithmetic: a few ulps of each value (the update itself is ~lr, far above them)
+        torch.testing.assert_close(params[i].double(), p, rtol=2e-6, atol=1e-7, msg=f"seed {seed}")
+        torch.testing.assert_close(m[i].double(), a, rtol=2e-6, atol=1e-9, msg=f"seed {seed}")
+        torch.testing.assert_close(v[i].double(), b, rtol=4e-6, atol=1e-12, msg=f"seed {seed}")
+    assert len(aw._PLANS) == 1 and len(next(iter(aw._PLANS.values())).groups) == 3
+
+
+def test_found_inf_skips_the_update_and_the_count(seed):
+    params, m, v, steps = _state([100, 5000])
+    before = [t.clone() for t in (*params, *m, *v, *steps)]
+    grads = [torch.randn_like(p) for p in params]
+    falls = controls.fallback_counts().get("adamw", 0)
+    for flag, changed in ((1.0, False), (0.0, True)):
+        adamw_step_(params, grads, m, v, steps, lr=1e-3, found_inf=torch.tensor(flag, device=DEVICE), **HP)
+        after = (*params, *m, *v, *steps)
+        same = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+        assert same != changed, f"seed {seed}: found_inf={flag}"
+    assert [float(t) for t in steps] == [float(b) + 1 for b in before[-2:]]
+    assert controls.fallback_counts().get("adamw", 0) == falls  # the kernel ran
+
+
+def test_equals_torch_fused_adamw(seed):
+    """Against torch's own fused AdamW (CPU or CUDA): five steps of a small model, lr 1e-2."""
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 9)).to(DEVICE)
+    twin = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    m = [torch.zeros_like(p) for p in twin]
+    v = [torch.zeros_like(p) for p in twin]
+    steps = [torch.zeros((), device=DEVICE) for _ in twin]
+    for _ in range(5):
+        grads = [torch.randn_like(p) for p in twin]
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        adamw_step_(twin, grads, m, v, steps, lr=1e-2, **HP)
+    assert controls.fallback_counts().get("adamw", 0) == 0 or not kernel_takes(twin, grads, m, v, steps)
+    for p, q in zip(model.parameters(), twin, strict=True):
+        torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6, msg=f"seed {seed}")
+    for p, mm, vv in zip(model.parameters(), m, v, strict=True):
+        # torch's fused kernel forms the moments with fmas: an ulp or two of values up to ~1 apart
+        torch.testing.assert_close(mm, opt.state[p]["exp_avg"], rtol=1e-5, atol=1e-6, msg=f"seed {seed}")
+        torch.testing.assert_close(vv, opt.state[p]["exp_avg_sq"], rtol=1e-5, atol=1e-6, msg=f"seed {seed}")
+
+
+def test_what_takes_the_reference_and_bad_inputs():
+    params, m, v, steps = _state([10, 20])
+    grads = [torch.randn_like(p) for p in params]
+    assert kernel_takes(params, grads, m, v, steps)
+    assert not kernel_takes([p.double() for p in params], grads, m, v, steps)
+    assert not kernel_takes(params, [g.half() for g in grads], m, v, steps)
+    assert not kernel_takes([torch.randn(4, 5, device=DEVICE).t()], grads[:1], m[:1], v[:1], steps[:1])
+    assert not kernel_takes([], [], [], [], [])
+    controls.set_op_enabled("adamw", False)
+    try:
+        assert not kernel_takes(params, grads, m, v, steps)
+    finally:
+        controls.set_op_enabled("adamw", True)
+    with pytest.raises(ValueError, match="different lengths"):
+        adamw_step_(params, grads[:1], m, v, steps, lr=1e-3, **HP)
+    with pytest.raises(ValueError, match="shape"):
+        adamw_step_(params, grads[::-1], m, v, steps, lr=1e-3, **HP)
+
+
+def test_the_reference_equals_fp64_adamw(seed):
+    params, m, v, steps = _state([33, 7])
+    p64 = [
+        (p.double(), a.double(), b.double(), float(t) + 1)
+        for p, a, b, t in zip(params, m, v, steps, strict=True)
+    ]
+    grads = [torch.randn_like(p) for p in params]
+    adamw_step_ref_(params, grads, m, v, steps, lr=2e-3, grad_scale=torch.tensor(2.0, device=DEVICE), **HP)
+    for i, (p, a, b, t) in enumerate(p64):
+        want = fp64_adamw(p, grads[i].double(), a, b, t, 2e-3, scale=2.0, **HP)[0]
+        torch.testing.assert_close(params[i].double(), want, rtol=2e-6, atol=1e-7, msg=f"seed {seed}")
+
+
+def test_a_first_launch_failure_is_counted_a_later_one_raised(monkeypatch, small_blocks):
+    params, m, v, steps = _state([100, 100, 100, 100])  # two launches of 3 and 1 tensors
+    grads = [torch.randn_like(p) for p in params]
+    want = (
+        [t.clone() for t in params],
+        [t.clone() for t in m],
+        [t.clone() for t in v],
+        [t.clone() for t in steps],
+    )
+    adamw_step_ref_(*want[:1], [g.clone() for g in grads], *want[1:], lr=1e-3, **HP)
+    real, calls = aw._adamw_kernel, []
+
+    class Broken:
+        def __init__(self, fail_at):
+            self.fail_at = fail_at
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(grid)
+                if len(calls) > self.fail_at:
+                    raise RuntimeError("no kernel today")
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(aw, "_adamw_kernel", Broken(0))
+    falls = controls.fallback_counts().get("adamw", 0)
+    with pytest.warns(RuntimeWarning):
+        adamw_step_(params, grads, m, v, steps, lr=1e-3, **HP)
+    assert controls.fallback_counts()["adamw"] == falls + 1
+    for got, exp in zip((params, m, v, steps), want, strict=True):
+        for a, b in zip(got, exp, strict=True):
+            torch.testing.assert_close(a, b)  # the reference's step, counted once
+    calls.clear()
+    monkeypatch.setattr(aw, "_adamw_kernel", Broken(1))
+    with pytest.raises(RuntimeError, match="launch 1 failed"):
+        adamw_step_(params, grads, m, v, steps, lr=1e-3, **HP)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_step_replays_like_eager_steps(seed):
+    sizes = [3, 70000, 8192]
+    a, b = _state(sizes, "cuda"), None
+    b = [[t.clone() for t in x] for x in a]
+    lr = torch.tensor(1e-3, device="cuda")
+    grads = [torch.randn(n, device="cuda") for n in sizes]
+    adamw_step_(*a[:1], grads, *a[1:], lr=lr, **HP)  # the table, before capture
+    adamw_step_(*b[:1], grads, *b[1:], lr=lr, **HP)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        adamw_step_(*a[:1], grads, *a[1:], lr=lr, **HP)
+    for _ in range(2):
+        for g in grads:
+            g.normal_()
+        graph.replay()
+        adamw_step_(*b[:1], grads, *b[1:], lr=lr, **HP)
+    torch.cuda.synchronize()
+    for x, y in zip(a, b, strict=True):
+        for s, t in zip(x, y, strict=True):
+            assert torch.equal(s, t), f"seed {seed}"
+
+
+def _compile_for_sm90() -> None:
+    """Runs in a subprocess without TRITON_INTERPRET (see the test below)."""
+    four = ("*fp32",) * 4
+    build_sm90(
+        aw._adamw_kernel,
+        {
+            "P": four,
+            "G": four,
+            "M": four,
+            "V": four,
+            "S": four,
+            "TABLE": "*i64",
+            "LR": "*fp32",
+            "SCALE": "*fp32",
+            "INF": "*fp32",
+            "lr_value": "fp32",
+            "log2_beta1": "fp32",
+            "log2_beta2": "fp32",
+            "beta1": "fp32",
+            "beta2": "fp32",
+            "eps": "fp32",
+            "weight_decay": "fp32",
+        },
+        {"LR_ON_DEVICE": True, "HAS_SCALE": True, "HAS_INF": True, "NG": 4, "BLOCK": aw.BLOCK},
+        aw.NUM_WARPS,
+        1,
+    )
+
+
+def test_kernel_compiles_for_hopper_without_a_gpu():
+    """The interpreter skips Triton's compiler: compile for sm_90 so GPU-only errors show here."""
+    assert_compiles_for_sm90(__file__)
+
+
+def test_log2_powers_match_pow():
+    """β^t as exp2(t·log2 β): within fp32 rounding of the direct power over a run's steps."""
+    t = torch.arange(1, 100001, dtype=torch.float64)
+    for beta in (0.9, 0.95, 0.999):
+        approx = 1 - torch.exp2(t.float() * math.log2(beta)).double()
+        exact = 1 - beta**t
+        # 1 − β^t in fp32 (torch's fused AdamW too) is off by up to an ulp of 1 where β^t ≈ 1
+        assert float((approx - exact).abs().max()) <= 2 * torch.finfo(torch.float32).eps

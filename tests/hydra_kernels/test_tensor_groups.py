@@ -1,0 +1,44 @@
+"""_tensor_groups: the launch tables of the many-tensor kernels (total_norm, adamw), by hand; the
+plan cache's limit and its refusal inside a CUDA graph capture."""
+
+import pytest
+import torch
+
+from hydra_kernels.ops._tensor_groups import NEVER, TensorGroups, cached_plan, padded
+
+
+def test_groups_and_tables_by_hand():
+    # sizes 130, 0, 5, 64 with keys a, b, a, a; groups of 2, blocks of 64
+    plan = TensorGroups([130, 0, 5, 64], ["a", "b", "a", "a"], 2, 64, torch.device("cpu"))
+    # key order a: 0, 2, 3; then b: 1. Groups: [0, 2], [3], [1] (a group holds one key)
+    assert [(m, first, n) for m, first, n in plan.groups] == [([0, 2], 0, 4), ([3], 4, 1), ([1], 5, 1)]
+    assert plan.programs == 6
+    assert plan.tables.tolist() == [
+        [0, 3, 130, 5],  # firsts: tensor 0 takes programs 0-2, tensor 2 program 3
+        [0, NEVER, 64, 0],  # a padded entry is never picked
+        [0, NEVER, 0, 0],  # an empty tensor still gets one program, which reads nothing
+    ]
+    ts = [torch.zeros(n) for n in (130, 0, 5, 64)]
+    assert padded(ts, [3], 2) == (ts[3], ts[3])
+
+
+def test_cached_plan_limit():
+    cache, made = {}, []
+
+    def make():
+        made.append(1)
+        return TensorGroups([3], [0], 4, 8, torch.device("cpu"))
+
+    first = cached_plan(cache, "k", make, "op", torch.device("cpu"), 2)
+    assert cached_plan(cache, "k", make, "op", torch.device("cpu"), 2) is first and len(made) == 1
+    cached_plan(cache, "k2", make, "op", torch.device("cpu"), 2)
+    cached_plan(cache, "k3", make, "op", torch.device("cpu"), 2)  # the cache held 2: emptied first
+    assert set(cache) == {"k3"} and len(made) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_new_plan_inside_a_capture_is_refused():
+    dev = torch.device("cuda")
+    message = "my_op: a new set of tensor sizes inside a CUDA graph capture"
+    with pytest.raises(RuntimeError, match=message), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        cached_plan({}, "k", lambda: TensorGroups([3], [0], 4, 8, dev), "my_op", dev, 4)
