@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hydra_train.optim import (
     build_optimizer,
@@ -216,6 +217,9 @@ def test_which_optimizers_the_adamw_kernel_steps():
             assert mm is st["exp_avg"] and vv is st["exp_avg_sq"] and t is st["step"]
     handle = opt.register_step_pre_hook(lambda *a: None)
     assert kernel_step_groups(opt) is None  # hooks: torch's step runs them
+    handle.remove()
+    handle = register_optimizer_step_post_hook(lambda *a: None)
+    assert kernel_step_groups(opt) is None  # every optimizer's hooks too
     handle.remove()
     opt.param_groups[0]["amsgrad"] = True
     assert kernel_step_groups(opt) is None

@@ -146,13 +146,17 @@ def kernel_step_groups(opt: torch.optim.Optimizer) -> list[tuple[dict, tuple[lis
     gradients left as they are), else None (then torch's own step runs): a fused torch AdamW
     without amsgrad, maximize or step hooks, whose state is built (its first step is torch's), on
     plain contiguous fp32 tensors where hydra_kernels' Triton path is on."""
-    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+    import torch.optim.optimizer as torch_optimizer
 
     if type(opt) is not torch.optim.AdamW or not opt.defaults.get("fused"):
         return None
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+    # step hooks (the optimizer's, or every optimizer's) run only in torch's step: take it then
+    if any(getattr(opt, name, None) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")):
         return None
-    if _global_optimizer_pre_hooks or _global_optimizer_post_hooks:
+    if any(
+        getattr(torch_optimizer, name, None)
+        for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    ):
         return None
     out = []
     for group in opt.param_groups:

@@ -101,8 +101,8 @@ def _adamw_kernel(
     LR_ON_DEVICE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, NG: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # TABLE [2, NG] int64: the first program of each tensor (ascending), then its size
-    # the table walk of _tensor_groups.py, the five pointers picked on one comparison an entry
+    # TABLE [2, NG] int64 (_tensor_groups.py): each tensor's first program (ascending), then its
+    # size; the five pointers are picked on one comparison an entry
     pid = tl.program_id(0)
     p_ptr, g_ptr, m_ptr, v_ptr, s_ptr = P[0], G[0], M[0], V[0], S[0]
     first = tl.load(TABLE)
