@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hydra_kernels.ops.adamw import adamw_step_
+from hydra_kernels.ops.adamw import adamw_kernel_step_
 from hydra_kernels.ops.adamw import kernel_takes as adamw_kernel_takes
 from hydra_kernels.ops.total_norm import total_norm
 
@@ -129,7 +129,7 @@ def step_with(
     groups = kernel_step_groups(opt)
     if groups is not None:
         for group, lists in groups:
-            adamw_step_(*lists, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+            adamw_kernel_step_(*lists, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                         eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=grad_divisor,
                         found_inf=found_inf)  # fmt: skip
         return
@@ -198,17 +198,11 @@ def grad_norm_for_step(
 def clip_and_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> None:
     """``clip_grad_norm_(params, max_norm)`` (nothing when ``max_norm`` <= 0), then ``opt.step()``;
     the clip folded into the step where the optimizer can take it (:func:`folds_grad_clip`)."""
-    if max_norm <= 0:
-        if folds_grad_clip(opt):
-            step_with(opt)
-        else:
-            opt.step()
-        return
-    norm, folded = grad_norm_for_step(opt, params, max_norm)
-    if folded:
-        step_with(opt, clip_divisor(norm, max_norm))
-    else:
-        opt.step()
+    divisor = None
+    if max_norm > 0:
+        norm, folded = grad_norm_for_step(opt, params, max_norm)
+        divisor = clip_divisor(norm, max_norm) if folded else None
+    step_with(opt, divisor)  # without a divisor: opt.step(), or hydra_kernels' AdamW for a fused one
 
 
 class LRSchedule:

@@ -57,6 +57,21 @@ class TensorGroups:
         self.tables = torch.tensor(rows, dtype=torch.int64).to(device)
 
 
+def plain_on_one_device(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> bool:
+    """Whether ``tensors`` (at least one) are plain tensors or parameters (not DTensors or other
+    subclasses, whose layout torch's own ops know), contiguous, of ``dtypes``, on one device:
+    what the many-tensor kernels read through their pointer tuples."""
+    if not tensors:
+        return False
+    device = tensors[0].device
+    for t in tensors:
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            return False
+        if t.device != device or t.dtype not in dtypes or not t.is_contiguous():
+            return False
+    return True
+
+
 def padded(tensors: Sequence[torch.Tensor], members: Sequence[int], group: int) -> tuple[torch.Tensor, ...]:
     """The launch's pointer tuple: its members, then its first member again up to ``group``."""
     picked = [tensors[i] for i in members]

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from hydra_kernels import controls
 from hydra_kernels.ops._custom_op import device_guard
-from hydra_kernels.ops._tensor_groups import TensorGroups, cached_plan, padded
+from hydra_kernels.ops._tensor_groups import TensorGroups, cached_plan, padded, plain_on_one_device
 
 #: Tensors one launch takes (five pointer tuples of this length; a short last group is padded).
 GROUP = 32
@@ -161,17 +161,12 @@ def _plan(params: Sequence[torch.Tensor]) -> TensorGroups:
 def kernel_takes(*lists: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`adamw_step_` runs the kernel on these lists (parameters, gradients, moments,
     step counts): plain contiguous fp32 tensors on one device, and the Triton path on there."""
-    params = lists[0]
-    if not params:
-        return False
-    device = params[0].device
-    for ts in lists:
-        for t in ts:
-            if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-                return False  # DTensor and other subclasses
-            if t.device != device or t.dtype != torch.float32 or not t.is_contiguous():
-                return False
-    return controls.triton_path("adamw", *params)
+    every = [t for ts in lists for t in ts]
+    return (
+        bool(lists[0])
+        and plain_on_one_device(every, (torch.float32,))
+        and controls.triton_path("adamw", *lists[0])  # one device for all: the parameters' decides
+    )
 
 
 def adamw_step_(
@@ -190,16 +185,35 @@ def adamw_step_(
     found_inf: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step in place (the module docstring); ``steps``: each tensor's 0-d step count,
-    incremented here. The kernel where :func:`kernel_takes`, else :func:`adamw_step_ref_`. A
-    failure of the first launch is counted as a fallback and answered by the reference; of a later
-    one, raised (the launches before it have updated their tensors)."""
+    incremented here. The kernel where :func:`kernel_takes` (:func:`adamw_kernel_step_`), else
+    :func:`adamw_step_ref_`."""
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
     if len({len(x) for x in lists}) != 1:
         raise ValueError(f"adamw_step_: lists of different lengths {[len(x) for x in lists]}")
     kw = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
-    if not kernel_takes(*lists):
+    if kernel_takes(*lists):
+        adamw_kernel_step_(*lists, grad_scale=grad_scale, found_inf=found_inf, **kw)
+    else:
         adamw_step_ref_(*lists, grad_scale=grad_scale, found_inf=found_inf, **kw)
-        return
+
+
+def adamw_kernel_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    **kw: float | torch.Tensor,
+) -> None:
+    """:func:`adamw_step_`'s kernel path (``kw``: its lr, beta1, beta2, eps, weight_decay), for a
+    caller that has asked :func:`kernel_takes` already (hydra-train's step asks once per
+    optimizer group). A failure of the first launch is counted as a fallback and answered by the
+    reference; of a later one, raised (the launches before it have updated their tensors)."""
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    lr, beta1, beta2 = kw["lr"], float(kw["beta1"]), float(kw["beta2"])
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         if not p.shape == g.shape == m.shape == v.shape:
             raise ValueError(
@@ -217,8 +231,9 @@ def adamw_step_(
                     lr if lr_on_device else dummy, dummy if grad_scale is None else grad_scale,
                     dummy if found_inf is None else found_inf,
                     0.0 if lr_on_device else float(lr), math.log2(beta1), math.log2(beta2), beta1, beta2,
-                    eps, weight_decay, LR_ON_DEVICE=lr_on_device, HAS_SCALE=grad_scale is not None,
-                    HAS_INF=found_inf is not None, NG=GROUP, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                    kw["eps"], kw["weight_decay"], LR_ON_DEVICE=lr_on_device,
+                    HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, NG=GROUP, BLOCK=BLOCK,
+                    num_warps=NUM_WARPS,
                 )  # fmt: skip
             except torch.OutOfMemoryError:
                 raise

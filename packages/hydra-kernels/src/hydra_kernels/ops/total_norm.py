@@ -32,7 +32,7 @@ import triton.language as tl
 
 from hydra_kernels import controls
 from hydra_kernels.ops._custom_op import device_guard, run_with_fallback
-from hydra_kernels.ops._tensor_groups import TensorGroups, cached_plan, padded
+from hydra_kernels.ops._tensor_groups import TensorGroups, cached_plan, padded, plain_on_one_device
 
 #: Tensors one launch takes (the kernel's pointer tuple; a short last group is padded).
 GROUP = 32
@@ -103,15 +103,7 @@ def _run(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`total_norm` runs the kernel on ``tensors`` (else the reference)."""
-    if not tensors:
-        return False
-    device = tensors[0].device
-    for t in tensors:
-        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-            return False  # DTensor and other subclasses: torch's norm knows their layout
-        if t.device != device or t.dtype not in KERNEL_DTYPES or not t.is_contiguous():
-            return False
-    return controls.triton_path("total_norm", *tensors)
+    return plain_on_one_device(tensors, KERNEL_DTYPES) and controls.triton_path("total_norm", *tensors)
 
 
 def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
