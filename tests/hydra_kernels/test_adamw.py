@@ -159,6 +159,8 @@ def test_a_first_launch_failure_is_counted_a_later_one_raised(monkeypatch, small
     real, calls = aw._adamw_kernel, []
 
     class Broken:
+        arg_names = real.arg_names  # what a launch plan reads off a jitted function
+
         def __init__(self, fail_at):
             self.fail_at = fail_at
 

@@ -105,6 +105,31 @@ def test_first_call_with_a_misaligned_pointer_never_caches(fast):
     assert fn.log[-1][0] == "direct"
 
 
+def test_pointer_tuples_are_checked_element_by_element(fast):
+    """A kernel's pointer tuple (the many-tensor ops') goes to the compiled kernel as the tuple,
+    and a misaligned member anywhere in it sends the call through the JIT."""
+    fn = _JitFn()
+    plan = _plan(fn)
+    a, b, c = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    plan((a, b), c, 7)
+    plan((a, b), c, 7)
+    assert [entry[0] for entry in fn.log] == ["jit", "direct"]
+    assert fn.log[1][1][9:] == ((a, b), c, 7, 64, True)
+    plan((a, b[1:]), c, 7)  # the second member 4 bytes off a 16-byte boundary
+    assert fn.log[-1][0] == "jit"
+    plan((b, a), c, 7)
+    assert fn.log[-1][0] == "direct"
+
+
+def test_a_tuple_of_non_tensors_never_caches(fast):
+    fn = _JitFn()
+    plan = _plan(fn)
+    c = torch.zeros(64)
+    for _ in range(2):
+        plan((1, 2), c, 7)
+    assert [entry[0] for entry in fn.log] == ["jit", "jit"] and plan.compiled is None
+
+
 def test_a_launcher_that_rejects_the_call_switches_direct_launches_off(fast):
     fn = _JitFn(fail_direct=True)
     plan = _plan(fn)

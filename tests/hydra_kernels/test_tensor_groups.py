@@ -42,3 +42,41 @@ def test_a_new_plan_inside_a_capture_is_refused():
     message = "my_op: a new set of tensor sizes inside a CUDA graph capture"
     with pytest.raises(RuntimeError, match=message), torch.cuda.graph(torch.cuda.CUDAGraph()):
         cached_plan({}, "k", lambda: TensorGroups([3], [0], 4, 8, dev), "my_op", dev, 4)
+
+
+def test_plans_used_in_a_capture_outlive_the_limit():
+    """A captured graph reads its plan's table at every replay: the cache never drops such a plan."""
+    cache = {}
+    make = lambda: TensorGroups([3], [0], 4, 8, torch.device("cpu"))
+    kept = cached_plan(cache, "k", make, "op", torch.device("cpu"), 2)
+    kept.captured = True  # what cached_plan records when the call comes inside a capture
+    cached_plan(cache, "k2", make, "op", torch.device("cpu"), 2)
+    cached_plan(cache, "k3", make, "op", torch.device("cpu"), 2)
+    assert cache == {"k": kept, "k3": cache["k3"]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_capture_marks_its_plan_kept():
+    dev = torch.device("cuda")
+    cache = {}
+    make = lambda: TensorGroups([3], [0], 4, 8, dev)
+    plan = cached_plan(cache, "k", make, "op", dev, 2)
+    assert not plan.captured
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        assert cached_plan(cache, "k", make, "op", dev, 2) is plan
+    assert plan.captured
+
+
+def test_group_launches_are_built_once_per_key():
+    plan = TensorGroups([100, 5, 7], [0, 0, 0], 2, 8, torch.device("cpu"))
+
+    class Fn:  # a jitted function's stand-in: its parameter names
+        arg_names = ("PTRS", "n", "BLOCK")
+
+    fn = Fn()
+    first = plan.launch(0, fn, {"BLOCK": 8}, 4)
+    assert plan.launch(0, fn, {"BLOCK": 8}, 4) is first
+    assert first.grid == (13 + 1, 1, 1)  # group 0: tensors 0 and 1, 13 + 1 programs of 8
+    assert plan.launch(1, fn, {"BLOCK": 8}, 4).grid == (1, 1, 1)
+    assert plan.launch(0, fn, {"BLOCK": 8}, 4, key=torch.float64) is not first
+    assert plan.launch(0, fn, {"BLOCK": 8}, 8) is not first

@@ -117,7 +117,7 @@ def _compile_for_sm90() -> None:
     """Runs in a subprocess without TRITON_INTERPRET (see the test below)."""
     build_sm90(
         tn._sq_sums_kernel,
-        {"PTRS": ("*fp32",) * 4, "TABLE": "*i64", "OUT": "*fp32"},
+        {"PTRS": ("*fp32",) * 4, "TABLE": "*i64", "OUT": "*fp32", "out_start": "i32"},
         {"G": 4, "BLOCK": tn.BLOCK},
         tn.NUM_WARPS,
         1,

@@ -87,9 +87,10 @@ def _disable(exc: BaseException) -> None:
 class LaunchPlan:
     """``fn[grid](*runtime_args, **constexprs, num_warps=..., num_stages=...)`` for one input
     layout on one device; call it with the runtime arguments only (the kernel's leading
-    parameters, in order; its ``tl.constexpr`` parameters must be the trailing ones)."""
+    parameters, in order; its ``tl.constexpr`` parameters must be the trailing ones). A runtime
+    argument may be a tuple of tensors (a kernel's pointer tuple): each is checked as a pointer."""
 
-    __slots__ = ("compiled", "device", "fn", "grid", "kwargs", "pointers", "tail")
+    __slots__ = ("compiled", "device", "fn", "grid", "kwargs", "pointers", "tail", "tuples")
 
     def __init__(
         self,
@@ -115,6 +116,7 @@ class LaunchPlan:
         self.device = device
         self.compiled: Any = None
         self.pointers: tuple[int, ...] = ()
+        self.tuples: tuple[int, ...] = ()  # arguments that are tuples of tensors
 
     def __call__(self, *args: Any) -> None:
         kernel = self.compiled
@@ -122,6 +124,9 @@ class LaunchPlan:
             bits = 0
             for i in self.pointers:
                 bits |= args[i].data_ptr()
+            for i in self.tuples:
+                for t in args[i]:
+                    bits |= t.data_ptr()
             if not bits & 15 and not (_hooks.launch_enter_hook.calls or _hooks.launch_exit_hook.calls):
                 g, stream = self.grid, _current_stream(self.device)
                 try:  # (grid, stream, function, metadata, launch metadata, enter/exit hooks, arguments)
@@ -142,10 +147,16 @@ class LaunchPlan:
         if _hooks is None and not _bind_runtime():
             return
         pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        tuples = tuple(i for i, a in enumerate(args) if isinstance(a, tuple))
         bits = 0
         for i in pointers:
             bits |= args[i].data_ptr()
+        for i in tuples:
+            if not all(isinstance(t, torch.Tensor) for t in args[i]):
+                return  # a tuple of other things: Triton specialises on it; keep the JIT
+            for t in args[i]:
+                bits |= t.data_ptr()
         usable = all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata"))
         if bits & 15 or not usable:
             return
-        self.compiled, self.pointers = kernel, pointers
+        self.compiled, self.pointers, self.tuples = kernel, pointers, tuples

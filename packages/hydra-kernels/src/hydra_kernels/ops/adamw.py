@@ -44,7 +44,8 @@ from hydra_kernels.ops._tensor_groups import TensorGroups, cached_plan, padded, 
 
 #: Tensors one launch takes (five pointer tuples of this length; a short last group is padded).
 GROUP = 32
-#: Elements one program updates, and its warps (1024/4 and 2048/8 ran level on an H100).
+#: Elements one program updates, and its warps (1024/4 and 2048/8 ran level on an H100 and an
+#: H200; a program updating 2-8 blocks in turn did not run faster: BENCHMARKS.md, 2026-11-27).
 BLOCK = 2048
 NUM_WARPS = 8
 #: Plans kept at most.
@@ -222,18 +223,26 @@ def adamw_kernel_step_(
     plan = _plan(params)
     lr_on_device = isinstance(lr, torch.Tensor)
     dummy = params[0]
+    lr_ptr = lr if lr_on_device else dummy
+    scale_ptr = dummy if grad_scale is None else grad_scale
+    inf_ptr = dummy if found_inf is None else found_inf
+    consts = {
+        "LR_ON_DEVICE": lr_on_device, "HAS_SCALE": grad_scale is not None, "HAS_INF": found_inf is not None,
+        "NG": GROUP, "BLOCK": BLOCK,
+    }  # fmt: skip
+    dtypes = (lr_ptr.dtype, scale_ptr.dtype, inf_ptr.dtype)  # the compiled kernel is typed by them
+    scalars = (
+        0.0 if lr_on_device else float(lr), math.log2(beta1), math.log2(beta2), beta1, beta2,
+        float(kw["eps"]), float(kw["weight_decay"]),
+    )  # fmt: skip
     with device_guard(params[0]):
         torch._foreach_add_(list(steps), 1)
-        for g_idx, (members, _, programs) in enumerate(plan.groups):
+        for g_idx, (members, _, _) in enumerate(plan.groups):
             try:
-                _adamw_kernel[(programs,)](
+                launch = plan.launch(g_idx, _adamw_kernel, consts, NUM_WARPS, dtypes)
+                launch(
                     *(padded(x, members, GROUP) for x in lists), plan.tables[g_idx],
-                    lr if lr_on_device else dummy, dummy if grad_scale is None else grad_scale,
-                    dummy if found_inf is None else found_inf,
-                    0.0 if lr_on_device else float(lr), math.log2(beta1), math.log2(beta2), beta1, beta2,
-                    kw["eps"], kw["weight_decay"], LR_ON_DEVICE=lr_on_device,
-                    HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, NG=GROUP, BLOCK=BLOCK,
-                    num_warps=NUM_WARPS,
+                    lr_ptr, scale_ptr, inf_ptr, *scalars,
                 )  # fmt: skip
             except torch.OutOfMemoryError:
                 raise

@@ -55,8 +55,10 @@ def total_norm_ref(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 @triton.jit
-def _sq_sums_kernel(PTRS, TABLE, OUT, G: tl.constexpr, BLOCK: tl.constexpr):
-    # TABLE [2, G] int64: the first program of each tensor (ascending), then its size
+def _sq_sums_kernel(PTRS, TABLE, OUT, out_start, G: tl.constexpr, BLOCK: tl.constexpr):
+    # TABLE [2, G] int64: the first program of each tensor (ascending), then its size; OUT is the
+    # whole sums buffer, this launch's programs write from out_start (a view there could start
+    # off a 16-byte boundary, which would keep the launch on Triton's JIT every call)
     pid = tl.program_id(0)
     ptr = PTRS[0]
     first = tl.load(TABLE)
@@ -69,7 +71,7 @@ def _sq_sums_kernel(PTRS, TABLE, OUT, G: tl.constexpr, BLOCK: tl.constexpr):
         first = tl.where(mine, first_j, first)
     offs = (pid - first).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(ptr + offs, mask=offs < size, other=0.0).to(tl.float32)
-    tl.store(OUT + pid, tl.sum(x * x, axis=0))
+    tl.store(OUT + out_start + pid, tl.sum(x * x, axis=0))
 
 
 # --- host launch plan ----------------------------------------------------------------------------
@@ -90,11 +92,10 @@ def _plan(tensors: Sequence[torch.Tensor]) -> TensorGroups:
 def _run(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     plan = _plan(tensors)
     out = torch.empty(plan.programs, dtype=torch.float32, device=tensors[0].device)
-    for g, (members, first, programs) in enumerate(plan.groups):
-        _sq_sums_kernel[(programs,)](
-            padded(tensors, members, GROUP), plan.tables[g], out[first:], G=GROUP, BLOCK=BLOCK,
-            num_warps=NUM_WARPS,
-        )  # fmt: skip
+    consts = {"G": GROUP, "BLOCK": BLOCK}
+    for g, (members, first, _) in enumerate(plan.groups):
+        launch = plan.launch(g, _sq_sums_kernel, consts, NUM_WARPS)
+        launch(padded(tensors, members, GROUP), plan.tables[g], out, first)
     return out.sum().sqrt()
 
 
