@@ -33,3 +33,22 @@ def _own_pretest_records(tmp_path, monkeypatch):
     except ImportError:  # pragma: no cover - hydra-train not installed
         return
     monkeypatch.setattr(pretest_log, "shared_pretest_dir", lambda: tmp_path / "machine-pretests")
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernel_switches():
+    """Each test finds hydra_kernels' switches (the Triton path, Liger's CE, each op's) as the
+    environment set them: a test that turns them off, as hydra-train's SafeOptimizations toggles
+    do, does not decide which path the tests after it run."""
+    try:
+        from hydra_kernels.options import OPTIONS
+    except ImportError:  # pragma: no cover - hydra-kernels not installed
+        yield
+        return
+    ops = {op: (sw.forward, sw.backward) for op, sw in OPTIONS.ops.items()}
+    triton, liger_ce = OPTIONS.triton, OPTIONS.liger_ce
+    yield
+    OPTIONS.triton, OPTIONS.liger_ce = triton, liger_ce
+    for op, (forward, backward) in ops.items():
+        if op in OPTIONS.ops:
+            OPTIONS.ops[op].forward, OPTIONS.ops[op].backward = forward, backward

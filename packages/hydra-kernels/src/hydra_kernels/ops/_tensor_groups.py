@@ -13,8 +13,9 @@ it was captured with, as every captured kernel does). Building one copies its ta
 device, which a CUDA graph capture does not allow: :func:`cached_plan` refuses it there.
 
 Each group's launch is a ``_launch.LaunchPlan``: after the first call through Triton's JIT the
-compiled kernel is called directly. Binding a launch's 160-odd pointer arguments through the JIT
-took about 0.2 ms of host time a launch on an H200, which an eager (not graphed) step pays.
+compiled kernel is called directly. Binding an AdamW launch's 160-odd pointer arguments through
+the JIT took 0.14-0.23 ms of host time a launch on an H100 (BENCHMARKS.md, 2026-11-27), which an
+eager (not graphed) step pays at every launch.
 """
 
 from __future__ import annotations
