@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from hydra_kernels import controls
 from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
 from hydra_kernels.ops import tile_linear as tl_mod
-from hydra_kernels.ops.tile_linear import pack_tiles, pack_tiles_many, tile_linear, tile_linear_ref
+from hydra_kernels.ops.tile_linear import (
+    TiledWeight,
+    pack_tiles,
+    pack_tiles_many,
+    tile_linear,
+    tile_linear_ref,
+)
 
 from .conftest import DEVICE, NEEDS_TRITON, assert_compiles_for_sm90, build_sm90
 
@@ -159,6 +165,43 @@ def test_switched_off_it_runs_the_reference_and_bad_shapes_raise():
         tile_linear(torch.randn(2, 31, device=DEVICE), packed)
     with pytest.raises(ValueError, match=r"bias must be \[32\]"):
         tile_linear(x, packed, torch.zeros(3, device=DEVICE))
+
+
+@pytest.mark.parametrize("switch", ["kernel on", "kernel off"])
+def test_a_bad_index_or_tiles_raise_on_every_path(switch):
+    """A weight whose index or tiles no path can use is the caller's error, raised by name, not
+    a kernel failure counted as a fallback (whichever path the switch picks)."""
+    dense = sparse_weight(32, 32, 16, 16, 0.5, torch.float32)
+    packed = pack_tiles(dense.to(DEVICE), 16, 16)
+    x = torch.randn(2, 32, device=DEVICE)
+    controls.set_op_enabled("tile_linear", switch == "kernel on")
+    falls = controls.fallback_counts().get("tile_linear", 0)
+    bad = {
+        "int64": TiledWeight(packed.tiles, packed.index.long(), 32, 32),
+        "shape": TiledWeight(packed.tiles, packed.index[:1].contiguous(), 32, 32),  # a block row short
+        "device": TiledWeight(packed.tiles, packed.index.to("meta"), 32, 32),
+    }
+    for name, weight in bad.items():
+        with pytest.raises(ValueError, match="the weight's index must be"):
+            tile_linear(x, weight)
+            pytest.fail(f"a bad index ({name}) ran")
+    with pytest.raises(ValueError, match=r"the weight's tiles must be .* on x's device"):
+        tile_linear(x, TiledWeight(packed.tiles.to("meta"), packed.index.to("meta"), 32, 32))
+    assert controls.fallback_counts().get("tile_linear", 0) == falls
+
+
+def test_non_contiguous_tiles_run_the_kernel(seed):
+    """Tiles or index that are views out of order are copied for the kernel, not a fallback."""
+    dense = sparse_weight(32, 48, 16, 16, 0.6, torch.float32).to(DEVICE)
+    packed = pack_tiles(dense, 16, 16)
+    swapped = packed.tiles.transpose(2, 3).contiguous().transpose(2, 3)  # same values, strided
+    index = torch.stack([packed.index, packed.index], -1)[..., 0]  # same values, strided
+    assert not swapped.is_contiguous() and not index.is_contiguous()
+    falls = controls.fallback_counts().get("tile_linear", 0)
+    x = torch.randn(3, 48, device=DEVICE)
+    got = tile_linear(x, TiledWeight(swapped, index, 32, 48))
+    assert torch.equal(got, tile_linear(x, packed))
+    assert controls.fallback_counts().get("tile_linear", 0) == falls
 
 
 def _compile_for_sm90() -> None:

@@ -192,6 +192,7 @@ _PLANS = plan_cache()
 
 
 def _check(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None) -> None:
+    """Inputs that no path can use: a ValueError naming them on every path (not a kernel fallback)."""
     if x.dim() not in (2, 3) or x.shape[-1] != weight.in_features:
         raise ValueError(
             f"tile_linear: x must be [B, {weight.in_features}] or [G, B, {weight.in_features}], "
@@ -199,6 +200,17 @@ def _check(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None) -> N
         )
     if bias is not None and bias.shape != (weight.out_features,):
         raise ValueError(f"tile_linear: bias must be [{weight.out_features}], got {tuple(bias.shape)}")
+    tiles, index = weight.tiles, weight.index
+    if tiles.dim() != 4 or tiles.device != x.device:
+        raise ValueError(
+            f"tile_linear: the weight's tiles must be [NB, NNZ, block_n, block_k] on x's device "
+            f"{x.device} (pack_tiles makes them), got {list(tiles.shape)} on {tiles.device}"
+        )
+    if index.dtype != torch.int32 or index.shape != tiles.shape[:2] or index.device != tiles.device:
+        raise ValueError(
+            f"tile_linear: the weight's index must be {list(tiles.shape[:2])} int32 on {tiles.device} "
+            f"(pack_tiles makes it), got {index.dtype} {list(index.shape)} on {index.device}"
+        )
 
 
 def tile_linear_launch(
@@ -244,6 +256,9 @@ def tile_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None 
     _check(x, weight, bias)
     if x.stride(-1) != 1:  # the kernel reads rows with unit stride
         x = x.contiguous()
+    if not (weight.tiles.is_contiguous() and weight.index.is_contiguous()):  # the kernel's layout
+        weight = TiledWeight(weight.tiles.contiguous(), weight.index.contiguous(), weight.out_features,
+                             weight.in_features)  # fmt: skip
     if not (x.dtype in KERNEL_DTYPES and controls.triton_path("tile_linear", x, weight.tiles)):
         return tile_linear_ref(x, weight, bias)
     return run_with_fallback(
