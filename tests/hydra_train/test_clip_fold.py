@@ -231,3 +231,25 @@ def test_which_optimizers_the_adamw_kernel_steps():
     for p in model.parameters():
         p.grad = None
     assert kernel_step_groups(opt) is None  # nothing to step
+
+
+def test_a_torch_scheduler_after_a_kernel_step_does_not_warn():
+    """A run resumed with its optimizer state: its first step is the AdamW kernel's, not
+    ``opt.step()``; a torch lr_scheduler built before it must not warn that it stepped first."""
+    import warnings
+
+    from hydra_kernels import controls
+
+    controls.set_use_triton_kernels(True)
+    if not _kernel_path():
+        pytest.skip("hydra_kernels' AdamW runs on the CPU only under the Triton interpreter")
+    model = _model(2, "cpu")
+    opt = build_optimizer(model, lr=LR, weight_decay=WD, betas=BETAS).optimizer
+    _set_grads(model, torch.Generator().manual_seed(3), 1.0)
+    opt.step()  # the state a checkpoint would restore
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    assert kernel_step_groups(opt) is not None
+    step_with(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched.step()

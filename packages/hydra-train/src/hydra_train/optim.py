@@ -132,6 +132,10 @@ def step_with(
             adamw_kernel_step_(*lists, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                         eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=grad_divisor,
                         found_inf=found_inf)  # fmt: skip
+        if getattr(opt.step, "_wrapped_by_lr_sched", False):
+            # what torch's lr_scheduler records when opt.step() runs: without it, a scheduler
+            # whose first step follows a kernel step (a resumed run's) warns it came first
+            opt._opt_called = True
         return
     opt.grad_scale, opt.found_inf = grad_divisor, found_inf
     try:
