@@ -61,7 +61,6 @@ class TensorGroups:
             i += len(members)
         self.programs = start
         self.tables = torch.tensor(rows, dtype=torch.int64).to(device)
-        self.device_index = device.index if device.index is not None else 0
         self._launches: dict[Hashable, LaunchPlan] = {}
         self.captured = False  # used inside a CUDA graph capture (cached_plan keeps it)
 
@@ -72,8 +71,8 @@ class TensorGroups:
         full = (g, fn, key, tuple(constexprs.items()), num_warps)
         plan = self._launches.get(full)
         if plan is None:
-            grid = (self.groups[g][2],)
-            plan = self._launches[full] = LaunchPlan(fn, grid, constexprs, num_warps, 3, self.device_index)
+            grid, device = (self.groups[g][2],), max(self.tables.get_device(), 0)  # (−1 on the CPU)
+            plan = self._launches[full] = LaunchPlan(fn, grid, constexprs, num_warps, 3, device)
         return plan
 
 
