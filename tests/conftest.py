@@ -37,9 +37,10 @@ def _own_pretest_records(tmp_path, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _restore_kernel_switches():
-    """Each test finds hydra_kernels' switches (the Triton path, Liger's CE, each op's) as the
-    environment set them: a test that turns them off, as hydra-train's SafeOptimizations toggles
-    do, does not decide which path the tests after it run."""
+    """hydra_kernels' switches (the Triton path, Liger's CE, each op's) are put back after each
+    test as it found them: a test that turns them off, as hydra-train's SafeOptimizations toggles
+    do, does not decide which path the tests after it run. A module- or session-scoped fixture's
+    changes are not undone here (it runs before this fixture's snapshot)."""
     try:
         from hydra_kernels.options import OPTIONS
     except ImportError:  # pragma: no cover - hydra-kernels not installed
