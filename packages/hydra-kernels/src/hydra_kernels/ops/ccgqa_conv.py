@@ -144,27 +144,27 @@ def _head_rows(base, rows, stride_wt, head, D: tl.constexpr, mask):
 
 
 @triton.jit
-def _qk_mean_rows(
-    base, rows, stride_t, g, N_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, mask,
+def _qk_mean_cross(
+    acc, base, rows, stride_t, g, N_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, mask,
     TRANSPOSE: tl.constexpr,
 ):  # fmt: skip
-    """Head g's q-k mean term at rows ``rows`` (the tokens' own rows; ``base`` a sequence's first
-    row, ``stride_t`` a row's stride), fp32 [rows, D]: a query head's own / 2 + its key head's /
-    2, a key head's own / 2 + its query heads' sum / (2G). ``TRANSPOSE`` (read from dz: what the
-    window's rows get back) swaps the two cross weights: its key head's / (2G), its query heads'
-    sum / 2."""
+    """acc + head g's q-k mean term from the other heads' rows at ``rows`` (the tokens' own rows;
+    ``base`` a sequence's first row, ``stride_t`` a row's stride), fp32 [rows, D]: a query head
+    gets its key head's / 2, a key head its query heads' sum / (2G). ``TRANSPOSE`` (read from dz:
+    what the window's rows get back) swaps the two weights: its key head's / (2G), each query
+    head's / 2. The head's own rows / 2 are the caller's (its last tap's tile). One head's rows
+    at a time, in a loop the compiler does not unroll: loading a key head's G query heads at once
+    held G more fp32 tiles live beside the accumulator (243 registers a thread, two programs an
+    SM; packages/hydra-kernels/BENCHMARKS.md, 2026-11-28)."""
     key_w: tl.constexpr = 0.5 / GROUP if TRANSPOSE else 0.5
     query_w: tl.constexpr = 0.5 if TRANSPOSE else 0.5 / GROUP
-    own = 0.5 * _head_rows(base, rows, stride_t, g, D, mask)
     if g < N_Q:
-        out = own + key_w * _head_rows(base, rows, stride_t, N_Q + g // GROUP, D, mask)
+        acc += key_w * _head_rows(base, rows, stride_t, N_Q + g // GROUP, D, mask)
     else:
         j = g - N_Q
-        acc = _head_rows(base, rows, stride_t, j * GROUP, D, mask)
-        for i in tl.static_range(1, GROUP):
-            acc += _head_rows(base, rows, stride_t, j * GROUP + i, D, mask)
-        out = own + query_w * acc
-    return out
+        for i in tl.range(0, GROUP):
+            acc += query_w * _head_rows(base, rows, stride_t, j * GROUP + i, D, mask)
+    return acc
 
 
 @triton.jit
@@ -178,8 +178,12 @@ def _ccgqa_conv_fwd_kernel(
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     ch = tl.arange(0, D)
     t_mask = t < n
-    src = WIN + b.to(tl.int64) * stride_wb + g * D
+    seq = WIN + b.to(tl.int64) * stride_wb
+    src = seq + g * D
     acc = tl.zeros((BLOCK_T, D), dtype=tl.float32)
+    if N_Q > 0:  # the q-k mean's other heads, before the products (fewer registers live)
+        own = (t + K - 1 - PAD).to(tl.int64)  # the tokens' own rows: offset K − 1, always stored
+        acc = _qk_mean_cross(acc, seq, own, stride_wt, g, N_Q, GROUP, D, t_mask, False)
     for s in tl.static_range(K):
         rows = (t + s - PAD).to(tl.int64)  # PAD leading rows of the window are zeros, not stored
         m = t_mask & (rows >= 0) if PAD > 0 else t_mask
@@ -187,11 +191,9 @@ def _ccgqa_conv_fwd_kernel(
         # W[g, s] is [out, in]: read it as [in, out] for a @ w
         w = tl.load(W + (g * K + s) * D * D + ch[None, :] * D + ch[:, None])
         acc = _dot_acc(acc, a, w, IEEE)
+        if N_Q > 0 and s == K - 1:  # the q-k mean's own half: the last tap's rows
+            acc += 0.5 * a.to(tl.float32)
     acc += tl.load(BIAS + g * D + ch).to(tl.float32)[None, :]
-    if N_Q > 0:  # the q-k mean of the tokens' own rows (offset K − 1: always stored)
-        own = (t + K - 1 - PAD).to(tl.int64)
-        seq = WIN + b.to(tl.int64) * stride_wb
-        acc += _qk_mean_rows(seq, own, stride_wt, g, N_Q, GROUP, D, t_mask, False)
     out = (b.to(tl.int64) * n + t) * N_HEADS + g  # z is [B, n, G, d], contiguous
     z = to_output_dtype(acc, Z.dtype.element_ty)
     tl.store(Z + out[:, None] * D + ch[None, :], z, mask=t_mask[:, None])
@@ -210,6 +212,11 @@ def _ccgqa_conv_dwin_kernel(
     ch = tl.arange(0, D)
     length = n + K - 1 - PAD
     acc = tl.zeros((BLOCK_T, D), dtype=tl.float32)
+    if N_Q > 0:  # window row r is token r − K + 1's own row: the q-k mean's transpose
+        tok = r - (K - 1)
+        m = (tok >= 0) & (tok < n)
+        acc = _qk_mean_cross(acc, DZ + b.to(tl.int64) * n * N_HEADS * D, tok.to(tl.int64), N_HEADS * D,
+                             g, N_Q, GROUP, D, m, True)  # fmt: skip
     for s in tl.static_range(K):
         rows = r - s  # the output rows that read window row r at offset s
         m = (rows >= 0) & (rows < n)
@@ -217,11 +224,8 @@ def _ccgqa_conv_dwin_kernel(
         a = tl.load(DZ + src[:, None] * D + ch[None, :], mask=m[:, None], other=0.0)
         w = tl.load(W + (g * K + s) * D * D + ch[:, None] * D + ch[None, :])  # [out, in]
         acc = _dot_acc(acc, a, w, IEEE)
-    if N_Q > 0:  # window row r is token r − K + 1's own row: the q-k mean's transpose
-        tok = r - (K - 1)
-        m = (tok >= 0) & (tok < n)
-        acc += _qk_mean_rows(DZ + b.to(tl.int64) * n * N_HEADS * D, tok.to(tl.int64), N_HEADS * D, g,
-                             N_Q, GROUP, D, m, True)  # fmt: skip
+        if N_Q > 0 and s == K - 1:  # dz of the token whose own row r is: the mean's own half
+            acc += 0.5 * a.to(tl.float32)
     dst = (b.to(tl.int64) * length + r_out) * (N_HEADS * D) + g * D  # dwin is [B, n + K − 1 − PAD, C]
     tl.store(DWIN + dst[:, None] + ch[None, :], to_output_dtype(acc, DWIN.dtype.element_ty),
              mask=(r_out < length)[:, None])  # fmt: skip
