@@ -130,6 +130,7 @@ def test_switched_off_it_runs_the_reference_and_bad_inputs_raise():
             ccgqa_window_tiles(params, index[:1], 16, 16)
 
 
+@pytest.mark.fallback_expected
 def test_a_misplaced_parameter_is_a_counted_fallback():
     """A non-contiguous parameter is refused by the launcher: counted, answered by the reference."""
     params = [tuple(t.to(DEVICE) for t in p) for p in _params(1, 32, 16, 2, 2, torch.float32)]

@@ -40,6 +40,7 @@ def test_a_slightly_wrong_kernel_fails(monkeypatch):
     assert "FAIL" in r.items["out0"] and r.items["grad[0]"].startswith("ok")
 
 
+@pytest.mark.fallback_expected
 @pytest.mark.skipif(not INTERPRETED, reason="needs the Triton interpreter on the CPU")
 def test_a_kernel_that_falls_back_fails_the_check(monkeypatch):
     def broken(*args):

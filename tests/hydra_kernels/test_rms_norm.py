@@ -212,6 +212,7 @@ def test_kernels_switched_off_run_reference(monkeypatch, seed):
     assert controls.fallback_counts()["rms_norm"] == 0
 
 
+@pytest.mark.fallback_expected
 @pytest.mark.parametrize("stage", ["forward", "backward"])
 def test_triton_failure_falls_back_counted_and_warned_once(stage, monkeypatch, seed):
     def broken(*args):
@@ -232,6 +233,7 @@ def test_triton_failure_falls_back_counted_and_warned_once(stage, monkeypatch, s
     assert "simulated" in controls.get_kernel_status()["ops"]["rms_norm"]["last_error"]
 
 
+@pytest.mark.fallback_expected
 def test_too_wide_rows_fall_back_visibly(seed):
     x, w = _randn(2, MAX_FUSED_DIM + 1), _weight(MAX_FUSED_DIM + 1)
     with pytest.warns(RuntimeWarning, match="exceed"):

@@ -82,7 +82,8 @@ def make_case(
     w = (torch.randn(dim, device=DEVICE) / math.sqrt(dim) * 3).to(dtype)
     b = (0.2 * torch.randn((), device=DEVICE)).to(dtype)
     cap_q = max(1, round(cap * ONE))
-    case = Case(h, w, b, torch.zeros((), device=DEVICE), pos, torch.zeros(batch, dtype=torch.long), cap_q)
+    count = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+    case = Case(h, w, b, torch.zeros((), device=DEVICE), pos, count, cap_q)
     case.tau = case.logit64().median().float() + 0.01  # not exactly on a row's logit
     budget = case.budget()
     if binding:
@@ -170,8 +171,8 @@ def test_count_advances_only_where_taken(seed):
     before = case.count.clone()
     count = case.count.clone()
     ptr = count.data_ptr()
-    taken = torch.zeros(12, dtype=torch.bool)
-    weight, flag = torch.zeros(12), torch.tensor(True)
+    taken = torch.zeros(12, dtype=torch.bool, device=DEVICE)
+    weight, flag = torch.zeros(12, device=DEVICE), torch.tensor(True, device=DEVICE)
     router_decide(
         case.h, case.w, case.b, case.tau, case.pos, count, case.cap_q, BITS, ONE, EPS, taken, weight, flag
     )
