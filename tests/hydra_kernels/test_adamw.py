@@ -1,7 +1,8 @@
 """adamw_step_: AdamW's update over many tensors (Triton, interpreted on the CPU) against an
 independent fp64 AdamW and against torch's fused AdamW, across launch groups and blocks; lr on
-the device, the clip's grad_scale, a found_inf skip; gradients left as they were; what takes the
-reference; a first launch's failure counted, a later one's raised; a capture on a GPU.
+the device, the clip's grad_scale, a found_inf skip; gradients left as they were; β = 0 and many
+lists (a plan each) against torch's own AdamW; what takes the reference; a first launch's failure
+counted, a later one's raised; a capture on a GPU.
 
 Inputs are fresh random each test (the ``seed`` fixture); the seed is in every failure message.
 """
@@ -186,6 +187,80 @@ def test_a_first_launch_failure_is_counted_a_later_one_raised(monkeypatch, small
     monkeypatch.setattr(aw, "_adamw_kernel", Broken(1))
     with pytest.raises(RuntimeError, match="launch 1 failed"):
         adamw_step_(params, grads, m, v, steps, lr=1e-3, **HP)
+
+
+def _torch_twin(params, groups, **hp):
+    """torch.optim.AdamW's own (non-fused) step on fp64 CPU copies of ``params``, a param group
+    each (``groups``) or one for all."""
+    twin = [torch.nn.Parameter(p.double().cpu()) for p in params]
+    spec = [{"params": [q]} for q in twin] if groups else twin
+    return twin, torch.optim.AdamW(spec, foreach=False, **hp)
+
+
+def _assert_equals_twin(params, m, v, twin, opt, seed):
+    """The fp32 state against the fp64 twin's: a few ulps of values of the gradients' size (~1)."""
+    for i, q in enumerate(twin):
+        got, want = (params[i], m[i], v[i]), (q.detach(), opt.state[q]["exp_avg"], opt.state[q]["exp_avg_sq"])
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), got, want, strict=True):
+            msg = lambda text, name=name: f"seed {seed}, tensor {i}'s {name}: {text}"  # noqa: B023
+            torch.testing.assert_close(a.double().cpu(), b, rtol=4e-6, atol=2e-7, msg=msg)
+
+
+@pytest.mark.parametrize("face", ["kernel", "reference"])
+@pytest.mark.parametrize("betas", [(0.0, 0.0), (0.0, 0.95), (0.9, 0.0)])
+def test_zero_betas_equal_torch_adamw(seed, betas, face):
+    """β = 0, which torch allows (0 ≤ β < 1): β^t = 0 from the first step on, as in torch's own
+    AdamW (log2 0 raised a math domain error)."""
+    hp = {"lr": 1e-2, "betas": betas, "eps": 1e-8, "weight_decay": 0.1}
+    params = [torch.randn(n, device=DEVICE) for n in (5, 3000)]
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros((), device=DEVICE) for _ in params]
+    twin, opt = _torch_twin(params, False, **hp)
+    step = adamw_step_ if face == "kernel" else adamw_step_ref_
+    for _ in range(3):  # the first step (t = 1) included
+        # |g| from 0.5 to 1.5: with β2 = 0 the update is m̂ / |g|, which would magnify fp32 rounding
+        grads = [(torch.rand_like(p) + 0.5) * torch.randn_like(p).sign() for p in params]
+        for q, g in zip(twin, grads, strict=True):
+            q.grad = g.double().cpu()
+        opt.step()
+        assert kernel_takes(params, grads, m, v, steps)
+        step(params, grads, m, v, steps, lr=1e-2, beta1=betas[0], beta2=betas[1], eps=1e-8, weight_decay=0.1)
+    assert controls.fallback_counts().get("adamw", 0) == 0
+    _assert_equals_twin(params, m, v, twin, opt, seed)
+
+
+def test_many_param_groups_keep_their_plans(seed, monkeypatch):
+    """70 one-tensor lists of distinct sizes, stepped a list at a time as hydra-train steps an
+    optimizer's param groups: a plan each, more than the cache once held (it then dropped every
+    plan, so each step rebuilt them all, a host-to-device copy each). The first step builds 70,
+    later steps none; the result is torch's AdamW's."""
+    monkeypatch.setattr(aw, "_PLANS", {})
+    builds = []
+
+    class Counted(aw.TensorGroups):
+        def __init__(self, *args, **kwargs):
+            builds.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(aw, "TensorGroups", Counted)
+    params = [torch.randn(int(n) + 1, device=DEVICE) for n in torch.randperm(300)[:70]]
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros((), device=DEVICE) for _ in params]
+    twin, opt = _torch_twin(params, True, lr=1e-2, betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"])  # fmt: skip
+    built = []
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for q, g in zip(twin, grads, strict=True):
+            q.grad = g.double().cpu()
+        opt.step()
+        for i in range(len(params)):
+            adamw_step_([params[i]], [grads[i]], [m[i]], [v[i]], [steps[i]], lr=1e-2, **HP)
+        built.append(len(builds))
+        builds.clear()
+    assert built == [70, 0, 0] and len(aw._PLANS) == 70
+    assert controls.fallback_counts().get("adamw", 0) == 0
+    _assert_equals_twin(params, m, v, twin, opt, seed)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

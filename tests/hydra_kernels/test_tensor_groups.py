@@ -1,5 +1,5 @@
 """_tensor_groups: the launch tables of the many-tensor kernels (total_norm, adamw), by hand; the
-plan cache's limit and its refusal inside a CUDA graph capture."""
+plan cache's limit (least recently used dropped first) and its refusal inside a CUDA graph capture."""
 
 import pytest
 import torch
@@ -22,18 +22,26 @@ def test_groups_and_tables_by_hand():
     assert padded(ts, [3], 2) == (ts[3], ts[3])
 
 
-def test_cached_plan_limit():
+def test_cached_plan_limit_drops_the_least_recently_used():
+    """At the limit one plan goes, the least recently used: the plans a step keeps using stay
+    (dropping them all made an optimizer of more groups than the limit rebuild each at every step)."""
     cache, made = {}, []
 
     def make():
         made.append(1)
         return TensorGroups([3], [0], 4, 8, torch.device("cpu"))
 
-    first = cached_plan(cache, "k", make, "op", torch.device("cpu"), 2)
-    assert cached_plan(cache, "k", make, "op", torch.device("cpu"), 2) is first and len(made) == 1
-    cached_plan(cache, "k2", make, "op", torch.device("cpu"), 2)
-    cached_plan(cache, "k3", make, "op", torch.device("cpu"), 2)  # the cache held 2: emptied first
-    assert set(cache) == {"k3"} and len(made) == 3
+    get = lambda key: cached_plan(cache, key, make, "op", torch.device("cpu"), 2)
+    first = get("k")
+    assert get("k") is first and len(made) == 1
+    get("k2")
+    assert get("k") is first  # k used after k2: k2 is now the least recently used
+    get("k3")
+    assert list(cache) == ["k", "k3"] and cache["k"] is first and len(made) == 3
+    for _ in range(3):  # two plans used in turn at a limit of two: none built again
+        get("k")
+        get("k3")
+    assert len(made) == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

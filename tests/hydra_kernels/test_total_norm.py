@@ -1,6 +1,6 @@
 """total_norm: the L2 norm of many tensors together (Triton, interpreted on the CPU) against an
-fp64 computation, across launch groups, program blocks, dtypes and empty tensors; what takes
-the reference; a counted fallback; a table built during a capture refused.
+fp64 computation, across launch groups, program blocks, dtypes and empty tensors; fp32 from
+either path; what takes the reference; a counted fallback; a table built during a capture refused.
 
 Inputs are fresh random each test (the ``seed`` fixture); the seed is in every failure message.
 """
@@ -80,6 +80,26 @@ def test_what_takes_the_reference():
     finally:
         controls.set_op_enabled("total_norm", True)
     assert kernel_takes([a, torch.nn.Parameter(a.clone())])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_norms_are_fp32_on_every_path(seed, dtype):
+    """bf16/fp16 tensors' norm is fp32 from the kernel and from the reference alike (it was the
+    inputs' dtype from the reference): the step's norm keeps its dtype whichever path ran."""
+    ts = [torch.randn(n, device=DEVICE).to(dtype) for n in (100, 3)]
+    assert kernel_takes(ts)
+    got = {"kernel": total_norm(ts), "reference": total_norm_ref(ts)}
+    controls.set_op_enabled("total_norm", False)
+    try:
+        got["switched off"] = total_norm(ts)
+    finally:
+        controls.set_op_enabled("total_norm", True)
+    assert controls.fallback_counts().get("total_norm", 0) == 0
+    want = fp64_norm(ts)
+    for path, norm in got.items():
+        assert norm.dtype == torch.float32 and norm.dim() == 0, path
+        # the reference takes each tensor's norm in its dtype: within a few of its ulps
+        assert abs(float(norm) - want) <= 8 * torch.finfo(dtype).eps * want, f"seed {seed}: {path}"
 
 
 @pytest.mark.fallback_expected

@@ -6,6 +6,7 @@ where present (the fused kernel there is another implementation)."""
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -253,3 +254,132 @@ def test_a_torch_scheduler_after_a_kernel_step_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sched.step()
+
+
+def _count_kernel_steps(monkeypatch) -> list:
+    """Each call of hydra_kernels' AdamW kernel from step_with (one a param group), recorded."""
+    from hydra_train import optim as optim_module
+
+    calls, real = [], optim_module.adamw_kernel_step_
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optim_module, "adamw_kernel_step_", counted)
+    return calls
+
+
+def test_step_with_runs_an_instance_step_override(monkeypatch):
+    """A wrapper set on the instance (``opt.step = wrapper``: EMA, logging, accelerate) runs once a
+    step_with, through torch's step; torch's lr_scheduler wrapper of the class's own step leaves
+    the step to the kernel (it records only that the step ran, which step_with records too)."""
+    from hydra_kernels import controls
+
+    controls.set_use_triton_kernels(True)  # as in the tests above
+    if not _kernel_path():
+        pytest.skip("hydra_kernels' AdamW runs on the CPU only under the Triton interpreter")
+    kernel = _count_kernel_steps(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    model = _model(4, "cpu")
+    opts = [build_optimizer(model, lr=LR, weight_decay=WD, betas=BETAS).optimizer for _ in range(3)]
+    _set_grads(model, gen, 1.0)
+    for opt in opts:
+        opt.step()  # the state: the kernel could step each from here
+    wrapped, calls = opts[0].step, []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return wrapped(*args, **kwargs)
+
+    opts[0].step = wrapper
+    # a scheduler wrapping an override (a bound method of the user's) wraps that override
+    opts[1].step = types.MethodType(lambda self, *a, **k: wrapper(*a, **k), opts[1])
+    torch.optim.lr_scheduler.LambdaLR(opts[1], lambda step: 1.0)
+    for n, opt in enumerate(opts[:2], start=1):
+        before = [p.detach().clone() for p in model.parameters()]
+        step_with(opt, torch.tensor(2.0), torch.zeros(()))
+        assert len(calls) == n and not kernel
+        assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    torch.optim.lr_scheduler.LambdaLR(opts[2], lambda step: 1.0)  # wraps the class's step
+    step_with(opts[2])
+    assert len(kernel) == len(opts[2].param_groups) and len(calls) == 2 and opts[2]._opt_called
+
+
+def test_a_capture_without_the_kernels_plans_captures_torchs_step(monkeypatch):
+    """A CUDA graph capture whose warm-up step was the optimizer's first (torch's, as no state
+    existed): the kernel has no launch plan, and a plan cannot be built inside a capture, so
+    step_with captures torch's fused step; once the plans exist, the kernel's. The capture is
+    simulated on the CPU (the GPU one: test_a_captured_step_with_replays_like_eager_steps)."""
+    from hydra_kernels import controls
+    from hydra_kernels.ops import _tensor_groups, adamw
+
+    controls.set_use_triton_kernels(True)
+    if not _kernel_path():
+        pytest.skip("hydra_kernels' AdamW runs on the CPU only under the Triton interpreter")
+    monkeypatch.setattr(adamw, "_PLANS", {})  # none built yet
+    kernel = _count_kernel_steps(monkeypatch)
+    model, twin = _model(5, "cpu"), _model(5, "cpu")
+    opt, twin_opt = (build_optimizer(m, lr=LR, weight_decay=WD, betas=BETAS).optimizer for m in (model, twin))
+    gen = torch.Generator().manual_seed(5)
+    # the warm-up (torch's first step), the capture, an eager kernel step, another capture
+    for capturing, kernel_steps in ((False, 0), (True, 0), (False, 2), (True, 4)):
+        monkeypatch.setattr(_tensor_groups, "capturing", lambda device, on=capturing: on)
+        _set_grads(model, gen, 1.0)
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            q.grad = p.grad.clone()
+        step_with(opt)
+        twin_opt.step()
+        assert len(kernel) == kernel_steps, f"capturing={capturing}"
+    assert len(adamw._PLANS) == 2 and all(plan.captured for plan in adamw._PLANS.values())
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("groups", [2, 70])
+@pytest.mark.parametrize("eager_steps", [1, 2])
+def test_a_captured_step_with_replays_like_eager_steps(monkeypatch, eager_steps, groups):
+    """step_with captured in a CUDA graph after eager steps (the first torch's, building the state;
+    the second the kernel's, building its launch plans), replayed, against an eager twin. After
+    one eager step torch's fused step is captured; after two, the kernel's, for 70 param groups
+    too (a plan each: more than the plan cache once kept)."""
+    from hydra_kernels.ops import adamw
+    from hydra_train.graphed_step import make_capturable
+
+    monkeypatch.setattr(adamw, "_PLANS", {})  # none built before the eager steps
+    kernel = _count_kernel_steps(monkeypatch)
+    sizes = (torch.randperm(5000)[:groups] + 1).tolist()
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opts = []
+    for ps in (params, twins):
+        spec = [{"params": [p], "weight_decay": WD * (i % 2)} for i, p in enumerate(ps)]
+        opts.append(torch.optim.AdamW(spec, lr=LR, betas=BETAS, eps=EPS, fused=True))
+        make_capturable(opts[-1], torch.device("cuda"))
+    grads = [torch.zeros_like(p) for p in params]  # the graph reads these buffers
+    divisor, skip = torch.tensor(1.5, device="cuda"), torch.zeros((), device="cuda")
+
+    def step() -> None:  # new gradients, the twin's step (the graphed optimizer's follows)
+        for p, q, g in zip(params, twins, grads, strict=True):
+            g.normal_()
+            p.grad, q.grad = g, g.clone()
+        step_with(opts[1], divisor, skip)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager steps on a side stream, as before any capture
+        for _ in range(eager_steps):
+            step()
+            step_with(opts[0], divisor, skip)
+    torch.cuda.current_stream().wait_stream(side)
+    before, graph = len(kernel), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step_with(opts[0], divisor, skip)
+    assert (len(kernel) > before) == (eager_steps > 1)
+    for _ in range(3):
+        step()
+        graph.replay()
+    torch.cuda.synchronize()
+    for p, q in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-6)

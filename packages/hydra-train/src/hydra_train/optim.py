@@ -26,6 +26,7 @@ import torch
 
 from hydra_kernels.ops.adamw import adamw_kernel_step_
 from hydra_kernels.ops.adamw import kernel_takes as adamw_kernel_takes
+from hydra_kernels.ops.adamw import launchable as adamw_launchable
 from hydra_kernels.ops.total_norm import total_norm
 
 if TYPE_CHECKING:
@@ -148,11 +149,13 @@ def kernel_step_groups(opt: torch.optim.Optimizer) -> list[tuple[dict, tuple[lis
     """Each param group with its (parameters, gradients, moments, step counts) when hydra_kernels'
     AdamW kernel is to step ``opt`` (``adamw_step_``: the same update as torch's fused AdamW, the
     gradients left as they are), else None (then torch's own step runs): a fused torch AdamW
-    without amsgrad, maximize or step hooks, whose state is built (its first step is torch's), on
-    plain contiguous fp32 tensors where hydra_kernels' Triton path is on."""
+    without amsgrad, maximize, step hooks or an ``opt.step`` of its own (:func:`_own_step`), whose
+    state is built (its first step is torch's), on plain contiguous fp32 tensors where
+    hydra_kernels' Triton path is on, and not inside a CUDA graph capture that would need a launch
+    plan built."""
     import torch.optim.optimizer as torch_optimizer
 
-    if type(opt) is not torch.optim.AdamW or not opt.defaults.get("fused"):
+    if type(opt) is not torch.optim.AdamW or not opt.defaults.get("fused") or not _own_step(opt):
         return None
     # step hooks (the optimizer's, or every optimizer's) run only in torch's step: take it then
     if any(getattr(opt, name, None) for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")):
@@ -180,7 +183,23 @@ def kernel_step_groups(opt: torch.optim.Optimizer) -> list[tuple[dict, tuple[lis
         if not adamw_kernel_takes(*lists):
             return None
         out.append((group, lists))
+    # inside a CUDA graph capture a missing launch plan cannot be built (a host-to-device copy of
+    # its table): a capture whose warm-up step was the optimizer's first (torch's, as the state
+    # did not exist) finds none. Then torch's fused step (capturable, the same update) is captured
+    # for every group, decided before any launch; a capture after a kernel step captures the kernel
+    if not all(adamw_launchable(lists[0]) for _, lists in out):
+        return None
     return out or None  # no gradients anywhere: torch's step (and its bookkeeping) as before
+
+
+def _own_step(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step`` is its class's own, bare or wrapped by torch's lr_scheduler (which only
+    records that it ran; step_with records it too). Any other instance override (an EMA, logging
+    or accelerate wrapper) must run: step_with takes ``opt.step()`` then."""
+    step, own = opt.step, type(opt).step
+    if getattr(step, "_wrapped_by_lr_sched", False):  # the scheduler's wrapper: what it wraps
+        return getattr(step, "__wrapped__", None) is own
+    return getattr(step, "__func__", None) is own and getattr(step, "__self__", None) is opt
 
 
 def grad_norm_for_step(

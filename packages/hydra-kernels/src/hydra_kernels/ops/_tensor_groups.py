@@ -97,25 +97,35 @@ def padded(tensors: Sequence[torch.Tensor], members: Sequence[int], group: int) 
     return tuple(picked + [picked[0]] * (group - len(picked)))
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph capture is under way on the current stream, for tensors on ``device``."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def cached_plan(
     cache: dict, key: Hashable, make: Callable[[], TensorGroups], op: str, device: torch.device, limit: int
 ) -> TensorGroups:
     """``cache[key]``, built by ``make`` when missing. A plan built inside a CUDA graph capture is
-    refused (a RuntimeError naming ``op``). When ``limit`` plans are held, those that no capture
-    used are dropped first: a captured graph reads its plan's table at every replay, so that table
-    must outlive the graph (a plan used inside a capture is kept for the process)."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    plan = cache.get(key)
+    refused (a RuntimeError naming ``op``). When ``limit`` plans are held, the least recently used
+    one that no capture used is dropped: a captured graph reads its plan's table at every replay,
+    so that table must outlive the graph (a plan used inside a capture is kept for the process)."""
+    is_capturing = capturing(device)
+    # popped and put back last: the dict's order is from least to most recently used
+    plan = cache.pop(key, None)
     if plan is None:
-        if capturing:
+        if is_capturing:
             raise RuntimeError(
                 f"{op}: a new set of tensor sizes inside a CUDA graph capture (its launch table is "
                 "built by a host-to-device copy); call it once before capturing"
             )
         if len(cache) >= limit:
-            for stale in [k for k, p in cache.items() if not p.captured]:
+            # one plan at a time, not all: a step's plans that fit stay (dropping every plan made
+            # an optimizer of more groups than the limit rebuild all of them at every step)
+            stale = next((k for k, p in cache.items() if not p.captured), None)
+            if stale is not None:
                 del cache[stale]
-        plan = cache[key] = make()
-    elif capturing:
+        plan = make()
+    elif is_capturing:
         plan.captured = True
+    cache[key] = plan
     return plan

@@ -17,7 +17,8 @@ The update is torch's AdamW (``torch.optim.AdamW``, decoupled weight decay), per
     p = p − (lr / (1 − β1^t)) · m / (sqrt(v) / sqrt(1 − β2^t) + eps)
 
 and nothing is written where ``found_inf`` is 1 (the step counts are incremented first and
-decremented by ``found_inf`` after, as torch does). β^t is computed as exp2(t·log2 β) in fp32.
+decremented by ``found_inf`` after, as torch does). β^t is computed as exp2(t·log2 β) in fp32,
+with log2 0 = −inf for β = 0 (torch allows 0 ≤ β < 1): β^t = 0 for t ≥ 1, as torch's.
 The gradients are left as they were.
 
 Faces: the reference :func:`adamw_step_ref_` (the same arithmetic with torch ops, per tensor), the
@@ -26,7 +27,7 @@ table of first programs and sizes, ``_tensor_groups.py``; a tuple of pointers pe
 :func:`adamw_step_`, which runs the kernel where :func:`kernel_takes` and the reference
 otherwise. It reads nothing on the host, so a step can be captured in a CUDA
 graph (``lr`` and the step counts as device tensors); a new set of sizes inside a capture is an
-error, as its table is built by a host-to-device copy.
+error, as its table is built by a host-to-device copy (:func:`launchable` tells beforehand).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import triton
 import triton.language as tl
 
 from hydra_kernels import controls
+from hydra_kernels.ops import _tensor_groups
 from hydra_kernels.ops._custom_op import device_guard
 from hydra_kernels.ops._tensor_groups import TensorGroups, cached_plan, padded, plain_on_one_device
 
@@ -48,8 +50,15 @@ GROUP = 32
 #: H200; a program updating 2-8 blocks in turn did not run faster: BENCHMARKS.md, 2026-11-27).
 BLOCK = 2048
 NUM_WARPS = 8
-#: Plans kept at most.
-MAX_PLANS = 64
+#: Plans kept at most, the least recently used dropped first. One a list of sizes: one an
+#: optimizer param group, as hydra-train launches per group, so far above any model's groups; a
+#: plan's table is 512 bytes on the device a launch (of up to GROUP tensors).
+MAX_PLANS = 1024
+
+
+def log2_beta(beta: float) -> float:
+    """log2 β for β^t = exp2(t·log2 β): −inf for β = 0, whose exp2(t·−inf) is 0 for t ≥ 1."""
+    return math.log2(beta) if beta else -math.inf
 
 
 # --- PyTorch reference ---------------------------------------------------------------------------
@@ -74,8 +83,8 @@ def adamw_step_ref_(
     for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
         t += 1
         g_used = g if grad_scale is None else g / grad_scale
-        bc1 = 1 - torch.exp2(t * math.log2(beta1))
-        bc2 = 1 - torch.exp2(t * math.log2(beta2))
+        bc1 = 1 - torch.exp2(t * log2_beta(beta1))
+        bc2 = 1 - torch.exp2(t * log2_beta(beta2))
         new_p = p - lr * weight_decay * p
         new_m = beta1 * m + (1 - beta1) * g_used
         new_v = beta2 * v + (1 - beta2) * g_used * g_used
@@ -149,11 +158,16 @@ def _adamw_kernel(
 _PLANS: dict[tuple, TensorGroups] = {}
 
 
+def _key(params: Sequence[torch.Tensor]) -> tuple:
+    return params[0].device, tuple(p.numel() for p in params)
+
+
 def _plan(params: Sequence[torch.Tensor]) -> TensorGroups:
     """Launch groups of consecutive tensors (``_tensor_groups.TensorGroups``), cached per list of sizes."""
-    device, sizes = params[0].device, [p.numel() for p in params]
+    key = _key(params)
+    device, sizes = key
     make = lambda: TensorGroups(sizes, [0] * len(sizes), GROUP, BLOCK, device)
-    return cached_plan(_PLANS, (device, tuple(sizes)), make, "adamw_step_", device, MAX_PLANS)
+    return cached_plan(_PLANS, key, make, "adamw_step_", device, MAX_PLANS)
 
 
 # --- public functions ----------------------------------------------------------------------------
@@ -168,6 +182,12 @@ def kernel_takes(*lists: Sequence[torch.Tensor]) -> bool:
         and plain_on_one_device(every, (torch.float32,))
         and controls.triton_path("adamw", *lists[0])  # one device for all: the parameters' decides
     )
+
+
+def launchable(params: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`adamw_kernel_step_` can launch on ``params`` now: their launch plan is
+    cached, or no CUDA graph capture is under way (inside one, building a plan is refused)."""
+    return not _tensor_groups.capturing(params[0].device) or _key(params) in _PLANS
 
 
 def adamw_step_(
@@ -232,7 +252,7 @@ def adamw_kernel_step_(
     }  # fmt: skip
     dtypes = (lr_ptr.dtype, scale_ptr.dtype, inf_ptr.dtype)  # the compiled kernel is typed by them
     scalars = (
-        0.0 if lr_on_device else float(lr), math.log2(beta1), math.log2(beta2), beta1, beta2,
+        0.0 if lr_on_device else float(lr), log2_beta(beta1), log2_beta(beta2), beta1, beta2,
         float(kw["eps"]), float(kw["weight_decay"]),
     )  # fmt: skip
     with device_guard(params[0]):

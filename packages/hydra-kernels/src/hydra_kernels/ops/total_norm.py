@@ -47,8 +47,12 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def total_norm_ref(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """torch's ``get_total_norm(tensors, 2.0)``: each tensor's norm in its dtype, then their norm."""
-    return torch.nn.utils.get_total_norm(list(tensors), 2.0)
+    """torch's ``get_total_norm(tensors, 2.0)``: each tensor's norm in its dtype, then their norm;
+    returned in fp32 for bf16/fp16 inputs, as the kernel's is (fp64 stays fp64)."""
+    norm = torch.nn.utils.get_total_norm(list(tensors), 2.0)
+    # one dtype whichever path ran: callers take the norm as fp32 (the clip's divisor, the logged
+    # norm), and a step's outputs should not change dtype with hydra_kernels' switches
+    return norm.to(torch.promote_types(norm.dtype, torch.float32))
 
 
 # --- Triton kernel -------------------------------------------------------------------------------
@@ -108,9 +112,9 @@ def kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all elements of ``tensors`` together, 0-d: in fp32 from the kernel (see the
-    module docstring), or :func:`total_norm_ref`'s (torch's ``get_total_norm``) where the kernel
-    does not take the tensors. An empty list gives 0."""
+    """The L2 norm of all elements of ``tensors`` together, 0-d, fp32 (fp64 for fp64 inputs): the
+    kernel's (see the module docstring), or :func:`total_norm_ref`'s (torch's ``get_total_norm``)
+    where the kernel does not take the tensors. An empty list gives 0."""
     tensors = list(tensors)
     if not kernel_takes(tensors):
         return total_norm_ref(tensors)
