@@ -155,7 +155,7 @@ def test_strided_rows_and_positions(batch, dim, seed):
 def test_the_budget_binds_and_does_not(seed):
     """Every row clears tau (tau = −∞): at their budget none is taken, below it all are."""
     case = make_case(8, 64, torch.float32, strided=False, binding=False)
-    case.tau = torch.tensor(-math.inf)
+    case.tau = torch.tensor(-math.inf, device=DEVICE)
     case.count = case.budget()
     taken, _, flag, count = case.run()
     assert not taken.any() and not bool(flag) and torch.equal(count, case.count), f"seed={seed}"
@@ -184,7 +184,7 @@ def test_count_advances_only_where_taken(seed):
     refused = passed & (before >= case.budget()) & ~case.near()
     assert not taken[refused].any(), f"seed={seed}: a row over its budget was taken"
     # nothing taken: the flag says so and no counter moves
-    case.tau = torch.tensor(math.inf)
+    case.tau = torch.tensor(math.inf, device=DEVICE)
     taken, _, flag, count = case.run()
     assert not bool(flag) and torch.equal(count, case.count)
 
@@ -196,16 +196,16 @@ def test_tau_decides_at_the_fp64_logit(seed):
     logit = case.logit64()
     for i in range(6):
         delta = 2 * NEAR * max(1.0, abs(float(logit[i])))
-        below = case.run(tau=torch.tensor(float(logit[i]) - delta))[0]
-        above = case.run(tau=torch.tensor(float(logit[i]) + delta))[0]
+        below = case.run(tau=torch.tensor(float(logit[i]) - delta, device=DEVICE))[0]
+        above = case.run(tau=torch.tensor(float(logit[i]) + delta, device=DEVICE))[0]
         assert below[i] and not above[i], f"row {i} (seed={seed}): logit {float(logit[i])}"
 
 
 def test_a_wrong_tau_is_caught(seed):
     """The checks can fail: decisions made with a shifted tau disagree with the oracle."""
     case = make_case(16, 64, torch.float32, strided=False, binding=False)
-    case.tau = torch.tensor(float(case.logit64().min()) - 1.0)  # every row passes
-    wrong = case.run(tau=torch.tensor(float(case.logit64().max()) + 1.0))  # none passes
+    case.tau = torch.tensor(float(case.logit64().min()) - 1.0, device=DEVICE)  # every row passes
+    wrong = case.run(tau=torch.tensor(float(case.logit64().max()) + 1.0, device=DEVICE))  # none passes
     assert mismatches(case, wrong), f"seed={seed}: a decision with the wrong tau passed the check"
     assert not mismatches(case, case.run()), f"seed={seed}"
 
@@ -234,7 +234,8 @@ def test_the_kernel_runs_and_the_switch_picks_the_reference(monkeypatch, seed):
 
 def test_bad_arguments_raise():
     case = make_case(3, 32, torch.float32, strided=False, binding=False)
-    outs = (torch.zeros(3, dtype=torch.bool), torch.zeros(3), torch.tensor(False))
+    taken, weight = torch.zeros(3, dtype=torch.bool, device=DEVICE), torch.zeros(3, device=DEVICE)
+    outs = (taken, weight, torch.tensor(False, device=DEVICE))
     consts = (case.cap_q, BITS, ONE, EPS)
     with pytest.raises(ValueError, match="count"):
         router_decide(case.h, case.w, case.b, case.tau, case.pos, case.count.int(), *consts, *outs)
