@@ -93,9 +93,13 @@ def patch_typer_help() -> None:
         return
     try:
         import typer.rich_utils as ru
+        from typer.core import TyperOption
 
         needed = ("_print_options_panel", "_get_parameter_help", "TyperArgument", "STYLE_OPTION")
-        if all(hasattr(ru, n) for n in needed):
+        # what the panel asks of an option: a Typer that vendors its own click (0.27) has neither,
+        # and every --help raised AttributeError with the panel patched in
+        option_api = ("display_type_rich", "_get_number_range_help_str")
+        if all(hasattr(ru, n) for n in needed) and all(hasattr(TyperOption, n) for n in option_api):
             ru._print_options_panel = _options_panel
     except ImportError:  # typer without rich: click's plain help, which never truncates
         pass
