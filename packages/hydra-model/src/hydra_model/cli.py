@@ -289,7 +289,10 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "--max_new_tokens", min=0)] = 64,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
     top_k: Annotated[int | None, typer.Option("--top-k", "--top_k", min=1)] = None,
-    top_p: Annotated[float | None, typer.Option("--top-p", "--top_p", min=0.0, max=1.0)] = None,
+    top_p: Annotated[
+        float | None,
+        typer.Option("--top-p", "--top_p", min=0.0, max=1.0, help="Nucleus sampling: 0 < p ≤ 1."),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
     device: Annotated[
         str, typer.Option("--device", metavar="auto|cpu|cuda", help="cpu, cuda, or auto.")
@@ -316,6 +319,8 @@ def generate(
 
     from hydra_model.text_generation import end_of_text_id, timed_generate
 
+    if top_p is not None and top_p == 0:  # the option's range is closed; a nucleus of 0 is empty
+        fail("--top-p must be > 0 (1 keeps every token)", code=2)
     if threads is not None:
         torch.set_num_threads(threads)
 

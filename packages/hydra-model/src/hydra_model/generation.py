@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,19 +24,17 @@ def sample_next(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Next token [B] from logits [B, V]: argmax at temperature 0, else top-k / nucleus sampling."""
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be ≥ 0")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    scores = logits.float() / temperature
+    scores = logits.float()
+    # shifted so that the largest is 0 before dividing: a tiny temperature then gives -inf for
+    # the others, not inf − inf = NaN in the softmax (the distribution is the same)
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
-        if top_k < 1:
-            raise ValueError(f"top_k={top_k} must be ≥ 1")
         kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if top_p is not None and top_p < 1:  # 1 keeps every token (fp32 cumulative sums would not)
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         probs = sorted_scores.softmax(dim=-1)
         # drop a token when the tokens before it already cover top_p (the first always stays)
@@ -44,6 +43,33 @@ def sample_next(
         scores = torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
     probs = scores.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise a ValueError naming a sampling setting no sampler takes (checked before a prefill)."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature} must be a finite number ≥ 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be ≥ 1")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+
+
+def check_prompt(model: CCGQAMoDMoRModel, input_ids: torch.Tensor) -> None:
+    """Raise a ValueError naming what is wrong with a prompt before anything runs: its shape,
+    dtype, device (the model's), and token ids outside the vocabulary (one host read: on a GPU
+    such an id would otherwise end in a device-side assert that poisons the CUDA context)."""
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [B, S] with B ≥ 1 and S ≥ 1, got {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.long, torch.int32):
+        raise ValueError(f"input_ids must hold token ids (torch.long), got {input_ids.dtype}")
+    on = model.embed.weight.device
+    if input_ids.device != on:
+        raise ValueError(f"input_ids are on {input_ids.device} and the model on {on}: move one to the other")
+    low, high = (int(v) for v in torch.aminmax(input_ids))
+    vocab = model.config.vocab_size
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids hold token ids {low}..{high}; the model's vocabulary is 0..{vocab - 1}")
 
 
 @torch.no_grad()
@@ -65,20 +91,20 @@ def generate(
     ``last_decode_report`` records what ran. ``keep_decoder``: keep the staged or graphed decoder
     (its graphs and cache) for the next call with the same batch size and S + max_new_tokens in
     the same bucket of 64 positions, which then skips the warm-up and capture (decoder_hold.py)."""
-    mode = resolve_mode(decode, input_ids.device)
-    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must be [B, S] with S ≥ 1, got {tuple(input_ids.shape)}")
+    check_prompt(model, input_ids)
+    check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be ≥ 0")
+    mode = resolve_mode(decode, input_ids.device)
     was_training = model.training
-    # model.eval() and the train(was_training) after walk every module and set an attribute on
-    # each (about 0.4 ms a call for HYDRA's 100M preset, on the host at batch 1): skipped when
-    # no module is training, where both would leave every module as it is
-    switch = any(m.training for m in model.modules())
+    # model.eval() walks every module and sets an attribute on each (about 0.4 ms a call for
+    # HYDRA's 100M preset, on the host at batch 1): skipped when no module is training. After,
+    # each module's own flag is put back (a frozen submodule of a training model stays in eval)
+    modes = [(m, m.training) for m in model.modules()]
     cleanup = contextlib.ExitStack()
-    if switch:
+    if any(training for _, training in modes):
         model.eval()
-        cleanup.callback(model.train, was_training)
+        cleanup.callback(_restore_modes, modes)
     if input_ids.is_cuda:  # its device current: graphs capture on that device's stream (cuda_graph.py)
         cleanup.enter_context(torch.cuda.device(input_ids.device))
     with cleanup:
@@ -142,3 +168,8 @@ def generate(
         if pending is not None:
             pending.finish()
         return torch.cat(pieces, dim=1)
+
+
+def _restore_modes(modes: list) -> None:
+    for module, training in modes:
+        module.training = training
