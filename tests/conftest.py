@@ -36,20 +36,28 @@ def _own_pretest_records(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _restore_kernel_switches():
+def _restore_kernel_switches(request):
     """hydra_kernels' switches (the Triton path, Liger's CE, each op's) are put back after each
     test as it found them: a test that turns them off, as hydra-train's SafeOptimizations toggles
     do, does not decide which path the tests after it run. A module- or session-scoped fixture's
-    changes are not undone here (it runs before this fixture's snapshot)."""
+    changes are not undone here (it runs before this fixture's snapshot). A test that leaves a
+    kernel fallback counted fails unless marked ``fallback_expected``: a kernel that failed at
+    run time and ran its PyTorch reference would otherwise pass unseen."""
     try:
+        from hydra_kernels import controls
         from hydra_kernels.options import OPTIONS
     except ImportError:  # pragma: no cover - hydra-kernels not installed
         yield
         return
     ops = {op: (sw.forward, sw.backward) for op, sw in OPTIONS.ops.items()}
     triton, liger_ce = OPTIONS.triton, OPTIONS.liger_ce
+    controls.reset_fallback_counts()
     yield
     OPTIONS.triton, OPTIONS.liger_ce = triton, liger_ce
     for op, (forward, backward) in ops.items():
         if op in OPTIONS.ops:
             OPTIONS.ops[op].forward, OPTIONS.ops[op].backward = forward, backward
+    fell_back = {op: n for op, n in controls.fallback_counts().items() if n}
+    controls.reset_fallback_counts()
+    if fell_back and request.node.get_closest_marker("fallback_expected") is None:
+        pytest.fail(f"kernel fallbacks counted: {fell_back}; mark the test fallback_expected if meant")

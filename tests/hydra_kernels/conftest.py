@@ -31,17 +31,14 @@ def _reset() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _default_kernel_controls(request):
-    """Default switches around each test, and no kernel fallback left uncounted: a test whose
-    kernel failed at run time and ran the PyTorch reference instead would pass without testing
-    the kernel (on a GPU, a CPU tensor among CUDA ones did). A test that makes a kernel fall back
-    on purpose says so with ``@pytest.mark.fallback_expected``."""
+def _default_kernel_controls():
+    """Default switches around each test. The fallbacks a test leaves counted are checked after it
+    by the suite's fixture (tests/conftest.py), so they are not cleared here."""
     _reset()
     yield
-    fell_back = {op: n for op, n in controls.fallback_counts().items() if n}
-    _reset()
-    if fell_back and request.node.get_closest_marker("fallback_expected") is None:
-        pytest.fail(f"kernel fallbacks counted: {fell_back}; mark the test fallback_expected if meant")
+    controls.set_use_triton_kernels(True)
+    controls.reload_env()
+    clear_launch_overrides()
 
 
 @pytest.fixture
