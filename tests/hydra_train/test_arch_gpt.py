@@ -63,13 +63,13 @@ def test_gpt_trains_resumes_refuses_other_arch_and_generates(bin_dataset, tmp_pa
     assert "resuming from" in res.output and "hydra_gpt-tiny_final.pt (step 4" in res.output
     assert torch.load(final, weights_only=True)["step"] == 6
 
-    # a HYDRA run asked to resume the GPT's checkpoints: one clear line, exit 1
+    # a HYDRA run asked to resume where only the GPT's checkpoints are: one clear line naming the
+    # flags they were saved with, exit 1
     res = runner.invoke(app, [*_args(bin_dataset, ck, "hydra", {"dim": 64, "max_seq_len": 64}), "--resume"])
     flat = " ".join(res.output.split())
     assert res.exit_code == 1, res.output
-    assert (
-        "holds a --arch gpt model and this run is --arch hydra" in flat and "resume with --arch gpt" in flat
-    )
+    assert "holds no checkpoint of model tiny" in flat
+    assert "only of gpt-tiny (--arch gpt --model_size tiny): resume with those flags" in flat
     assert flat.count("error:") == 1 and "Traceback" not in res.output
 
     # hydra-model generate picks the class from the checkpoint and decodes like the model itself

@@ -8,8 +8,10 @@ Layout of a checkpoint (a ``torch.save`` dict, loadable with ``weights_only=True
     model                    model state dict (full, unsharded, also under FSDP)
     optimizer, scheduler     their state dicts
     rng                      python / numpy / torch CPU / CUDA generator states
-    data                     {"position": micro-batches consumed, "seed": data order seed}
-    trainer                  loop state: EMAs, skipped steps, tokens seen, validation history
+    data                     {"position": micro-batches consumed (each rank), "seed": data order
+                             seed, "batch_size", "seq_len", "world_size" (absent in older files)}
+    trainer                  loop state: EMAs, skipped steps (and the streak in a row: "streak",
+                             absent in older files), tokens seen, validation history
     config                   {"model": <model config>.to_dict(), "train": TrainConfig.to_dict()}
                              (the architecture is ``train["arch"]``; absent in older files: HYDRA)
     callbacks                {callback name: callback.state_dict()} (SafeOptimizations lives here)
@@ -22,14 +24,27 @@ writes one from a Hugging Face Llama) is a weights-only start: ``--resume`` load
 begins at step 0 with a fresh optimizer, schedule and data order (``Trainer.resume_from``).
 
 Names: ``hydra_{model_id}_step{N}.pt`` every ``--save_every`` steps (the last ``--keep_checkpoints``
-kept) and ``hydra_{model_id}_final.pt`` at the end.
+kept) and ``hydra_{model_id}_final.pt`` at the end. Resuming and pruning see only this run's
+``model_id``; other models may share the folder. Both go by save time: the newest checkpoint is
+the one resumed and the last ``--keep_checkpoints`` saved are the ones kept, so a fresh run in a
+folder of an earlier run of the same model supersedes it (pruning by step number deleted the new
+run's first checkpoints, and a ``--resume`` after its crash continued the old run). ``--resume``
+where there is no checkpoint of this model is refused (a mistyped folder must not silently start
+over): :func:`check_resume_dir`.
+
+Resuming with other settings (:func:`resume_data_position`): a different ``--seed`` or
+``--seq_len`` would change the data order, so it is refused; a different ``--batch_size`` or world
+size continues at the same window when the windows consumed are a whole number of the new
+micro-batches (else refused), ``--grad_accum`` may change freely (the position counts micro-batches).
+The LR schedule keeps the saved step but follows this run's ``--max_steps``, ``--warmup_steps`` and
+``--lr_schedule``; a change is said in one line.
 
 Atomicity: the bytes go to a temporary file in the same folder, are flushed and fsync'ed, the file
 is renamed over the final name (``os.replace`` is atomic on POSIX) and the folder is fsync'ed so
 the rename survives a power cut. A crash at any point leaves either the old file set or the new
 one; a leftover ``.tmp`` is ignored by :func:`find_resume_checkpoint` and removed by the next run
 (run_lock.py). ``--resume`` in a folder whose checkpoints are all invalid refuses (nothing is
-overwritten); an empty folder starts from scratch.
+overwritten).
 """
 
 from __future__ import annotations
@@ -114,16 +129,18 @@ def list_checkpoints(folder: str | Path, model_id: str | None = None) -> list[Pa
 
 
 def prune_checkpoints(folder: str | Path, model_id: str, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` highest-step ``..._step{N}.pt`` files (0 keeps all); final files stay."""
+    """Delete all but the ``keep`` most recently saved ``..._step{N}.pt`` files (0 keeps all; the
+    file's time, then its step); final files stay. By save time, not step: a new run's checkpoints
+    are kept over an earlier run's of higher steps."""
     if keep <= 0:
         return []
-    steps = []
+    saved = []
     for p in list_checkpoints(folder, model_id):
         m = _NAME.match(p.name)
         if m and m["step"] is not None:
-            steps.append((int(m["step"]), p))
-    steps.sort()
-    removed = [p for _, p in steps[:-keep]]
+            saved.append((p.stat().st_mtime_ns, int(m["step"]), p))
+    saved.sort()
+    removed = [p for *_, p in saved[:-keep]]
     for p in removed:
         p.unlink(missing_ok=True)
     return removed
@@ -136,11 +153,13 @@ class ResumePoint:
     checkpoint: dict[str, Any]
 
 
-def find_resume_checkpoint(folder: str | Path, log=print) -> ResumePoint | None:
-    """The newest valid checkpoint in ``folder`` (by save time, then step); invalid ones are skipped
-    with a message. Returns None when there is none."""
+def find_resume_checkpoint(
+    folder: str | Path, log=print, *, model_id: str | None = None
+) -> ResumePoint | None:
+    """The newest valid checkpoint in ``folder`` (of ``model_id`` when given; by save time, then
+    step); invalid ones are skipped with a message. Returns None when there is none."""
     candidates = []
-    found = list_checkpoints(folder)
+    found = list_checkpoints(folder, model_id)
     for p in found:
         try:
             ck = load_checkpoint(p, mmap=True)
@@ -157,6 +176,120 @@ def find_resume_checkpoint(folder: str | Path, log=print) -> ResumePoint | None:
         return None
     _, step, path = max(candidates)
     return ResumePoint(path, step, load_checkpoint(path, log=log))
+
+
+def check_resume_dir(folder: Path, model_id: str) -> None:
+    """Refuse ``--resume`` where ``folder`` holds no checkpoint of ``model_id`` (before anything in
+    ``folder`` changes, and before a missing folder is made)."""
+    if not list_checkpoints(folder, model_id):
+        raise no_checkpoint_error(folder, model_id)
+
+
+def no_checkpoint_error(folder: Path, model_id: str) -> HydraCheckpointError:
+    """The refusal of ``--resume`` where ``folder`` holds no checkpoint of ``model_id``."""
+    if not folder.is_dir():
+        return HydraCheckpointError(
+            f"--resume: --checkpoint_dir {folder} does not exist; check the path, or drop --resume "
+            "to start a new run there"
+        )
+    others = {m["id"]: p for p in list_checkpoints(folder) if (m := _NAME.match(p.name))}
+    held = ", ".join(f"{i}{_flags_of(p)}" for i, p in sorted(others.items()))
+    return HydraCheckpointError(
+        f"--resume: {folder} holds no checkpoint of model {model_id} (hydra_{model_id}_step<N>.pt or "
+        f"{final_name(model_id)})"
+        + (f"; only of {held}: resume with those flags, or" if others else "; check --checkpoint_dir, or")
+        + " drop --resume to start a new run"
+    )
+
+
+def _flags_of(path: Path) -> str:
+    """`` (--arch A --model_size S)`` of the run that saved ``path``; empty when unreadable."""
+    from hydra_model.persistence import checkpoint_arch
+
+    try:
+        ck = load_checkpoint(path, mmap=True)
+        return f" (--arch {checkpoint_arch(ck['config'])} --model_size {ck['model_size']})"
+    except (HydraCheckpointError, KeyError, ValueError):  # the id alone names it then
+        return ""
+
+
+def resume_data_position(ck: dict[str, Any], cfg, world_size: int, path: Path) -> tuple[int, list[str]]:
+    """Where this run's data continues from checkpoint ``ck`` (micro-batch index per rank), and
+    notes to print. Settings that would skip or repeat windows are refused with the saved values;
+    fields an older checkpoint lacks are not checked."""
+    data, train = ck.get("data", {}), ck["config"].get("train", {})
+    saved = {k: data.get(k, train.get(k)) for k in ("seed", "seq_len", "batch_size", "grad_accum")}
+    now = {
+        "seed": cfg.runtime.seed,
+        "seq_len": cfg.data.seq_len,
+        "batch_size": cfg.data.batch_size,
+        "grad_accum": cfg.optim.grad_accum,
+    }
+    changed = {k: v for k, v in saved.items() if v is not None and v != now[k]}
+    bad = [f"--{k} {now[k]} (checkpoint: {changed[k]})" for k in ("seed", "seq_len") if k in changed]
+    notes = []
+    position = int(data["position"])
+    old_ws = int(data.get("world_size", world_size))  # older files: assumed unchanged
+    old_bs = int(saved["batch_size"] or cfg.data.batch_size)
+    old_rows, rows = old_bs * old_ws, cfg.data.batch_size * world_size  # windows per micro-batch, all ranks
+    if old_rows != rows:
+        what = (
+            f"--batch_size {cfg.data.batch_size} x world size {world_size} (checkpoint: {old_bs} x {old_ws})"
+        )
+        done = position * old_rows
+        if done % rows:
+            bad.append(
+                f"{what}: the {done} windows read are not a whole number of {rows}-window micro-batches"
+            )
+        else:
+            notes.append(
+                f"resume: {what}: the {done} windows read so far continue at micro-batch {done // rows} "
+                "of the new size (none skipped or repeated)"
+            )
+            position = done // rows
+    if bad:
+        raise HydraCheckpointError(
+            f"{path} was saved by a run whose data this run would read differently (skipping or repeating "
+            f"windows): {'; '.join(bad)}. Resume with the checkpoint's values, or start a new run in "
+            "another --checkpoint_dir"
+        )
+    if "grad_accum" in changed:
+        notes.append(
+            f"resume: --grad_accum {now['grad_accum']} (checkpoint: {changed['grad_accum']}): the data "
+            "continues where it stopped; each step now takes that many micro-batches"
+        )
+    return position, notes + _schedule_notes(ck.get("scheduler"), cfg)
+
+
+def _schedule_notes(saved: dict[str, Any] | None, cfg) -> list[str]:
+    """One line when the LR schedule's settings differ from the checkpoint's: the new ones apply."""
+    if not saved:
+        return []
+    pairs = (
+        ("max_steps", saved.get("max_steps"), cfg.runtime.max_steps),
+        ("warmup_steps", saved.get("warmup"), cfg.optim.warmup_steps),
+        ("lr_schedule", saved.get("kind"), cfg.optim.lr_schedule),
+    )
+    diffs = [f"--{k} {new} (checkpoint: {old})" for k, old, new in pairs if old is not None and old != new]
+    if not diffs:
+        return []
+    return [
+        f"resume: the learning-rate schedule follows this run's {', '.join(diffs)} from step "
+        f"{saved.get('step')} on"
+    ]
+
+
+def resume_point(folder: Path, model_id: str, model_config, cfg, world_size: int, log) -> ResumePoint:
+    """``--resume``'s checkpoint: the newest valid one of ``model_id`` (pruning and the database
+    are per model too), checked against this run's model config and data settings before anything
+    in ``folder`` changes (a refusal changes nothing)."""
+    found = find_resume_checkpoint(folder, log=log, model_id=model_id)
+    if found is None:  # gone since check_resume_dir looked
+        raise no_checkpoint_error(folder, model_id)
+    check_model_config(found.checkpoint, model_config, found.path)
+    if "trainer" in found.checkpoint:  # weights only: nothing of a data stream to continue
+        resume_data_position(found.checkpoint, cfg, world_size, found.path)
+    return found
 
 
 def config_differences(saved_model_config: dict[str, Any], current) -> list[str]:

@@ -277,7 +277,9 @@ class RuntimeOptions(LoggerFlags):
     resume: bool = flag(
         False,
         "--resume",
-        help="Continue from the newest valid checkpoint in --checkpoint_dir.",
+        help="A switch (no value): continue the run in --checkpoint_dir from its newest valid "
+        "checkpoint of this model (none there is an error). To resume another folder's run, pass "
+        "that folder as --checkpoint_dir.",
         commands=(RUN,),
     )
     seed: int = flag(1337, "--seed", help="Seed for initialisation and data order.")

@@ -5,7 +5,9 @@ hydra-diag reads through it. Rows are written as training goes and committed in 
 (:meth:`TrainingDB.commit`, called by the trainer at every log interval), in WAL mode, so a crash
 loses at most the rows since the last commit. Each run is also exported to
 ``<checkpoint_dir>/diagnostics_{run_id}.json``; :func:`rebuild_database` recreates the database
-from those files.
+from those files. A run resumed from a checkpoint logs the steps after it again: recording it drops
+the rows its lineage logged after that step (:meth:`TrainingDB.drop_superseded`), and so does a
+rebuild (the dead run's export still holds them).
 
 Tables (primary keys in brackets)::
 
@@ -157,6 +159,9 @@ class TrainingDB:
         device: str = "",
         world_size: int = 1,
     ) -> None:
+        """Record a new run; one that resumes ``resumed_from`` drops the rows it supersedes
+        (:meth:`drop_superseded`)."""
+        now = _now()
         self._upsert(
             "runs",
             dict(
@@ -169,10 +174,34 @@ class TrainingDB:
                 device=device,
                 world_size=int(world_size),
                 config=json.dumps(config, sort_keys=True, default=str),
-                started_at=_now(),
+                started_at=now,
             ),
         )
+        if resumed_from is not None and start_step > 0:  # step 0: a weights-only start, no resume
+            self.drop_superseded(resumed_from, start_step, before=now)
         self.conn.commit()
+
+    def lineage(self, run_id: str, *, before: str | None = None) -> set[str]:
+        """``run_id`` and every run linked to it through ``resumed_from`` (the runs it continued,
+        the runs that continued it, and so on), among the runs started before ``before``."""
+        where, params = (" WHERE started_at < ?", [before]) if before is not None else ("", [])
+        pairs = self.conn.execute(f"SELECT run_id, resumed_from FROM runs{where}", params).fetchall()
+        found, size = {run_id}, 0
+        while size != len(found):  # grow until no link adds a run
+            size = len(found)
+            found |= {b for a, b in pairs if b and a in found} | {a for a, b in pairs if b in found}
+        return found
+
+    def drop_superseded(self, resumed_from: str, step: int, *, before: str | None = None) -> None:
+        """A run resuming ``resumed_from``'s checkpoint at ``step`` logs the steps after it again:
+        drop the rows of every table that the runs of that lineage (:meth:`lineage`) logged after
+        ``step``. Other runs of the model, in the same folder or not, keep theirs."""
+        runs = sorted(self.lineage(resumed_from, before=before))
+        marks = ", ".join("?" for _ in runs)
+        for table in _PER_RUN_TABLES:
+            self.conn.execute(
+                f"DELETE FROM {table} WHERE step > ? AND run_id IN ({marks})", [int(step), *runs]
+            )
 
     def log_step(self, run_id: str, step: int, **values: Any) -> None:
         aux = values.pop("aux", None)
@@ -393,6 +422,12 @@ def rebuild_database(folder: str | Path, db_name: str = DB_NAME) -> tuple[Path, 
     with TrainingDB(tmp) as db:
         for p in exports:
             run_ids.append(db.load_diagnostics_json(p))
+        # a dead run's export still holds the rows a later resume dropped: drop them again, each
+        # resume over the runs started before it, as start_run did
+        for r in db.query("SELECT resumed_from, start_step, started_at FROM runs WHERE start_step > 0"):
+            if r["resumed_from"]:
+                db.drop_superseded(r["resumed_from"], r["start_step"], before=r["started_at"])
+        db.commit()
         db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         db.conn.execute("PRAGMA journal_mode=DELETE")
     target = folder / db_name

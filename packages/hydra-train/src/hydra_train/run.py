@@ -36,11 +36,11 @@ from hydra_train.build import (
 from hydra_train.callbacks import CallbackList, TrainerCallback
 from hydra_train.checkpoint import (
     ResumePoint,
-    check_model_config,
+    check_resume_dir,
     final_name,
-    find_resume_checkpoint,
     load_checkpoint,
     prune_checkpoints,
+    resume_point,
     save_checkpoint,
     step_name,
 )
@@ -188,6 +188,8 @@ def _run(
     check_model_flags(cfg)  # before the data: a bad --model_size must not wait for tokenization
     ckpt_dir = Path(cfg.runtime.checkpoint_dir)
     if main:  # before the data is read: a second run on this folder stops at once
+        if cfg.runtime.resume:  # before the folder is made: a mistyped one is refused, not created
+            check_resume_dir(ckpt_dir, model_id_for(cfg.model.model_size, cfg.model.arch))
         held.append(open_checkpoint_dir(ckpt_dir, log))
 
     # rank 0 builds any cache first; the others then read it
@@ -200,7 +202,7 @@ def _run(
     run, found = _build(cfg, data, device, dist_info, extra, console, announce_commits, log)
     _resume(run, found, log)
     if main:
-        settle_dead_runs(run.db, run.model_id, run.resume_step, log)
+        settle_dead_runs(run.db, log)
         model_cfg = run.model.config.to_dict()
         run.db.upsert_model(run.model_id, cfg.model.model_size, run.n_params, run.n_params_ne, model_cfg)
         run.db.start_run(
@@ -279,9 +281,7 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
     found = None
     if main:
         if cfg.runtime.resume:
-            found = find_resume_checkpoint(ckpt_dir, log=log)
-            if found is not None:
-                check_model_config(found.checkpoint, model.config, found.path)
+            found = resume_point(ckpt_dir, model_id, model.config, cfg, dist_info.world_size, log)
         _keep_tokenizer_beside(data.tokenizer_path, ckpt_dir, log)
     run_id = broadcast_object(dist_info, _new_run_id(model_id))
     artifacts = RunArtifacts(ckpt_dir / "runs" / run_id, rank=dist_info.rank)
@@ -341,13 +341,10 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
 
 
 def _resume(run: TrainingRun, found: ResumePoint | None, log) -> None:
-    """``--resume``: the checkpoint rank 0 found, loaded on every rank (or a fresh start)."""
+    """``--resume``: the checkpoint rank 0 found (there is one: see _build), loaded on every rank."""
     if not run.cfg.runtime.resume:
         return
     path = broadcast_object(run.dist, str(found.path) if found else None)
-    if path is None:
-        log(f"--resume: no checkpoint in {run.ckpt_dir} yet; starting from scratch")
-        return
     if found is None:
         ck = load_checkpoint(path)
         found = ResumePoint(Path(path), int(ck["step"]), ck)

@@ -4,8 +4,9 @@
   read-only filesystem, or not writable), takes the folder lock (:mod:`hydra_train.run_lock`) and
   removes partial ``*.tmp`` files of killed writers.
 * :func:`settle_dead_runs` marks runs the database still calls ``running`` as ``killed`` (with the
-  lock held, no live run can own them) and, on resume, drops the step rows a dead run logged after
-  the checkpoint it is resumed from (the resumed run logs those steps again: no duplicates).
+  lock held, no live run can own them). The rows a dead run logged after the checkpoint a resume
+  continues from are dropped when the resuming run is recorded (``TrainingDB.start_run``, which
+  knows the run that saved that checkpoint: only that run's lineage loses rows).
 * :func:`check_finite_weights` refuses to save weights that hold NaN or inf.
 """
 
@@ -59,19 +60,14 @@ def open_checkpoint_dir(folder: Path, log: Callable[[str], None]) -> FolderLock:
     return lock
 
 
-def settle_dead_runs(db, model_id: str, resume_step: int | None, log: Callable[[str], None]) -> None:
-    """``running`` rows become ``killed``; on resume, rows logged after ``resume_step`` by earlier
-    runs of ``model_id`` are dropped (they are about to be logged again)."""
+def settle_dead_runs(db, log: Callable[[str], None]) -> None:
+    """``running`` rows become ``killed``. The rows a resume supersedes are dropped by
+    ``start_run``, which is told which run the resume continues (dropping every run's rows of the
+    model here deleted other, finished runs' rows too)."""
     dead = [r["run_id"] for r in db.query("SELECT run_id FROM runs WHERE status='running'")]
     if dead:
         db.conn.executemany("UPDATE runs SET status='killed' WHERE run_id=?", [(r,) for r in dead])
         log(f"marked {len(dead)} run(s) that died without a status as killed: {', '.join(dead)}")
-    if resume_step is not None:
-        runs = "SELECT run_id FROM runs WHERE model_id=?"
-        for table in ("steps", "evals"):
-            db.conn.execute(
-                f"DELETE FROM {table} WHERE step > ? AND run_id IN ({runs})", (int(resume_step), model_id)
-            )
     db.commit()
 
 

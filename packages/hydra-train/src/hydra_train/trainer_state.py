@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-from hydra_train.checkpoint import FORMAT, VERSION, ResumePoint, capture_rng, check_model_config, restore_rng
+from hydra_train.checkpoint import (
+    FORMAT,
+    VERSION,
+    ResumePoint,
+    capture_rng,
+    check_model_config,
+    restore_rng,
+    resume_data_position,
+)
 from hydra_train.distributed import full_model_state, full_optimizer_state, load_full_state
 from hydra_train.errors import HydraDivergedError
 
@@ -94,6 +102,8 @@ class TrainerStateMixin:
             "ema": self._ema.cpu(),
             "ema_count": self._ema_count.cpu(),
             "skipped": self._skipped.cpu(),
+            # a resumed run stops at the same step of a skip streak as the uninterrupted one would
+            "streak": self._streak.cpu(),
         }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
@@ -106,6 +116,12 @@ class TrainerStateMixin:
         self._ema = s["ema"].to(self.device, torch.float64)
         self._ema_count = s["ema_count"].to(self.device, torch.float64)
         self._skipped = s["skipped"].to(self.device, torch.int64)
+        streak = s.get("streak")  # absent in older checkpoints: no streak carried over
+        self._streak = (
+            streak.to(self.device, torch.int64)
+            if streak is not None
+            else torch.zeros((), dtype=torch.int64, device=self.device)
+        )
 
     def checkpoint_payload(self, model_config: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint dict (collective under FSDP: every rank must call it)."""
@@ -121,7 +137,14 @@ class TrainerStateMixin:
             "optimizer": full_optimizer_state(self.model, self.optimizer),
             "scheduler": self.schedule.state_dict(),
             "rng": capture_rng(),
-            "data": {"position": self.loader.position, "seed": self.cfg.runtime.seed},
+            # what the position means: a resume with other values converts it or refuses
+            "data": {
+                "position": self.loader.position,
+                "seed": self.cfg.runtime.seed,
+                "batch_size": self.cfg.data.batch_size,
+                "seq_len": self.cfg.data.seq_len,
+                "world_size": self.dist.world_size,
+            },
             "trainer": self.state_dict(),
             "config": {"model": model_config, "train": self.cfg.to_dict()},
             "callbacks": self.callbacks.state_dict(),
@@ -143,8 +166,9 @@ class TrainerStateMixin:
                 g["capturable"] = False
 
     def resume_from(self, point: ResumePoint) -> None:
-        """Load everything a checkpoint holds; the model config must match (else HydraCheckpointError).
-        A weights-only checkpoint (no loop state) loads the weights and leaves the rest fresh."""
+        """Load everything a checkpoint holds; the model config must match and the data settings
+        must allow continuing the data stream (else HydraCheckpointError). A weights-only
+        checkpoint (no loop state) loads the weights and leaves the rest fresh."""
         ck = point.checkpoint
         check_model_config(ck, self.model.config, point.path)
         if "trainer" not in ck:
@@ -153,6 +177,7 @@ class TrainerStateMixin:
             load_full_state(self.model, self.optimizer, ck["model"], None)
             self.log(f"{point.path.name} holds weights only: training starts from them at step 0")
             return
+        position, notes = resume_data_position(ck, self.cfg, self.dist.world_size, point.path)
         load_full_state(self.model, self.optimizer, ck["model"], ck.get("optimizer"))
         for g in self.optimizer.param_groups:  # the current --lr wins over the saved one
             g["initial_lr"] = self.cfg.optim.lr
@@ -160,7 +185,9 @@ class TrainerStateMixin:
         if "scheduler" in ck:
             self.schedule.load_state_dict(ck["scheduler"])
         self.load_state_dict(ck["trainer"])
-        self.loader.seek(int(ck["data"]["position"]))
+        self.loader.seek(position)
+        for note in notes:
+            self.log(note)
         self.callbacks.load_state_dict(ck.get("callbacks", {}), log=self.log)
         restore_rng(ck["rng"])
 
