@@ -135,7 +135,8 @@ def _mod_spec(wrapper: CCGQAMoDBlockWrapper) -> dict[str, Any]:
 
 def hydra_export_state(model: CCGQAMoDMoRModel) -> dict[str, Any]:
     """The weights the shipped code reads: the state dict without the causal thresholds that a
-    block in static mode keeps only for a switch back to dynamic routing."""
+    block in static mode keeps only for a switch back to dynamic routing, and without the MoE
+    layers' ``pending_load`` (training state: the next training step's bias update)."""
     unused: list[str] = []
     for i, wrapper in enumerate(model.blocks):
         if wrapper.static:
@@ -143,7 +144,9 @@ def hydra_export_state(model: CCGQAMoDMoRModel) -> dict[str, Any]:
         if wrapper.mor.mode == "static":
             unused.append(f"blocks.{i}.mor.causal.")
     state = model.state_dict()
-    return {k: v for k, v in state.items() if not k.startswith(tuple(unused))} if unused else state
+    return {
+        k: v for k, v in state.items() if not k.startswith(tuple(unused)) and not k.endswith(".pending_load")
+    }
 
 
 def hydra_layout(model: CCGQAMoDMoRModel) -> dict[str, Any]:

@@ -60,6 +60,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _zero_load_when_absent(module, state_dict, prefix, *args) -> None:
+    """A state dict saved before ``pending_load`` was kept loads it as zeros (no pending update)."""
+    state_dict.setdefault(prefix + "pending_load", torch.zeros_like(module.pending_load))
+
+
 class MoEFFN(nn.Module):
     """Sparse SwiGLU experts on x [..., E]; returns (y [..., E], balance loss or None)."""
 
@@ -82,8 +87,11 @@ class MoEFFN(nn.Module):
         nn.init.normal_(self.w_down, std=0.02)
         #: loss-free balancing bias (selection only); persistent so training resumes exactly
         self.register_buffer("balance_bias", torch.zeros(n_experts))
-        # assignments since the last bias update, and this forward's statistics
-        self.register_buffer("pending_load", torch.zeros(n_experts), persistent=False)
+        #: assignments since the last bias update: persistent too, since the next training forward
+        #: turns the last step's load into a bias update (a resume without it skipped that update)
+        self.register_buffer("pending_load", torch.zeros(n_experts))
+        self.register_load_state_dict_pre_hook(_zero_load_when_absent)
+        # this forward's statistics
         self.register_buffer("stat_load", torch.zeros(n_experts), persistent=False)
         self.register_buffer("stat_entropy", torch.zeros(2), persistent=False)  # [Σ entropy, tokens]
 
