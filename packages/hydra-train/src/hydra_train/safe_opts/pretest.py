@@ -3,9 +3,10 @@ it runs on top of), on the real model, from the same weights and the same batche
 
 An *arm* is a run of ``warmup + steps`` optimizer steps with some optimizations active, on a
 throwaway :class:`hydra_train.trainer.Trainer` around the training model (its step, its
-non-finite rule, its gradient clipping: the code training runs). Between arms the weights, the
-optimizer state and the RNG are restored, so every arm starts where training will start; after
-the last arm they are restored once more and training proceeds as if nothing had run.
+non-finite rule, its gradient clipping: the code training runs). Between arms the weights, every
+buffer (a step's causal routing records included), the optimizer state and the RNG are restored,
+so every arm starts where training will start; after the last arm they are restored once more and
+training proceeds as if nothing had run.
 
 Which arms run, in two phases, is :mod:`hydra_train.safe_opts.pretest_arms`. Verdicts follow
 :mod:`hydra_train.safe_opts.tolerances`. An exception in an arm (a capture that fails, an
@@ -35,7 +36,7 @@ from hydra_train.prefetch import Prefetcher
 from hydra_train.safe_opts.faults import FaultInjector
 from hydra_train.safe_opts.pretest_arms import FAIL, NA, PASS, Arm, first_arms, stacked_arms
 from hydra_train.safe_opts.registry import Optimization
-from hydra_train.safe_opts.step0_probe import probe_against, reference_at
+from hydra_train.safe_opts.step0_probe import buffer_values, probe_against, put_back, reference_at
 from hydra_train.safe_opts.tolerances import (
     ArmNumbers,
     bounds_for,
@@ -110,6 +111,9 @@ class _Snapshot:
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
     rng: dict[str, Any]
+    #: every buffer and its value, the state dict's and the rest: a step's leftovers (causal
+    #: routing records, statistics) must not reach the next arm's first commit
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _clone_tree(x: Any) -> Any:
@@ -372,11 +376,13 @@ class PretestRunner:
     # -- state ----------------------------------------------------------------------------------------
     def _snapshot(self) -> _Snapshot:
         model = {k: v.detach().clone() for k, v in self.tr.model.state_dict().items()}
-        return _Snapshot(model, _clone_tree(self.tr.optimizer.state_dict()), capture_rng())
+        opt = _clone_tree(self.tr.optimizer.state_dict())
+        return _Snapshot(model, opt, capture_rng(), buffer_values(self.tr.model))
 
     def _restore(self, snap: _Snapshot, final: bool = False) -> None:
         tr = self.tr
         tr.model.load_state_dict(snap.model)
+        put_back(snap.buffers)
         tr.optimizer.load_state_dict(_clone_tree(snap.optimizer))
         tr.optimizer.zero_grad(set_to_none=True)
         restore_rng(snap.rng)

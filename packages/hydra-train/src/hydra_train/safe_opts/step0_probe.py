@@ -4,11 +4,17 @@ reference with the safe defaults (:class:`hydra_train.safe_opts.pretest.PretestR
 Under FSDP2 each rank holds a shard of every gradient (a DTensor, which does not mix with plain
 tensors): the probe compares this rank's shards and sums the squares over the ranks, so that the
 norms and errors are those of the whole gradients; under DDP or one process every rank holds them
-whole."""
+whole.
+
+Both run training-mode forwards, which add to the model's buffers (the causal routing thresholds'
+records, an MoE layer's pending load): :func:`buffers_kept` puts every buffer back afterwards, so
+that what a probe saw never reaches a training step's threshold commit or bias update."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,6 +26,30 @@ from hydra_train.trainer import Trainer
 def own_shard(grad: torch.Tensor) -> torch.Tensor:
     """This rank's part of a gradient: its local shard under FSDP2, the gradient itself otherwise."""
     return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def buffer_values(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every buffer of ``model`` with a copy of its value, for :func:`put_back`."""
+    return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+@torch.no_grad()
+def put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy the values back in place (a captured CUDA graph or compiled step keeps reading the
+    same tensors); a cache rebuilt at another size since is left as it is."""
+    for b, value in saved:
+        if b.shape == value.shape:
+            b.copy_(value)
+
+
+@contextlib.contextmanager
+def buffers_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Run the block, then put every buffer of ``model`` back to its value before it."""
+    saved = buffer_values(model)
+    try:
+        yield
+    finally:
+        put_back(saved)
 
 
 def _grads(tr: Trainer) -> list[torch.Tensor | None]:
@@ -43,10 +73,11 @@ def reference_at(
     rows = max(1, chunk_rows)
     chunks = list(zip(x.split(rows), y.split(rows), strict=True))
     loss = torch.zeros((), dtype=torch.float64, device=device)
-    for xc, yc in chunks:
-        out = tr.wrapped(xc, yc)
-        (out.loss / len(chunks)).backward()
-        loss += out.loss.detach().double() / len(chunks)
+    with buffers_kept(tr.model):
+        for xc, yc in chunks:
+            out = tr.wrapped(xc, yc)
+            (out.loss / len(chunks)).backward()
+            loss += out.loss.detach().double() / len(chunks)
     grads = [None if g is None else own_shard(g.detach()).float().clone() for g in _grads(tr)]
     tr.model.zero_grad(set_to_none=True)
     sq = torch.zeros((), dtype=torch.float64, device=device)
@@ -66,9 +97,10 @@ def probe_against(
     """The arm's loss on ``batch`` through ``pt`` (the pretest trainer, its optimizations active)
     and, against ``ref`` (:func:`reference_at`), (gradient error, loss error), relative."""
     x, y = (t.to(device) for t in batch)
-    with pt.autocast():
-        out = pt.forward_model(x, y, **pt.forward_kwargs)
-    out.loss.backward()
+    with buffers_kept(tr.model):
+        with pt.autocast():
+            out = pt.forward_model(x, y, **pt.forward_kwargs)
+        out.loss.backward()
     loss = float(out.loss.detach().double())
     err = None
     if ref is not None:
