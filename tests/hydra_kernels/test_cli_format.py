@@ -37,6 +37,8 @@ def fresh_patch(monkeypatch):
 
 
 def test_the_panel_lists_every_spelling_and_the_range(fresh_patch):
+    if not all(hasattr(TyperOption, n) for n in cli_format.OPTION_API):
+        pytest.skip("this Typer keeps its own panel (the test below)")
     cli_format.patch_typer_help()
     assert ru._print_options_panel is cli_format._options_panel
     result = CliRunner().invoke(_app(), ["run", "--help"], terminal_width=80)
@@ -56,7 +58,7 @@ def test_a_typer_without_the_option_api_keeps_its_own_panel(fresh_patch, monkeyp
     def typer_own_panel(*, name, params, ctx, markup_mode, console) -> None:
         shown.extend(o for p in params for o in getattr(p, "opts", []))
 
-    monkeypatch.delattr(TyperOption, "_get_number_range_help_str")
+    monkeypatch.delattr(TyperOption, "_get_number_range_help_str", raising=False)  # 0.27: absent
     monkeypatch.setattr(ru, "_print_options_panel", typer_own_panel)
     cli_format.patch_typer_help()
     assert ru._print_options_panel is typer_own_panel

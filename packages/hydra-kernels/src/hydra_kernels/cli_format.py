@@ -21,6 +21,9 @@ from rich.table import Table
 from rich.text import Text
 
 _patched = False
+#: What the panel asks of an option: a Typer that vendors its own click (0.27) has neither, and
+#: every --help raised AttributeError with the panel patched in; such a Typer keeps its own panel.
+OPTION_API = ("display_type_rich", "_get_number_range_help_str")
 
 
 def _options_panel(*, name: str, params: list, ctx: Any, markup_mode: Any, console: Console) -> None:
@@ -96,10 +99,7 @@ def patch_typer_help() -> None:
         from typer.core import TyperOption
 
         needed = ("_print_options_panel", "_get_parameter_help", "TyperArgument", "STYLE_OPTION")
-        # what the panel asks of an option: a Typer that vendors its own click (0.27) has neither,
-        # and every --help raised AttributeError with the panel patched in
-        option_api = ("display_type_rich", "_get_number_range_help_str")
-        if all(hasattr(ru, n) for n in needed) and all(hasattr(TyperOption, n) for n in option_api):
+        if all(hasattr(ru, n) for n in needed) and all(hasattr(TyperOption, n) for n in OPTION_API):
             ru._print_options_panel = _options_panel
     except ImportError:  # typer without rich: click's plain help, which never truncates
         pass
