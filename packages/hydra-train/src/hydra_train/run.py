@@ -374,9 +374,10 @@ def _train(run: TrainingRun, log) -> dict[str, Any]:
         summary = trainer.train()
         if trainer.step > start_step:
             try:
-                summary["final_checkpoint"] = str(trainer.save_checkpoint(final=True))
+                with trainer.recording_status():  # a Ctrl-C or SIGTERM here: "interrupted"
+                    summary["final_checkpoint"] = str(trainer.save_checkpoint(final=True))
             except BaseException:
-                trainer.status = summary["status"] = "failed"
+                summary["status"] = trainer.status
                 raise
     finally:
         trainer.loader.close()
