@@ -23,10 +23,11 @@ NEEDS_TRITON = pytest.mark.skipif(
 )
 
 
-def _reset() -> None:
+def _reset(counts: bool = True) -> None:
     controls.set_use_triton_kernels(True)
     controls.reload_env()
-    controls.reset_fallback_counts()
+    if counts:
+        controls.reset_fallback_counts()
     clear_launch_overrides()
 
 
@@ -36,9 +37,7 @@ def _default_kernel_controls():
     by the suite's fixture (tests/conftest.py), so they are not cleared here."""
     _reset()
     yield
-    controls.set_use_triton_kernels(True)
-    controls.reload_env()
-    clear_launch_overrides()
+    _reset(counts=False)
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ Layout of a checkpoint (a ``torch.save`` dict, loadable with ``weights_only=True
     optimizer, scheduler     their state dicts
     rng                      python / numpy / torch CPU / CUDA generator states
     data                     {"position": micro-batches consumed (each rank), "seed": data order
-                             seed, "batch_size", "seq_len", "world_size" (absent in older files)}
+                             seed, "world_size" (absent in older files)}; the batch size and
+                             sequence length it counts in are the train config's
     trainer                  loop state: EMAs, skipped steps (and the streak in a row: "streak",
                              absent in older files), tokens seen, validation history
     config                   {"model": <model config>.to_dict(), "train": TrainConfig.to_dict()}

@@ -154,7 +154,6 @@ class TrainingRun:
     safe: SafeOptimizations
     db: TrainingDB | None
     resumed_from: str | None = None
-    resume_step: int | None = None
 
 
 def _run(
@@ -349,7 +348,6 @@ def _resume(run: TrainingRun, found: ResumePoint | None, log) -> None:
         ck = load_checkpoint(path)
         found = ResumePoint(Path(path), int(ck["step"]), ck)
     run.trainer.resume_from(found)
-    run.resume_step = found.step
     run.resumed_from = found.checkpoint.get("run_id")
     # a new checkpoint: pretests rerun (resolved: the machine's records are shared by folders)
     run.safe.checkpoint = f"{Path(found.path).resolve()}@{found.step}"

@@ -137,12 +137,11 @@ class TrainerStateMixin:
             "optimizer": full_optimizer_state(self.model, self.optimizer),
             "scheduler": self.schedule.state_dict(),
             "rng": capture_rng(),
-            # what the position means: a resume with other values converts it or refuses
+            # what the position means beyond the train config (batch size, seq_len): the world size;
+            # a resume with other values converts it or refuses (checkpoint.resume_data_position)
             "data": {
                 "position": self.loader.position,
                 "seed": self.cfg.runtime.seed,
-                "batch_size": self.cfg.data.batch_size,
-                "seq_len": self.cfg.data.seq_len,
                 "world_size": self.dist.world_size,
             },
             "trainer": self.state_dict(),
