@@ -67,7 +67,12 @@ def _finish(doc, json_path: str | None, plots: Path | None) -> None:
         reasons = "; ".join(
             f"{r['name']}: {r.get('error') or r.get('status')}" for r in doc["runs"] if r["name"] in failed
         )
-        fail(f"race: {len(failed)} configuration(s) did not finish cleanly ({reasons})")
+        # Ctrl-C exits 130 as hydra-train run's does (scripts tell an interrupt from a failure)
+        interrupted = any(r.get("status") == "interrupted" for r in doc["runs"])
+        fail(
+            f"race: {len(failed)} configuration(s) did not finish cleanly ({reasons})",
+            130 if interrupted else 1,
+        )
 
 
 @app.command("run")
@@ -90,7 +95,9 @@ def run_cmd(
         ),
     ] = None,
     lr: Annotated[float, opt("--lr", help="Peak learning rate of every configuration.", min=0.0)] = 6e-4,
-    seq_len: Annotated[int, opt("--seq_len", help="Tokens per training window (T).", min=2)] = 2048,
+    seq_len: Annotated[
+        int, opt("--seq_len", help="Tokens per training window (T); row shards fix their own.", min=2)
+    ] = 2048,
     batch_size: Annotated[int, opt("--batch_size", help="Windows per step (B).", min=1)] = 8,
     evals: Annotated[int, opt("--evals", help="Evaluations, evenly spaced in training time.", min=1)] = 6,
     val_windows: Annotated[
@@ -144,7 +151,8 @@ def run_cmd(
     quiet: Annotated[bool, opt("--quiet", help="No progress on stderr.")] = False,
 ) -> None:
     """Race the configurations: each trains for --budget seconds on the same data; prints the table,
-    writes --json and --plots. Exit 1 when a configuration failed or diverged (the others still ran)."""
+    writes --json and --plots. Exit 1 when a configuration failed or diverged (the others still ran).
+    Exit 130 when the race was interrupted (Ctrl-C: the configurations that finished are still written)."""
     from hydra_diag.race.configs import COMPILE_CHOICES, parse_config_names, parse_sets, resolve_configs
     from hydra_diag.race.data import load_race_data
     from hydra_diag.race.loop import RaceSettings

@@ -125,6 +125,11 @@ def load_race_data(
             dataset, seq_len=seq_len, vocab_size=vocab_size, default_vocab=vocab_size, log=progress
         )
         train, val, vocab = bundle.train, bundle.val, bundle.vocab_size
+        if bundle.seq_len != seq_len:
+            # row shards fix the window length (hydra-train trains at it too): tokens, FLOPs, epochs
+            # and the entrants' max_seq_len must follow the windows the models really see
+            progress(f"{dataset}: rows of {bundle.seq_len + 1} tokens: sequence length {bundle.seq_len}")
+            seq_len = bundle.seq_len
         summary = {"name": dataset, "description": bundle.description, "cache_key": None}
     data = RaceData(train, val, vocab, seq_len, batch_size, seed, val_windows)
     summary.update(

@@ -113,9 +113,12 @@ def build_entrant(
     extra: dict[str, Any] = {"vocab_size": vocab_size}
     if device is not None and device.type == "cuda":
         extra["use_chunked_ce"] = True
-    if "max_seq_len" not in cfg.overrides and build_config(cfg.arch, model_size).max_seq_len < seq_len:
-        extra["max_seq_len"] = seq_len
-    return build_model(cfg.arch, model_size, **{**extra, **cfg.overrides})
+    # a max_seq_len below the race's windows can only crash the first step; the table's entries
+    # that copy a 100M preset carry its 2048, so an override does not stop the raise either
+    over = dict(cfg.overrides)
+    if build_config(cfg.arch, model_size, **over).max_seq_len < seq_len:
+        over["max_seq_len"] = seq_len
+    return build_model(cfg.arch, model_size, **{**extra, **over})
 
 
 def compile_entrant(model: torch.nn.Module, scope: str):

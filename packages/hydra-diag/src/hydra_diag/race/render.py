@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rich import box
@@ -25,6 +26,12 @@ def _si(x: float | None) -> str:
         if abs(x) >= div:
             return f"{x / div:.3g}{unit}"
     return f"{x:.3g}"
+
+
+def _secs(x: float) -> str:
+    """Seconds to one decimal, no trailing zeros: a 5 s budget's 1.5, 2 and 2.5 s marks must not all
+    read "2" (whole seconds did), while a 120 s budget's read 20, 40 ..."""
+    return f"{round(x, 1):g}"
 
 
 def _table(title: str) -> Table:
@@ -73,9 +80,12 @@ def loss_table(doc: dict[str, Any]) -> Table:
     t = _table("validation CE at training time (eval-mode routing)")
     _name_column(t, runs)
     for i in range(1, n + 1):
-        t.add_column(f"{budget * i / n:.0f}s", justify="right")
+        t.add_column(f"{_secs(budget * i / n)}s", justify="right")
     t.add_column("train-mode", justify="right")
-    best = min((r["final_val_loss"] for r in runs if r.get("final_val_loss") is not None), default=None)
+    # finite losses only: a diverged run's NaN (in a live run's document) compares false with
+    # everything, and min() would return it whenever it came first
+    finals = [r.get("final_val_loss") for r in runs]
+    best = min((x for x in finals if x is not None and math.isfinite(x)), default=None)
     for r in runs:
         cells = [_f(e.get("val_loss"), ".3f") for e in r.get("evals", [])[1:]]
         cells += ["-"] * (n - len(cells))
@@ -87,10 +97,11 @@ def loss_table(doc: dict[str, Any]) -> Table:
 
 def header_lines(doc: dict[str, Any]) -> list[str]:
     s, d, e = doc["settings"], doc["data"], doc["environment"]
+    val_windows = d.get("val_windows_used", s["val_windows"])  # the split may hold fewer than asked
     return [
         f"data: {d.get('description')}",
-        f"{s['model_size']}, {s['budget_s']:.0f} s of training each, batch {s['batch_size']}x{s['seq_len']}, "
-        f"{s['val_windows']} val windows, seed {s['seed']}",
+        f"{s['model_size']}, {_secs(s['budget_s'])} s of training each, "
+        f"batch {s['batch_size']}x{s['seq_len']}, {val_windows} val windows, seed {s['seed']}",
         f"device: {e.get('device_name')}, torch {e.get('torch')}, triton {e.get('triton')}, {e.get('date')}",
     ]
 

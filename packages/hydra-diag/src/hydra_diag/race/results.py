@@ -108,6 +108,7 @@ def merge_documents(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             if a != b:
                 raise DiagError(f"cannot merge {name} with {first_name}: {field} differs ({b!r} vs {a!r})")
     merged = json.loads(json.dumps(first))
+    merged.pop("plots", None)  # the first file's PNGs show its own runs only: not the merge's
     merged["runs"] = []
     merged["merged_from"] = []
     seen: dict[str, str] = {}

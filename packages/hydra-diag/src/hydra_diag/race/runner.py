@@ -1,6 +1,6 @@
 """The race from start to end: check every configuration, load the data once, race each entrant in
-turn (an entrant that fails, e.g. out of memory, is recorded as failed and the others still run),
-and return the JSON document."""
+turn (an entrant that fails, e.g. out of memory, is recorded as failed and the others still run;
+Ctrl-C stops the race, keeping the entrants that finished), and return the JSON document."""
 
 from __future__ import annotations
 
@@ -49,14 +49,23 @@ def run_race(
     )
     for cfg in cfgs:
         progress.start(cfg.name)
+        interrupted = False
         try:
             result = race_one(cfg, data, settings, device, progress.say, progress.tick)
-            release(device)
+        except KeyboardInterrupt:  # Ctrl-C ends the race, but the entrants that finished are kept
+            interrupted = True
+            result = {**cfg.to_dict(), "status": "interrupted", "error": "interrupted", "evals": []}
         except Exception as exc:  # one entrant failing (OOM, a compile error) must not lose the others
-            release(device)
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()
             result = {**cfg.to_dict(), "status": "failed", "error": last[:500], "evals": []}
             progress.say(f"FAILED: {last[:200]}")
+        # outside the except clauses: there the exception's traceback still holds the failed
+        # entrant's frame (model, optimizer, activations), which release could not free
+        release(device)
+        if interrupted:
+            progress.warn(f"interrupted during {cfg.name}: the race stops, the finished entrants are kept")
+            doc["runs"].append(result)
+            break
         progress.done(result)
         if (result.get("epochs") or 0) > 1:
             progress.warn(
