@@ -5,6 +5,7 @@ the tables and a merged document say."""
 from __future__ import annotations
 
 import gc
+import inspect
 import io
 import json
 import math
@@ -180,3 +181,50 @@ def test_loss_table_columns_name_each_evaluation_time():
     assert "5 s of training each" in header_lines(doc)[1]
     doc["settings"] |= {"budget_s": 120.0, "evals": 6}
     assert [c.header for c in loss_table(doc).columns[1:-1]] == ["20s", "40s", "60s", "80s", "100s", "120s"]
+
+
+def test_each_finished_entrant_is_on_disk_before_the_next_starts(runner, tmp_path, monkeypatch):
+    """A race killed during its second entrant (no Python handler runs) must keep the first: the
+    JSON is written after each entrant, so when the second starts the file already holds the
+    first's measurements."""
+    import hydra_diag.race.runner as runner_mod
+    from hydra_diag.synthetic import write_bigram_dataset
+
+    data = write_bigram_dataset(tmp_path / "bigram", 256, 20000, 3000)
+    real, seen = runner_mod.race_one, {}
+
+    def second_reads_the_file(cfg, *args, **kw):
+        if cfg.name == "hydra":
+            seen["doc"] = json.loads((tmp_path / "r.json").read_text())
+        return real(cfg, *args, **kw)
+
+    monkeypatch.setattr(runner_mod, "race_one", second_reads_the_file)
+    args = [
+        "race", "run", "--configs", "gpt,hydra", "--model-size", "tiny", "--budget", 0.3, "--evals", 1,
+        "--seq-len", 16, "--batch-size", 4, "--val-windows", 4, "--vocab-size", 256,
+        "--dataset", data, *TINY_SETS, "--json", tmp_path / "r.json", "--quiet",
+    ]  # fmt: skip
+    res = invoke(runner, args)
+    assert res.exit_code == 0, res.stderr
+    (first,) = seen["doc"]["runs"]
+    assert first["name"] == "gpt" and first["status"] == "ok" and math.isfinite(first["final_val_loss"])
+    final = json.loads((tmp_path / "r.json").read_text())
+    assert [r["name"] for r in final["runs"]] == ["gpt", "hydra"]
+    assert not (tmp_path / "r.json.tmp").exists()
+
+
+def test_a_datasets_own_vocabulary_is_used_when_none_is_given(tmp_path):
+    """Shards whose meta.json names a vocabulary larger than 32000 race at it when --vocab_size is
+    not given (the CLI's old default, an explicit 32000, overrode it); an explicit value still
+    wins, and where the dataset names none the default is 32000."""
+    vocab = int(torch.randint(32001, 50000, ()).item())
+    folder = _row_dataset(tmp_path / "rows", 33)
+    (folder / "meta.json").write_text(json.dumps({"vocab_size": vocab}))
+    common = dict(seq_len=32, batch_size=4, seed=1, val_windows=4)
+    assert load_race_data(str(folder), vocab_size=None, **common).vocab_size == vocab
+    assert load_race_data(str(folder), vocab_size=300, **common).vocab_size == 300
+    plain = _row_dataset(tmp_path / "plain", 33)
+    assert load_race_data(str(plain), vocab_size=None, **common).vocab_size == 32000
+    from hydra_diag.commands.race import run_cmd
+
+    assert inspect.signature(run_cmd).parameters["vocab_size"].default is None

@@ -140,9 +140,14 @@ def run_cmd(
         ),
     ] = None,
     vocab_size: Annotated[
-        int,
-        opt("--vocab_size", help="pyenv: BPE vocabulary (at least 300); shards: their vocabulary.", min=2),
-    ] = 32000,
+        int | None,
+        opt(
+            "--vocab_size",
+            help="pyenv: BPE vocabulary (at least 300; default 32000). Other datasets: default their "
+            "tokenizer's or meta's vocabulary (32000 where they name none).",
+            min=2,
+        ),
+    ] = None,
     device: Annotated[str, opt("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")] = "auto",
     seed: Annotated[int, opt("--seed", help="Data order and initialisation seed.")] = 1337,
     log_every: Annotated[float, opt("--log_every", help="Seconds between progress lines.", min=0.1)] = 10.0,
@@ -193,7 +198,13 @@ def run_cmd(
             )
             prog.say(data.summary["description"])
             extra = {"val_windows": val_windows, "lr": lr, "dataset": dataset, "device_type": dev.type}
-            return run_race(cfgs, data, settings, dev, prog, extra)
+            from hydra_diag.race.results import write_document
+
+            def save(doc) -> None:  # each finished entrant on disk at once: a killed race keeps them
+                write_document(doc, json_path)
+
+            keep = save if json_path not in (None, "-") else None
+            return run_race(cfgs, data, settings, dev, prog, extra, on_entrant=keep)
 
     doc = run_guarded(go)
     _finish(doc, json_path, plots)

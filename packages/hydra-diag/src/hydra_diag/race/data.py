@@ -20,6 +20,9 @@ import torch
 
 from hydra_diag.output import DiagError, Progress, no_progress
 
+#: the vocabulary where neither --vocab_size nor the dataset names one (pyenv's BPE size)
+DEFAULT_VOCAB = 32000
+
 
 @dataclass
 class RaceData:
@@ -98,20 +101,24 @@ def load_race_data(
     batch_size: int,
     seed: int,
     val_windows: int,
-    vocab_size: int,
+    vocab_size: int | None,
     extensions: str | None = None,
     corpus_roots: list[Path] | None = None,
     progress: Progress = no_progress,
 ) -> RaceData:
     """``pyenv`` (the default; ``corpus_roots`` replaces the interpreter's folders), or anything
-    hydra-train's ``--dataset`` takes (a folder of shards ...)."""
+    hydra-train's ``--dataset`` takes (a folder of shards ...). ``vocab_size`` None: pyenv's 32000,
+    another dataset's own (its tokenizer's or meta's, as hydra-train reads it), 32000 where it names
+    none: an explicit 32000 would override shards tokenized with a larger vocabulary."""
     if dataset == "pyenv":
         from hydra_train.dataset import TokenDataset
         from hydra_train.pyenv_corpus import load_pyenv_corpus
         from hydra_train.shards import open_shard
 
         roots = corpus_tree_roots(corpus_roots) if corpus_roots else None
-        corpus = load_pyenv_corpus(vocab_size=vocab_size, extensions=extensions, roots=roots, log=progress)
+        corpus = load_pyenv_corpus(
+            vocab_size=vocab_size or DEFAULT_VOCAB, extensions=extensions, roots=roots, log=progress
+        )
         vocab = corpus.vocab_size
         train = TokenDataset([open_shard(corpus.train_path)], seq_len, vocab, name="pyenv:train")
         val = TokenDataset([open_shard(corpus.val_path)], seq_len, vocab, name="pyenv:val")
@@ -122,7 +129,7 @@ def load_race_data(
         from hydra_train.data_sources import load_data
 
         bundle = load_data(
-            dataset, seq_len=seq_len, vocab_size=vocab_size, default_vocab=vocab_size, log=progress
+            dataset, seq_len=seq_len, vocab_size=vocab_size, default_vocab=DEFAULT_VOCAB, log=progress
         )
         train, val, vocab = bundle.train, bundle.val, bundle.vocab_size
         if bundle.seq_len != seq_len:

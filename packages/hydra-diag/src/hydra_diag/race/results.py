@@ -126,11 +126,14 @@ def merge_documents(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def write_document(doc: dict[str, Any], path: str) -> None:
-    """``path`` "-" prints to stdout; otherwise the file (folders created)."""
+    """``path`` "-" prints to stdout; otherwise the file (folders created), replaced whole: a crash
+    while writing leaves the previous document (the race writes one after each entrant)."""
     text = json.dumps(jsonable(doc), indent=2) + "\n"
     if path == "-":
         sys.stdout.write(text)
         return
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(text, encoding="utf-8")
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(p)

@@ -5,6 +5,7 @@ Ctrl-C stops the race, keeping the entrants that finished), and return the JSON 
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,7 +39,10 @@ def run_race(
     device: torch.device,
     progress: RaceProgress,
     extra_settings: dict[str, Any],
+    on_entrant: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
+    """The race's document; ``on_entrant(doc)`` after each entrant (the CLI writes the JSON then,
+    so a killed process keeps the entrants that finished)."""
     check_buildable(cfgs, settings.model_size, {"vocab_size": data.vocab_size})
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # the same TF32 matmuls for every entrant
@@ -73,4 +77,6 @@ def run_race(
                 "use a larger corpus (--extensions) or a shorter budget"
             )
         doc["runs"].append(result)
+        if on_entrant is not None:
+            on_entrant(doc)
     return doc
