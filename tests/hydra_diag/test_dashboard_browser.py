@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from .chromium_cdp import find_chromium, headless_chromium
-from .conftest import VOCAB, assert_png
+from .conftest import VOCAB, assert_png, synthetic_db
 from .dashboard_helpers import db_rows, serving
 
 pytest.importorskip("websocket", reason="the DevTools client needs websocket-client (hatch env test has it)")
@@ -213,3 +213,55 @@ def _last_step(db: Path) -> int:
         return 0
     sql = "SELECT max(s.step) AS s FROM steps s JOIN runs r ON r.run_id=s.run_id WHERE r.status='running'"
     return db_rows(db, sql)[0]["s"] or 0
+
+
+ROW = dict(loss=3.0, lr=1e-3, grad_norm=1.0, ema_short=3.0, ema_medium=3.0, ema_long=3.0)
+#: the steps the page holds for a run
+HELD = "(window.hydraDashboard.data[{rid!r}] || {{rows: {{steps: []}}}}).rows.steps.map((s) => s.step)"
+
+
+def test_page_shows_a_run_ending_without_new_rows(tmp_path):
+    """hydra-train commits the last logged step, then the run's status in a commit of its own
+    (finish_run): the status card follows the runs list to 'finished' with no new row to read."""
+    from hydra_train.metrics_db import DB_NAME, TrainingDB
+
+    synthetic_db(tmp_path, [dict(step=s, **ROW) for s in (1, 2, 3)], status="running")
+    cards = "document.getElementById('cards').innerText"
+    with serving(tmp_path) as url, headless_chromium(tmp_path / "profile") as page:
+        page.navigate(url)
+        page.wait_for(
+            f"window.hydraDashboard && window.hydraDashboard.renders > 0 && {cards}.includes('running')"
+        )
+        with TrainingDB(tmp_path / DB_NAME) as db:
+            db.finish_run("run1", "finished")
+        page.wait_for("document.getElementById('runs').innerText.includes('finished')", timeout=15)
+        polls = page.evaluate("window.hydraDashboard.polls")
+        page.wait_for(f"window.hydraDashboard.polls >= {polls + 2}", timeout=15)
+        assert "finished" in page.evaluate(cards)
+
+
+def test_page_forgets_rows_a_resume_superseded(tmp_path):
+    """The page holds a run's steps 1..10; the run dies and a resume from its step-5 checkpoint
+    drops its steps 6..10 from the database (TrainingDB.start_run): the page drops them too."""
+    from hydra_train.metrics_db import DB_NAME, TrainingDB
+
+    synthetic_db(tmp_path, [dict(step=s, **ROW) for s in range(1, 11)], status="running")
+    with serving(tmp_path) as url, headless_chromium(tmp_path / "profile") as page:
+        page.navigate(url)
+        page.wait_for(f"{HELD.format(rid='run1')}.length === 10")
+        page.evaluate("document.querySelector('#runs li').click()")  # pin run1: no following
+        with TrainingDB(tmp_path / DB_NAME) as db:
+            db.conn.execute("UPDATE runs SET status='killed' WHERE run_id='run1'")
+            db.start_run("run2", "tiny", 5, {"max_steps": 100}, resumed_from="run1")
+            for s in (6, 7):
+                db.log_step("run2", s, **ROW)
+            db.commit()
+        assert (
+            db_rows(tmp_path / DB_NAME, "SELECT max(step) AS s FROM steps WHERE run_id='run1'")[0]["s"] == 5
+        )
+        page.wait_for("document.getElementById('runs').innerText.includes('run2')", timeout=15)
+        polls = page.evaluate("window.hydraDashboard.polls")
+        page.wait_for(f"window.hydraDashboard.polls >= {polls + 2}", timeout=15)
+        assert page.evaluate("window.hydraDashboard.selected") == "run1"
+        assert page.evaluate(HELD.format(rid="run1")) == [1, 2, 3, 4, 5]
+        assert _n(page.evaluate(CHARTS_JS)["chart-loss"], "loss") == 5

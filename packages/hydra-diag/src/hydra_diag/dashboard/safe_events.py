@@ -5,8 +5,9 @@ The database holds none of this; SafeOptimizations appends one JSON line per eve
 verdict, anomaly, disable, suspend, re-enable, graduate) to
 ``<checkpoint_dir>/pretest_logs/safe_opts_events.jsonl`` (hydra_train/safe_opts/pretest_log.py),
 without a run id. A run's events are those stamped between its start and its end (or now, while
-it runs); ``runs.started_at`` is written just before the first pretest. The status is replayed
-from the events with the same transitions as hydra_train/safe_opts/callback.py.
+it runs; or the next run's start, for a killed run with no end); ``runs.started_at`` is written
+just before the first pretest. The status is replayed from the events with the same transitions
+as hydra_train/safe_opts/callback.py.
 """
 
 from __future__ import annotations
@@ -53,17 +54,24 @@ def requested_optimizations(config: dict[str, Any]) -> list[str] | None:
         return None
 
 
-def _in_run(ev: dict[str, Any], run: dict[str, Any]) -> bool:
+def _in_run(ev: dict[str, Any], run: dict[str, Any], next_start: str | None = None) -> bool:
     # event times have whole seconds, runs' have milliseconds: compare at whole seconds
     t = str(ev.get("time", ""))[:19]
     start = str(run.get("started_at") or "")[:19]
     end = str(run.get("ended_at") or "")[:19]
+    if not end and next_start:
+        # no end time (a killed run: settle_dead_runs sets none): it ended before the next run of
+        # the folder started (the folder lock), whose first pretests share that second
+        return bool(t) and start <= t < next_start[:19]
     return bool(t) and t >= start and (not end or t <= end)
 
 
-def safe_opts_report(folder: Path, run: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """``requested``, ``status`` (name → {status, reason, step}), ``anomalies`` and ``events``."""
-    events = [ev for ev in read_events(events_path(folder)) if _in_run(ev, run)]
+def safe_opts_report(
+    folder: Path, run: dict[str, Any], config: dict[str, Any], next_start: str | None = None
+) -> dict[str, Any]:
+    """``requested``, ``status`` (name → {status, reason, step}), ``anomalies`` and ``events``.
+    ``next_start``: when the database's next run started (None for the newest run)."""
+    events = [ev for ev in read_events(events_path(folder)) if _in_run(ev, run, next_start)]
     requested = requested_optimizations(config)
     status: dict[str, dict[str, Any]] = {}
     for name in requested or []:

@@ -101,6 +101,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
         for table in INCREMENTAL:
             try:
                 since[table] = int(query.get(table, ["-1"])[0])
+                if not -(2**63) <= since[table] < 2**63:  # beyond SQLite's INTEGER: OverflowError
+                    raise ValueError
             except ValueError:
                 self._json({"error": f"?{table}= takes a step number"}, 400)
                 return
@@ -117,6 +119,8 @@ class DashboardServer(ThreadingHTTPServer):
     def __init__(self, store: DashboardStore, host: str, port: int, verbose: bool = False):
         self.store, self.verbose = store, verbose
         self.files = static_files()
+        if not 0 <= port <= 65535:  # bind() raises OverflowError, not OSError, for these
+            raise DiagError(f"--port {port} is not a TCP port: pick one in 1-65535 (0: any free port)")
         if ":" in host:  # an IPv6 address such as ::1
             self.address_family = socket.AF_INET6
         try:

@@ -140,7 +140,8 @@ class DashboardStore:
 
     def run(self, run_id: str, since: dict[str, int] | None = None) -> dict[str, Any] | None:
         """One run's rows logged after the steps in ``since`` (table → last step the caller holds;
-        -1 or absent: all rows), and its SafeOptimizations status. None for an unknown run."""
+        -1 or absent: all rows), ``last`` (table → its last step now, None when empty) and its
+        SafeOptimizations status. None for an unknown run."""
         from hydra_diag.dashboard.safe_events import safe_opts_report
 
         since = since or {}
@@ -164,6 +165,15 @@ class DashboardStore:
                         (run_id, int(since.get(table, -1))),
                     )
                 ]
+            # the last step each table holds now: below the caller's cursor when a resume dropped
+            # the rows this run logged after its checkpoint (TrainingDB.drop_superseded)
+            out["last"] = {
+                table: conn.execute(f"SELECT max(step) FROM {table} WHERE run_id=?", (run_id,)).fetchone()[0]
+                for table in INCREMENTAL
+            }
+            next_start = conn.execute(
+                "SELECT min(started_at) FROM runs WHERE started_at > ?", (head["started_at"] or "",)
+            ).fetchone()[0]
             conn.rollback()
         finally:
             conn.close()
@@ -174,5 +184,5 @@ class DashboardStore:
         except json.JSONDecodeError:
             config = {}
         out["config"] = config
-        out["safe_opts"] = safe_opts_report(self.folder, out["run"], config)
+        out["safe_opts"] = safe_opts_report(self.folder, out["run"], config, next_start)
         return jsonable(out)

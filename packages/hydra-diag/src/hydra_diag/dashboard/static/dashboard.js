@@ -14,7 +14,7 @@ function runData(id) {
     state.data[id] = {
       rows: Object.fromEntries(TABLES.map((t) => [t, []])),
       cursor: Object.fromEntries(TABLES.map((t) => [t, -1])),
-      run: null, safe: null,
+      run: null, safe: null, meta: null,
     };
   }
   return state.data[id];
@@ -34,7 +34,18 @@ async function pull(id) {
   d.run = got.run;
   d.safe = got.safe_opts;
   let fresh = 0;
+  // the run's status and SafeOptimizations events change without new rows (finish_run commits
+  // on its own, after the last step): redraw when they do, not only on new rows
+  const meta = JSON.stringify([got.run, got.safe_opts]);
+  if (meta !== d.meta) { d.meta = meta; fresh += 1; }
   for (const t of TABLES) {
+    const held = got.last[t] ?? -1;
+    if (held < d.cursor[t]) {
+      // a resume superseded the rows after its checkpoint and the database dropped them: so do we
+      d.rows[t] = d.rows[t].filter((r) => r.step <= held);
+      d.cursor[t] = held;
+      fresh += 1;
+    }
     const rows = got[t];
     if (rows.length) {
       d.rows[t] = d.rows[t].concat(rows); // not push(...rows): a first load may hold 100K rows

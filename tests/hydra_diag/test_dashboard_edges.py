@@ -1,0 +1,88 @@
+"""hydra_diag.dashboard on the edges a user meets: a run killed and resumed in the same folder (its
+rows and SafeOptimizations events superseded), odd query strings, a --port out of range."""
+
+from __future__ import annotations
+
+import json
+
+from .conftest import invoke, one_line_error, synthetic_db
+from .dashboard_helpers import get_json, serving
+
+ROW = dict(loss=3.0, lr=1e-3, grad_norm=1.0, ema_short=3.0, ema_medium=3.0, ema_long=3.0)
+
+
+def _killed_then_resumed(folder):
+    """run1 logs steps 1..10 and dies (``killed``, no ``ended_at``, as hydra-train's
+    settle_dead_runs leaves it); run2 resumes its step-5 checkpoint an hour later."""
+    from hydra_train.metrics_db import DB_NAME, TrainingDB
+
+    synthetic_db(folder, [dict(step=s, **ROW) for s in range(1, 11)], status="running")
+    with TrainingDB(folder / DB_NAME) as db:
+        db.conn.execute(
+            "UPDATE runs SET status='killed', started_at='2026-01-01T10:00:00.000' WHERE run_id='run1'"
+        )
+        db.start_run("run2", "tiny", 5, {"max_steps": 100}, resumed_from="run1")
+        db.conn.execute("UPDATE runs SET started_at='2026-01-01T11:00:00.250' WHERE run_id='run2'")
+        for s in (6, 7):
+            db.log_step("run2", s, **ROW)
+        db.commit()
+
+
+def _event(time: str, step: int, event: str, **more) -> str:
+    return json.dumps({"time": time, "step": step, "event": event, **more}) + "\n"
+
+
+def test_a_killed_run_shows_only_its_own_safe_opts_events(tmp_path):
+    """A killed run has no end time; the event log has no run id. The resumed run's pretests and
+    anomalies (from its start on) are its own, not also the dead run's."""
+    from hydra_diag.dashboard.safe_events import events_path
+
+    _killed_then_resumed(tmp_path)
+    log = events_path(tmp_path)
+    log.parent.mkdir()
+    log.write_text(
+        _event("2026-01-01T10:00:01", 0, "pretest", name="compile", status="PASS")
+        + _event("2026-01-01T10:30:00", 8, "anomaly", name="compile", kind="loss_spike", at_step=8)
+        + _event("2026-01-01T11:00:00", 5, "pretest", name="compile", status="FAIL")
+        + _event("2026-01-01T11:20:00", 7, "anomaly", name=None, kind="grad_spike", at_step=7)
+    )
+    with serving(tmp_path) as url:
+        dead = get_json(url + "api/run/run1")["safe_opts"]
+        live = get_json(url + "api/run/run2")["safe_opts"]
+    assert [a["at_step"] for a in dead["anomalies"]] == [8]
+    assert [e["time"] for e in dead["events"]] == ["2026-01-01T10:00:01", "2026-01-01T10:30:00"]
+    assert dead["status"]["compile"]["status"] == "ENABLED"
+    assert [a["at_step"] for a in live["anomalies"]] == [7]
+    assert live["status"]["compile"]["status"] == "FAILED"
+
+
+def test_the_run_endpoint_says_what_each_table_holds_after_a_resume(tmp_path):
+    """``last``: each table's last step now, so that a page holding the rows a resume dropped
+    (run1's steps 6..10) learns that they are gone."""
+    _killed_then_resumed(tmp_path)
+    with serving(tmp_path) as url:
+        got = get_json(url + "api/run/run1?steps=10&adaptive_lr=10")
+        assert got["steps"] == [] and got["adaptive_lr"] == []
+        assert got["last"] == {
+            "steps": 5,
+            "evals": None,
+            "adaptive_lr": 5,
+            "routing_mod": None,
+            "routing_mor": None,
+            "routing_moe": None,
+        }
+        assert get_json(url + "api/run/run2")["last"]["steps"] == 7
+
+
+def test_a_step_number_out_of_range_is_a_bad_request(tmp_path):
+    synthetic_db(tmp_path, [dict(step=1, **ROW)])
+    with serving(tmp_path) as url:
+        got = get_json(url + "api/run/run1?steps=99999999999999999999", 400)
+        assert "step number" in got["error"]
+        assert get_json(url + "api/run/run1?steps=1")["steps"] == []  # the server still answers
+
+
+def test_port_out_of_range(runner, tmp_path):
+    synthetic_db(tmp_path, [dict(step=1, **ROW)])
+    for port in ("70000", "-1"):
+        one_line_error(invoke(runner, ["dashboard", tmp_path, "--port", port]), "--port", "65535")
