@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import (
     LlamaConfig,
@@ -258,3 +259,55 @@ class _no_warning:
 
     def __exit__(self, *exc):
         return False
+
+
+class ZeroInitGeGLU(CustomMLP):
+    """A GeGLU MLP (Gemma's maths under Llama's names) whose class no other test probes."""
+
+
+def test_an_mlp_with_a_zero_projection_is_probed_for_what_it_computes(undo_after, seed):
+    """A zero-initialised down projection (a common residual init) makes any MLP output zeros:
+    the probe must decide by the maths, not by the module's current weights, or a GeGLU MLP
+    becomes SwiGLU and computes something else once it trains."""
+    dim, hidden = 24, 40
+    mlp = ZeroInitGeGLU(dim, hidden, nn.GELU(approximate="tanh"))
+    nn.init.zeros_(mlp.down_proj.weight)
+    model = nn.ModuleDict({"mlp": mlp})
+    record = patch(model)
+    undo_after(record)
+    assert record.counts()["swiglu_mlp"] == 0 and model["mlp"] is mlp
+    with torch.no_grad():  # as after some training
+        nn.init.normal_(mlp.down_proj.weight, std=0.2)
+        x = torch.randn(5, dim)
+        want = mlp.down_proj(nn.functional.gelu(mlp.gate_proj(x), approximate="tanh") * mlp.up_proj(x))
+        torch.testing.assert_close(model["mlp"](x), want)
+
+
+class FunctionActMLP(nn.Module):
+    """The activation a plain function chosen per instance (``act_fn``), not a child module."""
+
+    def __init__(self, dim: int, hidden: int, act_fn) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.act_fn = act_fn
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_instances_of_one_class_with_other_activations_are_probed_apart(undo_after, seed):
+    """A decision cached for the class must not carry over to an instance computing otherwise."""
+    dim, hidden = 24, 40
+    model = nn.ModuleDict(
+        {"silu": FunctionActMLP(dim, hidden, F.silu), "mish": FunctionActMLP(dim, hidden, F.mish)}
+    )
+    x = torch.randn(5, dim)
+    with torch.no_grad():
+        want = model["mish"](x)
+    record = patch(model)
+    undo_after(record)
+    assert [r.where for r in record.of_kind("swiglu_mlp")] == ["silu"]
+    with torch.no_grad():
+        torch.testing.assert_close(model["mish"](x), want)

@@ -172,22 +172,30 @@ def _swiglu_candidate(module: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linea
     return gate, up, down
 
 
-#: a decision per (class, activation) once probed: every layer of a model shares them
+#: a decision per (class, activation, plain attributes) once probed: a model's layers share them
 _mlp_probe_cache: dict[tuple[Any, ...], bool] = {}
 
 
 def _computes_swiglu(module: nn.Module, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> bool:
-    """Probe in fp32 with the module's own weights: does its forward equal down(silu(gate)·up)?"""
+    """Probe in fp32 with random stand-in weights: does its forward equal down(silu(gate)·up)?
+    Not the module's own weights: a zero (or otherwise degenerate) projection, as some inits
+    leave it, makes every activation look alike, and the decision is cached per class."""
     device = gate.weight.device
     if device.type == "meta":
         return False
     act = next((m for n, m in module.named_children() if n not in _MLP_LINEARS), None)
-    key = (type(module), type(act), repr(act), getattr(module, "act_fn", None).__class__)
+    # the plain attributes too (an activation held as a function, a config): instances of one
+    # class may compute differently, and the class alone would hand one's decision to the other
+    plain = tuple(sorted((k, repr(v)) for k, v in vars(module).items() if not k.startswith("_")))
+    key = (type(module), type(act), repr(act), plain)
     if key in _mlp_probe_cache:
         return _mlp_probe_cache[key]
     gen = torch.Generator().manual_seed(0x5157)
     x = torch.randn(3, gate.in_features, generator=gen).to(device) * 2.0
-    params = {n: p.detach().float() for n, p in module.named_parameters()}
+    params = {
+        n: (torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5).to(device)
+        for n, p in module.named_parameters()
+    }
     try:
         with torch.no_grad():
             out = torch.func.functional_call(module, params, (x,))

@@ -92,7 +92,9 @@ def tokenizer_special_ids(tokenizer_path: Path | None) -> tuple[dict[str, int | 
 
 def write_tokenizer(tokenizer_path: Path, out: Path, eos_text: str | None, max_len: int) -> list[str]:
     """tokenizer.json as it is, and the two small files ``AutoTokenizer`` needs beside it."""
-    shutil.copyfile(tokenizer_path, out / "tokenizer.json")
+    target = out / "tokenizer.json"
+    if not (target.exists() and target.samefile(tokenizer_path)):  # a re-export shipping its own
+        shutil.copyfile(tokenizer_path, target)
     special = {"eos_token": eos_text, "pad_token": eos_text} if eos_text is not None else {}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -140,6 +142,9 @@ def export_hf(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a folder")
+    if out.is_dir() and Path(checkpoint).is_dir() and out.samefile(checkpoint):
+        # the export's config.json and model.safetensors would overwrite the checkpoint's own
+        raise ExportError(f"{out} is the checkpoint folder itself; export into another folder")
     model = load_model(checkpoint, map_location="cpu", allow_pickle=allow_pickle)
     check_finite_weights(model, checkpoint)
     model.eval()

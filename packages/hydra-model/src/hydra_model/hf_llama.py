@@ -150,17 +150,15 @@ def gpt_config_from_llama(hf: dict[str, Any], folder: Path) -> GPTConfig:
 
 def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of ``model.safetensors`` or of the shards its index lists."""
-    from safetensors.torch import load_file
-
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(str(single))
+        return _load_safetensors(single)
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
-            state.update(load_file(str(folder / shard)))
+            state.update(_load_safetensors(folder / shard))
         return state
     found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
     raise NotALlamaError(
@@ -171,6 +169,16 @@ def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
             else ""
         )
     )
+
+
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except SafetensorError as exc:  # not a ValueError: the command line would show a traceback
+        raise ValueError(f"{file} is unreadable, probably truncated or corrupt ({exc})") from None
 
 
 def llama_to_gpt_state(

@@ -40,9 +40,19 @@ def save_pretrained(model: nn.Module, path: str | Path) -> Path:
         "arch": arch_of(model),
         "config": model.config.to_dict(),
     }
-    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": FORMAT})
+    # Both files are written under temporary names first and renamed over the old ones only once
+    # both are complete: a save that fails part-way (full disk, killed process) into a folder
+    # holding an earlier save leaves that save loadable, not a new config beside cut-off weights.
+    tmp_weights, tmp_config = out / f".{WEIGHTS_FILE}.tmp", out / f".{CONFIG_FILE}.tmp"
+    try:
+        save_file(state, str(tmp_weights), metadata={"format": FORMAT})
+        tmp_config.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        tmp_weights.replace(out / WEIGHTS_FILE)
+        tmp_config.replace(out / CONFIG_FILE)
+    finally:
+        tmp_weights.unlink(missing_ok=True)
+        tmp_config.unlink(missing_ok=True)
     return out
 
 
@@ -57,7 +67,21 @@ def _read_meta(path: str | Path) -> dict[str, Any]:
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: is {path} a directory written by save_pretrained?")
-    return json.loads(file.read_text(encoding="utf-8"))
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file} is not valid JSON ({exc}); the save is damaged") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file} holds a JSON {type(meta).__name__}, not save_pretrained's object")
+    if "model_type" in meta and "config" not in meta:
+        # a transformers config.json (an export-hf folder, a downloaded model): its keys would
+        # otherwise be reported one by one as unknown HydraConfig fields
+        raise ValueError(
+            f"{path} is a Hugging Face model folder (model_type {meta['model_type']!r}), not one "
+            "written by save_pretrained: load it with transformers' AutoModelForCausalLM, or "
+            "convert a Llama with `hydra-model import-hf`"
+        )
+    return meta
 
 
 def read_config(path: str | Path) -> HydraConfig | GPTConfig:
@@ -88,6 +112,7 @@ def load_model(path: str | Path, map_location: Any = "cpu", allow_pickle: bool =
 
 def load_pretrained(cls: type[nn.Module] | None, path: str | Path, map_location: Any = "cpu") -> nn.Module:
     """Load a save_pretrained directory; ``cls`` None picks the class the directory records."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from hydra_model.architectures import model_class
@@ -104,7 +129,14 @@ def load_pretrained(cls: type[nn.Module] | None, path: str | Path, map_location:
         model = cls(config)
     # clone: tensors read from the file can sit at any offset, and unaligned weights take other
     # (slower, differently rounding) matmul paths than freshly allocated ones
-    state = {k: v.clone() for k, v in load_file(str(weights), device=str(map_location)).items()}
+    try:
+        loaded = load_file(str(weights), device=str(map_location))
+    except SafetensorError as exc:  # not a ValueError: callers would show a traceback
+        raise ValueError(
+            f"{weights} is unreadable, probably truncated or corrupt ({exc}); save the model again "
+            "or use another checkpoint"
+        ) from None
+    state = {k: v.clone() for k, v in loaded.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return _materialise_buffers(model, torch.device(map_location))
 
@@ -136,9 +168,19 @@ def load_checkpoint_file(
     """Load a hydra-train checkpoint file; ``cls`` None picks the class the file records.
     ``allow_pickle`` permits arbitrary pickled objects (only for files you trust); without it
     only tensors and plain containers are read."""
+    if not Path(path).is_file():  # else torch.load's error reads as a corrupt file
+        raise FileNotFoundError(f"{path} does not exist (expected a checkpoint file or a save folder)")
     try:
         blob = torch.load(str(path), map_location=map_location, weights_only=not allow_pickle)
     except Exception as exc:
+        head = _not_a_torch_file(path)
+        if head is not None:
+            # weights_only reports any non-pickle bytes as a refused object: without this, a Git
+            # LFS pointer or a saved error page would be sent to --allow-pickle
+            raise ValueError(
+                f"{path} is not a PyTorch checkpoint (it begins {head!r}): a Git LFS pointer "
+                "(run `git lfs pull`) or a download that failed?"
+            ) from exc
         if allow_pickle or not _refused_by_weights_only(exc):
             # truncated or corrupt: --allow-pickle would not help, so it is not suggested
             first = (str(exc).strip().splitlines() or [""])[0][:160]
@@ -172,6 +214,14 @@ def load_checkpoint_file(
         model = cls(config)
     model.load_state_dict(strip_wrapper_prefixes(blob["model"]), strict=True, assign=True)
     return _materialise_buffers(model, torch.device(map_location))
+
+
+def _not_a_torch_file(path: str | Path) -> bytes | None:
+    """The first bytes of ``path`` when they begin neither torch.save's zip archive ("PK") nor a
+    pickle (protocol ≥ 2, the legacy format), else None."""
+    with open(path, "rb") as f:
+        head = f.read(40)
+    return None if not head or head.startswith((b"PK", b"\x80")) else head
 
 
 def _refused_by_weights_only(exc: BaseException) -> bool:
