@@ -40,7 +40,15 @@ from torch import nn
 from hydra_train.config import GRAD_SYNC_MODES, TrainConfig
 from hydra_train.distributed import coalesced
 
-__all__ = ["GRAD_SYNC_MODES", "GradAverager", "capture_stream", "graphed_ddp_possible", "why_not_graphed"]
+__all__ = [
+    "GRAD_SYNC_MODES",
+    "GradAverager",
+    "broadcast_buffers",
+    "capture_stream",
+    "graphed_ddp_possible",
+    "synced_buffer_names",
+    "why_not_graphed",
+]
 
 #: gradients per all-reduce: a few large collectives (the graph has no launch cost to hide), while
 #: the staging buffer stays a fraction of the gradients' size
@@ -120,7 +128,7 @@ class GradAverager:
         # which is always an eager step (a graph's warm-up precedes its capture), so that a graph
         # reads and writes the same persistent memory on every replay
         self._staging: dict[torch.dtype, torch.Tensor] = {}
-        self._buffer_names = [n for n, _ in model.named_buffers() if n not in ignore]
+        self._buffer_names = synced_buffer_names(model)
 
     # -- gradients ------------------------------------------------------------------------------
     def average_gradients(self) -> None:
@@ -156,17 +164,31 @@ class GradAverager:
         return buf[:n]
 
     # -- buffers --------------------------------------------------------------------------------
-    @torch.no_grad()
     def broadcast_buffers(self) -> None:
         """Rank 0's buffers on every rank, one broadcast per dtype (DDP's pre-forward sync)."""
-        named = dict(self.model.named_buffers())
-        # looked up by name every call: a module may replace a buffer tensor (a rebuilt table)
-        bufs = [named[n] for n in self._buffer_names if n in named and named[n].numel() > 0]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in bufs:
-            by_dtype.setdefault(b.dtype, []).append(b)
-        for group in by_dtype.values():
-            coalesced(group, lambda flat: dist.broadcast(flat, src=0))
+        broadcast_buffers(self.model, self._buffer_names)
+
+
+def synced_buffer_names(model: nn.Module) -> list[str]:
+    """The buffers DDP broadcasts from rank 0: all but those the model asks it to leave alone."""
+    ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    return [n for n, _ in model.named_buffers() if n not in ignore]
+
+
+@torch.no_grad()
+def broadcast_buffers(model: nn.Module, names: Sequence[str] | None = None) -> None:
+    """Rank 0's buffers ``names`` (default :func:`synced_buffer_names`) on every rank, one
+    broadcast per dtype. Also the step's own sync under FSDP2, which replicates buffers but never
+    syncs them (:meth:`hydra_train.step.StepMixin.micro_step`)."""
+    named = dict(model.named_buffers())
+    # looked up by name every call: a module may replace a buffer tensor (a rebuilt table)
+    names = synced_buffer_names(model) if names is None else names
+    bufs = [named[n] for n in names if n in named and named[n].numel() > 0]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in bufs:
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for group in by_dtype.values():
+        coalesced(group, lambda flat: dist.broadcast(flat, src=0))
 
 
 def _plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:

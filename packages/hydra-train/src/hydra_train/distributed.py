@@ -211,8 +211,35 @@ def load_full_state(
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, model_state, options=opts)
         if optimizer is not None and optim_state is not None:
+            optim_state = optimizer_state_by_name(model, optimizer, optim_state)
             set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
         return
     model.load_state_dict(model_state)
     if optimizer is not None and optim_state is not None:
         optimizer.load_state_dict(optim_state)
+
+
+def optimizer_state_by_name(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> dict[str, Any]:
+    """``state`` with its parameters named as ``get_optimizer_state_dict`` names them, the only
+    layout FSDP2's ``set_optimizer_state_dict`` loads. One process and DDP save
+    ``optimizer.state_dict()``, which numbers the parameters in the optimizer's order instead, so
+    resuming such a checkpoint with ``--fsdp`` failed (``KeyError: 'state.0.step'``). The numbers
+    map to this optimizer's parameters in order, as ``Optimizer.load_state_dict`` maps them (the
+    run builds its groups from the model the same way); a state already by name is returned as it is."""
+    groups = state.get("param_groups", [])
+    saved = [i for g in groups for i in g["params"]]
+    if not any(isinstance(i, int) for i in saved):
+        return state
+    names = {id(p): n for n, p in model.named_parameters()}
+    current = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"the saved optimizer's groups hold {sizes[0]} parameters, this run's {sizes[1]}")
+    by_name = dict(zip(saved, current, strict=True))
+    return {
+        **state,
+        "state": {by_name[i]: v for i, v in state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [by_name[i] for i in g["params"]]} for g in groups],
+    }

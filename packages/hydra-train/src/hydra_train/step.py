@@ -10,7 +10,8 @@ graph when one is enabled (``enable_cuda_graphs``) and the eager step otherwise.
 Gradient averaging over ranks: DDP's reducer on the last micro-batch (``no_sync()`` before), or,
 with ``grad_averager`` set (a graphed DDP step, or ``--ddp_grad_sync allreduce``), DDP silent and
 :class:`hydra_train.data_parallel.GradAverager` after the last backward, in the step body itself,
-so that a graph captures it.
+so that a graph captures it. Buffers: rank 0's on every rank before a step's first forward (DDP's
+forward, the averager, or the step itself under FSDP2, which never syncs them).
 
 Clipping (``--grad_clip``): a fused torch Adam/AdamW clips as it reads the gradients (its
 ``grad_scale``, :func:`hydra_train.optim.clip_divisor`), so only the norm is computed here; other
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hydra_train.data_parallel import broadcast_buffers
 from hydra_train.distributed import all_reduce_sum, coalesced, grad_sync, is_fsdp
 from hydra_train.optim import clip_divisor, folds_grad_clip, grad_norm_for_step, step_with
 
@@ -137,6 +139,11 @@ class StepMixin:
         averager = self.grad_averager
         if averager is not None:
             averager.broadcast_buffers()  # what DDP's forward does once per step
+        elif self.dist.enabled and is_fsdp(self.wrapped):
+            # FSDP2 replicates buffers but never syncs them: a buffer a training forward moves from
+            # this rank's own data (MoE's loss-free balancing bias) drifted apart on every rank
+            # and the ranks routed differently. Rank 0's, as DDP does once per step
+            broadcast_buffers(self.model)
         for i, (x, y) in enumerate(batches):
             # with the hand-rolled averaging DDP's reducer stays silent on every micro-batch
             with grad_sync(self.wrapped, enabled=averager is None and i == n - 1):

@@ -39,7 +39,7 @@ from torch import nn
 
 from hydra_train.callbacks import CallbackList, StepMetrics
 from hydra_train.config import TrainConfig
-from hydra_train.data_parallel import GradAverager
+from hydra_train.data_parallel import GradAverager, broadcast_buffers
 from hydra_train.distributed import DistInfo, all_reduce_sum
 from hydra_train.graphed_step import GraphedStep
 from hydra_train.optim import LRSchedule
@@ -185,6 +185,7 @@ class Trainer(StepMixin, TrainerStateMixin):
             saving = bool(cfg.runtime.save_every) and self.step % cfg.runtime.save_every == 0
             if self.step % cfg.runtime.log_every == 0 or last or saving:
                 self.check_skip_streak()
+                self._ema_over_ranks()
             if self.step % cfg.runtime.log_every == 0 or last:
                 row = self._log_row(self._mean_over_ranks(metrics))  # syncs
                 now = time.perf_counter()
@@ -216,6 +217,14 @@ class Trainer(StepMixin, TrainerStateMixin):
             m, loss=t[0], ce_loss=t[1], aux_losses=dict(zip(names, t[2:], strict=True))
         )
 
+    def _ema_over_ranks(self) -> None:
+        """Every rank's loss EMAs become their mean over ranks, before a log row or a checkpoint
+        reads them. Each rank's EMAs follow its own micro-batches' loss; the EMAs are linear in
+        the losses and every rank applies or skips the same steps, so their mean is the EMA of the
+        rank-averaged loss, the one the log row reports (rank 0's alone was logged and saved)."""
+        if self.dist.enabled:
+            self._ema = all_reduce_sum(self.dist, self._ema.clone()) / self.dist.world_size
+
     def _log_row(self, m: StepMetrics) -> dict[str, Any]:
         vals = m.as_floats()
         ema = self.ema_values()
@@ -246,6 +255,11 @@ class Trainer(StepMixin, TrainerStateMixin):
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation cross-entropy over the fixed validation batches (all ranks)."""
+        if self.dist.enabled:
+            # every rank evaluates rank 0's model, the one a checkpoint holds: within a step of
+            # several micro-batches each rank moves some buffers from its own data (MoE's loss-free
+            # balancing bias), and rank 0's come back only before the next step's first forward
+            broadcast_buffers(self.model)
         was_training = self.model.training
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
