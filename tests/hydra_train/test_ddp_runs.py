@@ -178,3 +178,27 @@ def test_every_rank_evaluates_rank_0s_model(bin_dataset, tmp_path):
     for step in first:
         assert first[step] == second[step], step
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("gpu", [0, 1, 3])
+def test_a_single_gpu_named_under_torchrun_is_refused(gpu, tmp_path, monkeypatch):
+    """``--device cuda:N`` under torchrun would put every rank on GPU N (NCCL then fails on a
+    duplicate GPU, or the ranks contend for one card): refused before anything is built, naming
+    the flag and what to pass instead, also on a machine without CUDA. One process may name it."""
+    from hydra_train.device_setup import pick_device
+    from hydra_train.errors import HydraTrainError
+    from hydra_train.run import run_training
+    from tests.hydra_train.conftest import tiny_config
+
+    world = int(torch.randint(2, 9, ()).item())
+    with pytest.raises(HydraTrainError, match=rf"--device cuda:{gpu}.*{world} processes.*--device cuda"):
+        pick_device(f"cuda:{gpu}", 1, world)
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", str(world))):
+        monkeypatch.setenv(name, value)
+    cfg = tiny_config(tmp_path / "data", tmp_path / "ckpt", device=f"cuda:{gpu}")
+    with pytest.raises(HydraTrainError, match=rf"--device cuda:{gpu}"):
+        run_training(cfg)
+    assert not (tmp_path / "ckpt").exists()  # refused before anything was written
+    if not torch.cuda.is_available():  # one process: the usual "no CUDA" error, not this one
+        with pytest.raises(HydraTrainError, match="no CUDA GPU"):
+            pick_device(f"cuda:{gpu}", 0, 1)

@@ -13,7 +13,15 @@ from hydra_train.config import DeviceInfo
 from hydra_train.errors import HydraTrainError
 
 
-def pick_device(pref: str, local_rank: int = 0) -> torch.device:
+def pick_device(pref: str, local_rank: int = 0, world_size: int = 1) -> torch.device:
+    """The device ``--device pref`` names; under torchrun (``world_size`` > 1) ``cuda`` is each
+    rank's LOCAL_RANK GPU, and ``cuda:N`` is refused: every rank would take the same GPU."""
+    if pref.startswith("cuda:") and world_size > 1:
+        raise HydraTrainError(
+            f"--device {pref} names one GPU, but torchrun started {world_size} processes, which would "
+            "all use it: pass --device cuda (each process takes its LOCAL_RANK's GPU) and choose the "
+            "GPUs with CUDA_VISIBLE_DEVICES"
+        )
     if pref == "auto":
         pref = "cuda" if torch.cuda.is_available() else "cpu"
     if pref.startswith("cuda"):

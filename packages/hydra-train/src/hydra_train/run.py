@@ -115,8 +115,8 @@ def run_training(
     """Train as ``cfg`` says; returns the summary (see :meth:`Trainer.summary` plus where things went)."""
     console = console or Console()
     train_options()  # a variable that cannot be used stops the run here, before anything is built
-    local_rank = torchrun_launch().local_rank
-    device = pick_device(cfg.runtime.device, local_rank)
+    launch = torchrun_launch()
+    device = pick_device(cfg.runtime.device, launch.local_rank, launch.world_size)
     dist_info = init_distributed(device.type)
     restore_sigterm = install_sigterm()
     held: list = []  # the checkpoint folder's lock, once taken
