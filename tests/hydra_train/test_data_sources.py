@@ -53,3 +53,21 @@ def test_missing_and_empty_datasets(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(HydraDataError, match="empty folder; supported: "):
         load_data("empty", seq_len=8, vocab_size=None, default_vocab=100)
+
+
+def test_train_folder_without_val_folder_holds_out_its_tail(tmp_path):
+    # the layout the tokenizer trainer reads (text_tables.iter_texts): data/train/*.bin, no val/
+    rng = np.random.default_rng(3)
+    arrays = [rng.integers(0, 50, n) for n in (1 + 9 * 150, 1 + 9 * 50)]
+    for i, arr in enumerate(arrays):
+        write_token_shard(tmp_path / "d" / "train" / f"part{i}.bin", arr)
+    d = load_data(str(tmp_path / "d"), seq_len=9, vocab_size=64, default_vocab=32000, log=print)
+    assert (d.train.num_windows, d.val.num_windows) == (198, 2)
+    np.testing.assert_array_equal(d.val.window(1), arrays[1][-10:])  # the very last window
+    np.testing.assert_array_equal(d.train.window(0), arrays[0][:10])
+
+
+def test_only_validation_named_shards_say_so(tmp_path):
+    write_token_shard(tmp_path / "d" / "validation.bin", np.arange(100) % 50)
+    with pytest.raises(HydraDataError, match=r"validation\.bin.* named like validation"):
+        load_data(str(tmp_path / "d"), seq_len=9, vocab_size=64, default_vocab=32000, log=print)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -106,3 +109,48 @@ def test_split_tail_holds_out_the_last_windows(tmp_path):
     np.testing.assert_array_equal(tail.window(0), ds.window(8))
     with pytest.raises(HydraDataError, match="too few"):
         ds.split_tail(10)
+
+
+def test_large_seed_orders_every_epoch_and_small_seeds_keep_their_order(tmp_path):
+    # --seed $(date +%s%N) is accepted by torch.manual_seed (< 2**64) but seed * 1_000_003 is not
+    ds, _ = _ds(tmp_path, [1 + 6 * 40], seq_len=6)  # exactly 40 windows
+    for seed in (1_700_000_000_123_456_789, 2**63 - 1):
+        plan = BatchPlan(ds, 8, seed=seed)
+        epochs = [[i for k in range(5 * e, 5 * e + 5) for i in plan.window_ids(k)] for e in range(2)]
+        assert all(sorted(ids) == list(range(40)) for ids in epochs)
+        assert BatchPlan(ds, 8, seed=seed).window_ids(7) == plan.window_ids(7)
+    # seeds that worked before keep their order (a resumed run reads the same windows)
+    for seed, epoch in ((1337, 0), (-3, 1)):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        want = torch.randperm(40, generator=g)[:8].tolist()
+        assert BatchPlan(ds, 8, seed=seed).window_ids(5 * epoch) == want
+
+
+def test_prefetch_threads_can_share_one_plan(tmp_path):
+    # Prefetcher workers call one BatchPlan from several threads; on a small dataset the batches
+    # in flight span several epochs, so the permutation cache is filled and evicted concurrently
+    n = 100_000  # a randperm long enough to release the GIL while other threads evict
+    ds = TokenDataset([open_shard(write_token_shard(tmp_path / "a.bin", np.arange(n + 1) % 7))], 1, 10)
+    plan, ref = BatchPlan(ds, 1, seed=4), BatchPlan(ds, 1, seed=4)
+    want = {e: ref.window_ids(e * n + 3) for e in range(7)}
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(t, t + 60):
+                e = i % 7
+                assert plan.window_ids(e * n + 3) == want[e]
+        except Exception as exc:  # any failure in a worker (a KeyError) fails the test
+            errors.append(repr(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: the race shows within a few calls
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(12)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []

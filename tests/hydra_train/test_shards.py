@@ -102,3 +102,10 @@ def test_writer_rejects_bad_input(tmp_path):
         write_token_shard(tmp_path / "x.bin", np.zeros((2, 2), dtype=np.int64))
     with pytest.raises(ValueError):
         write_token_shard(tmp_path / "x.bin", np.array([5, 9]), max_token_id=8)
+
+
+def test_writer_refuses_ids_wider_than_uint32(tmp_path):
+    # 2**32 + 5 stored as uint32 would read back as 5: a wrong token, silently
+    with pytest.raises(ValueError, match="4294967301"):
+        write_token_shard(tmp_path / "x.bin", np.array([1, 2**32 + 5], dtype=np.int64))
+    assert not (tmp_path / "x.bin").exists()

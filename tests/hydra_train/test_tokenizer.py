@@ -55,3 +55,11 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(HydraDataError, match=r"bad\.json could not be read"):
         load_tokenizer(tmp_path / "bad.json")
+
+
+def test_tokenizer_folder_is_not_reported_missing(tmp_path):
+    # a Hugging Face model folder passed as --tokenizer exists: say what to pass instead
+    (tmp_path / "model").mkdir()
+    with pytest.raises(HydraDataError, match=r"model is a folder, not a tokenizer\.json file") as ei:
+        load_tokenizer(tmp_path / "model")
+    assert "does not exist" not in str(ei.value)

@@ -12,8 +12,9 @@
 * a Hugging Face dataset folder written by ``save_to_disk`` (:mod:`hydra_train.text_tables`): its
   ``train`` split, and its ``validation``/``val``/``valid`` split when there is one.
 
-Inside a folder: shards are the files ending in ``.bin``, ``.pt``, ``.jsonl``, ``.txt``,
-``.parquet`` or ``.arrow``, in name order; any other format is an error that lists these.
+Inside a folder (its ``train/`` subfolder when there is one): shards are the files ending in
+``.bin``, ``.pt``, ``.jsonl``, ``.txt``, ``.parquet`` or ``.arrow``, in name order; any other
+format is an error that lists these.
 Validation data is, in order of preference, the ``val/`` (or ``validation/``) subfolder
 beside a ``train/`` one; the shards whose name contains ``val``/``valid``/``validation`` as a word;
 otherwise the last 1% of the training windows (at least one). Text data (``.jsonl``,
@@ -198,14 +199,23 @@ def load_data(
     else:
         sub_train = path / "train"
         sub_val = next((path / s for s in ("val", "validation") if (path / s).is_dir()), None)
+        # a train/ folder holds the training shards with or without a val/ beside it (the
+        # tokenizer trainer, text_tables.iter_texts, reads the same folder)
+        where = sub_train if sub_train.is_dir() else path
         if sub_train.is_dir() and sub_val is not None:
             train_files, val_files = _shard_files(sub_train), _shard_files(sub_val)
         else:
-            files = _shard_files(path)
+            files = _shard_files(where)
             val_files = [f for f in files if _VAL_NAME.search(f.stem)]
             train_files = [f for f in files if f not in val_files]
+            if val_files and not train_files:
+                raise HydraDataError(
+                    f"{where}: every shard ({', '.join(f.name for f in val_files[:3])}"
+                    f"{', ...' if len(val_files) > 3 else ''}) is named like validation data "
+                    "(val/valid/validation), so none is left for training"
+                )
         if not train_files:
-            raise HydraDataError(unsupported_message(path, [f for f in path.rglob("*") if f.is_file()]))
+            raise HydraDataError(unsupported_message(where, [f for f in where.rglob("*") if f.is_file()]))
     train_ds = TokenDataset(open_all(train_files), seq_len, vocab, name=f"{dataset}:train")
     if val_files:
         val_ds = TokenDataset(open_all(val_files), train_ds.seq_len, vocab, name=f"{dataset}:val")

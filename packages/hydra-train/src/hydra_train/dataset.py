@@ -14,6 +14,7 @@ checkpoint only needs ``k`` (the number of micro-batches consumed) to continue w
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -156,16 +157,24 @@ class BatchPlan:
         self.batch_size = int(batch_size)
         self.seed, self.rank, self.world_size, self.shuffle = int(seed), int(rank), int(world_size), shuffle
         self._perms: OrderedDict[int, torch.Tensor] = OrderedDict()
+        # prefetch threads share this plan: unguarded, concurrent evictions raise KeyError
+        self._perms_lock = threading.Lock()
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            perm = torch.randperm(self.data.num_windows, generator=g)
-            self._perms[epoch] = perm
-            while len(self._perms) > 2:  # a batch spans at most two epochs
-                self._perms.popitem(last=False)
-        return perm
+        with self._perms_lock:
+            perm = self._perms.get(epoch)
+            if perm is None:
+                s = self.seed * 1_000_003 + epoch
+                if not -(2**63) <= s < 2**64:
+                    # torch seeds are 64-bit; a large --seed (torch.manual_seed takes any < 2**64)
+                    # would overflow here. Only such seeds are folded: smaller ones keep their order
+                    s %= 2**64
+                g = torch.Generator().manual_seed(s)
+                perm = torch.randperm(self.data.num_windows, generator=g)
+                self._perms[epoch] = perm
+                while len(self._perms) > 2:  # a batch spans at most two epochs
+                    self._perms.popitem(last=False)
+            return perm
 
     def window_ids(self, k: int) -> list[int]:
         n = self.data.num_windows

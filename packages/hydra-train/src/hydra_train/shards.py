@@ -75,6 +75,8 @@ def write_token_shard(path: str | Path, tokens, max_token_id: int | None = None)
     top = int(arr.max()) if arr.size else -1
     if max_token_id is not None and top > max_token_id:
         raise ValueError(f"token id {top} exceeds the declared max_token_id {max_token_id}")
+    if top >= 2**32:  # the widest format is uint32: astype would wrap the id silently
+        raise ValueError(f"token id {top} does not fit a .bin shard (at most {2**32 - 1})")
     width = 2 if top < 2**16 else 4
     body = arr.astype(np.uint16 if width == 2 else np.uint32).astype("<u" + str(width)).tobytes()
     header = HEADER.pack(MAGIC, 1, width, arr.size, top)

@@ -47,6 +47,8 @@ def load_tokenizer(path: str | Path):
     from tokenizers import Tokenizer
 
     p = Path(path)
+    if p.is_dir():  # e.g. a Hugging Face model folder: it exists, so "does not exist" would mislead
+        raise HydraDataError(f"tokenizer {p} is a folder, not a tokenizer.json file; pass the file in it")
     if not p.is_file():
         raise HydraDataError(f"tokenizer file {p} does not exist")
     try:
