@@ -133,3 +133,14 @@ def test_generate_without_tokenizer_says_so(tmp_path):
         ],
     )
     assert res.exit_code == 1 and "does not exist" in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("command", ["info", "sizes"])
+def test_nonpositive_lengths_are_usage_errors_not_tracebacks(command):
+    # --seq-len 0 divided by zero in footprint.py and printed a traceback
+    cases = [("--seq-len", "0"), ("--seq-len", "-5")] + (
+        [("--batch-size", "0")] if command == "sizes" else []
+    )
+    for flag, value in cases:
+        res = runner.invoke(app, [command, flag, value, "--json"])
+        assert res.exit_code == 2, (flag, value, res.output, res.exception)

@@ -82,10 +82,10 @@ def _shape_fields(model) -> dict[str, Any]:
 @app.command()
 def sizes(
     batch_size: Annotated[
-        int, typer.Option("--batch-size", "--batch_size", help="Batch for the memory estimate.")
+        int, typer.Option("--batch-size", "--batch_size", min=1, help="Batch for the memory estimate.")
     ] = 8,
     seq_len: Annotated[
-        int, typer.Option("--seq-len", "--seq_len", help="Sequence length for memory and FLOPs.")
+        int, typer.Option("--seq-len", "--seq_len", min=1, help="Sequence length for memory and FLOPs.")
     ] = 2048,
     overrides: SetOption = None,
     arch: ArchOption = "hydra",
@@ -185,7 +185,9 @@ def _block_param_rows(model) -> list[dict[str, Any]]:
 @app.command()
 def info(
     model_size: Annotated[str, typer.Option("--model-size", "--model_size", help="Preset name.")] = "100M",
-    seq_len: Annotated[int, typer.Option("--seq-len", "--seq_len", help="Sequence length for FLOPs.")] = 2048,
+    seq_len: Annotated[
+        int, typer.Option("--seq-len", "--seq_len", min=1, help="Sequence length for FLOPs.")
+    ] = 2048,
     overrides: SetOption = None,
     arch: ArchOption = "hydra",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
+
+from hydra_model.config_checks import INT_TYPES
 
 #: Size presets. Parameter counts at vocab 32000 land within 10% of the seed table (debug ~33M,
 #: 100M ~101M, 250M ~203M, 500M ~437M, 1B ~974M against 104M, 198M, 426M and 973M;
@@ -268,6 +270,10 @@ class HydraConfig:
     use_chunked_ce: bool = False
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # numpy integers (e.g. a vocabulary size read from data) → int,
+            value = getattr(self, f.name)  # so that to_dict (save_pretrained's config.json) is JSON
+            if f.type in INT_TYPES and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                setattr(self, f.name, int(value))
         if self.mor_capacities is not None:
             self.mor_capacities = tuple(float(c) for c in self.mor_capacities)
         self.validate()
@@ -331,74 +337,11 @@ class HydraConfig:
 
     # --- validation ------------------------------------------------------------------------
     def validate(self) -> None:
-        """Raise ValueError naming the first inconsistent field and what would fix it."""
+        """Raise ValueError naming the first inconsistent field and what would fix it
+        (config_checks.py)."""
+        from hydra_model.config_checks import check_hydra_config
 
-        def bad(msg: str) -> None:
-            raise ValueError(f"HydraConfig: {msg}")
-
-        for name in (
-            "vocab_size",
-            "dim",
-            "n_mor_blocks",
-            "recursions_per_block",
-            "n_heads",
-            "n_kv_heads",
-            "max_seq_len",
-            "conv_kernel_seq",
-            "conv_kernel_ch",
-            "moe_num_experts",
-            "mod_block_stride",
-        ):
-            if int(getattr(self, name)) < 1:
-                bad(f"{name}={getattr(self, name)} must be a positive integer")
-        if self.compression_factor <= 0:
-            bad(f"compression_factor={self.compression_factor} must be positive")
-        width = self.dim / (self.compression_factor * self.n_heads)
-        if abs(width - round(width)) > 1e-6 or round(width) < 2:
-            bad(
-                f"latent head size dim / (compression_factor · n_heads) = {self.dim} / "
-                f"({self.compression_factor} · {self.n_heads}) = {width:g} is not an integer ≥ 2; "
-                "pick compression_factor and n_heads so that it divides evenly"
-            )
-        if self.head_dim % 2:
-            bad(f"latent head size {self.head_dim} must be even (value shift and RoPE split channels)")
-        if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
-            bad(
-                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
-                "(GQA in the latent space needs C₂ ≥ C₁)"
-            )
-        if self.routing_off and (
-            self.dim % self.head_dim or (self.dim // self.head_dim * self.n_kv_heads) % self.n_heads
-        ):
-            bad(
-                f"routing_off keeps head size {self.head_dim} and the q/kv head ratio {self.n_heads}/"
-                f"{self.n_kv_heads}, so dim={self.dim} must give a whole number of heads of each kind"
-            )
-        if not 0 < self.mod_capacity <= 1:
-            bad(f"mod_capacity={self.mod_capacity} must be in (0, 1]")
-        caps = self.mor_capacity_schedule
-        if len(caps) != self.recursions_per_block:
-            bad(
-                f"mor_capacities has {len(caps)} entries, recursions_per_block is {self.recursions_per_block}"
-            )
-        if any(not 0 < c <= 1 for c in caps) or any(b > a for a, b in itertools.pairwise(caps)):
-            bad(f"mor_capacities={caps} must lie in (0, 1] and not increase (recursion r picks among r−1's)")
-        if self.mor_routing not in MOR_ROUTINGS:
-            bad(f"mor_routing={self.mor_routing!r}; expected one of {MOR_ROUTINGS}")
-        from hydra_model.routing_rules import token_selection_rules
-
-        if self.routing not in token_selection_rules():
-            bad(f"routing={self.routing!r}; expected one of {token_selection_rules()}")
-        if not 0 <= self.router_threshold_momentum < 1:
-            bad(f"router_threshold_momentum={self.router_threshold_momentum} must be in [0, 1)")
-        if self.moe_balancing not in MOE_BALANCINGS:
-            bad(f"moe_balancing={self.moe_balancing!r}; expected one of {MOE_BALANCINGS}")
-        if self.moe_top_k not in (1, 2) or self.moe_top_k > self.moe_num_experts:
-            bad(f"moe_top_k={self.moe_top_k} must be 1 or 2 and ≤ moe_num_experts={self.moe_num_experts}")
-        if not 0 <= self.rope_fraction <= 1:
-            bad(f"rope_fraction={self.rope_fraction} must be in [0, 1]")
-        if self.dropout != 0.0:
-            bad("dropout must be 0.0 (routing and checkpoint recomputation assume a deterministic block)")
+        check_hydra_config(self)
 
     # --- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ attention runs over the routed sub-sequence only (its length is the context).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,13 @@ class Application:
     recursion: int
     token_fraction: float
     context: int
+
+
+def check_seq_len(seq_len: int) -> None:
+    """Raise ValueError unless ``seq_len`` is a positive integer (every count here is per token of
+    a ``seq_len``-token sequence: 0 divided by zero deep in :func:`applications`)."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
 
 
 def attention_widths(cfg: HydraConfig) -> tuple[int, int, int]:
@@ -128,6 +136,7 @@ def flops_breakdown(
 ) -> list[dict[str, Any]]:
     """Rows of training FLOPs per token: one per block application, routers, LM head (a
     GPTConfig: one per layer and the LM head, the same executed or not)."""
+    check_seq_len(seq_len)
     if isinstance(cfg, GPTConfig):
         return gpt_flops_breakdown(cfg, seq_len)
     rows: list[dict[str, Any]] = []
@@ -198,6 +207,7 @@ def compute_memory_footprint(
     from hydra_model.gpt import GPTModel
     from hydra_model.model import CCGQAMoDMoRModel
 
+    check_seq_len(seq_len)
     if isinstance(model, (CCGQAMoDMoRModel, GPTModel)):
         cfg, every, n_params = model.config, model._checkpoint_every, model.num_parameters()
     else:

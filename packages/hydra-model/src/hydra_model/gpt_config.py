@@ -32,13 +32,13 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=384, max_seq_len=1024),
     # 34.1M [33.0M]
     "debug": dict(dim=512, n_layers=6, n_heads=8, n_kv_heads=4, mlp_hidden=1408, max_seq_len=2048),
-    # 100.1M [105.2M]: the classic 12 × 768 with Llama's 8/3 · dim SwiGLU
+    # 100.1M [101.7M]: the classic 12 × 768 with Llama's 8/3 · dim SwiGLU
     "100M": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, mlp_hidden=2048, max_seq_len=2048),
     # 200.6M [203.3M]
     "250M": dict(dim=1024, n_layers=16, n_heads=16, n_kv_heads=4, mlp_hidden=2560, max_seq_len=2048),
-    # 433.1M [437.3M]
+    # 433.0M [437.3M]
     "500M": dict(dim=1536, n_layers=16, n_heads=24, n_kv_heads=8, mlp_hidden=3840, max_seq_len=2048),
-    # 967.6M [974.2M]
+    # 967.4M [974.2M]
     "1B": dict(dim=2048, n_layers=20, n_heads=32, n_kv_heads=8, mlp_hidden=5632, max_seq_len=2048),
 }
 
