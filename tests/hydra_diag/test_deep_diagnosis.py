@@ -77,3 +77,22 @@ def test_rules_on_synthetic_numbers():
     assert ("dead_grad", "block 2") in found and ("exploding_grad", "block 3") in found
     assert ("nonfinite_grad", "block 4") in found and ("no_grad", "block 9") in found
     assert not any(layer in ("block 0", "block 1") for _, layer in found)
+
+
+def test_a_nan_loss_is_reported_in_the_table_not_a_traceback():
+    # the CLI renders the JSON-able result, where a NaN loss is None: the header formatted it as a float
+    import io
+
+    from rich.console import Console
+
+    from hydra_diag.deep_diagnosis import render_deep_diagnosis
+    from hydra_diag.output import jsonable
+
+    model = _tiny()
+    with torch.no_grad():
+        model.norm.weight.fill_(float("nan"))
+    out = jsonable(deep_diagnosis(model=model, seq_len=16, device="cpu"))
+    assert out["loss"] is None and out["healthy"] is False
+    buf = io.StringIO()
+    render_deep_diagnosis(out, Console(file=buf, width=80))
+    assert "loss -" in " ".join(buf.getvalue().split())

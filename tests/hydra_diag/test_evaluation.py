@@ -62,3 +62,36 @@ def test_eval_sanity_fails_when_nothing_can_learn():
     assert out["passed"] is False
     failed = {c["name"] for c in out["checks"] if not c["passed"]}
     assert {"overfit one batch", "validation loss decreases"} <= failed
+
+
+def test_eval_checkpoint_refuses_a_sequence_longer_than_the_model(runner, tiny_run):
+    # the model's forward raised ValueError: a traceback instead of one line
+    res = invoke(runner, ["eval", "checkpoint", "--checkpoint", tiny_run.final, "--seq_len", 128])
+    assert res.exit_code == 1 and "max_seq_len" in last_error_line(res)
+
+
+def test_mean_cross_entropy_weights_tokens_and_skips_fully_ignored_batches():
+    import torch
+
+    from hydra_diag.evaluation import mean_cross_entropy
+    from hydra_diag.loading import build_model, random_batches
+
+    torch.manual_seed(0)
+    model = build_model("tiny", {**TINY, "vocab_size": VOCAB})
+    cpu = torch.device("cpu")
+    (x1, y1), (x2, y2), (x3, y3) = random_batches(VOCAB, 2, 16, 3, 0, cpu)
+    y1 = y1.clone()
+    y1[:, :11] = -100  # few counted tokens in this batch
+    y3 = torch.full_like(y3, -100)  # none at all: its mean CE is NaN and must not count
+    batches = [(x1, y1), (x2, y2), (x3, y3)]
+    loss, tokens = mean_cross_entropy(model, batches, cpu)
+    model.eval()
+    with torch.no_grad():  # reference: every counted token's CE in fp64, one mean over all of them
+        ces = [
+            torch.nn.functional.cross_entropy(
+                model(x).logits.double().reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100, reduction="sum"
+            )
+            for x, y in batches
+        ]
+    assert tokens == 2 * 5 + 2 * 16
+    assert loss == pytest.approx(float(sum(ces)) / tokens, rel=1e-5)

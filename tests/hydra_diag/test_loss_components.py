@@ -73,3 +73,44 @@ def test_dominating_aux_terms_warn(tmp_path):
 def test_missing_database_is_one_line(runner, tmp_path):
     res = invoke(runner, ["analyze", "loss-components", "--checkpoint_dir", tmp_path])
     assert res.exit_code == 1 and "no metrics database" in last_error_line(res)
+
+
+def test_the_table_is_readable_at_80_columns(tmp_path):
+    # nine columns did not fit: rich cut the component names to "route…", "moe_b…" (which term?)
+    import io
+
+    from rich.console import Console
+
+    from hydra_diag.loss_components import render_loss_components
+    from hydra_diag.output import jsonable
+
+    aux = {"moe_balance": 1.0078123, "router_z": 7.1791234e-05, "mor_balance": 0.012345678}
+    rows = [
+        {"step": s, "loss": 5.123456 - s / 7, "ce_loss": 5.0123456 - s / 7, "aux": aux, "lr": 1e-3}
+        for s in (1, 2, 3)
+    ]
+    out = jsonable(analyze_loss_components(str(synthetic_db(tmp_path, rows))))
+    buf = io.StringIO()
+    render_loss_components(out, Console(file=buf, width=80))
+    text = buf.getvalue()
+    assert "…" not in text, text
+    for name in ("loss", "ce_loss", *aux):
+        assert f" {name} " in text
+
+
+def test_a_gpt_run_has_no_terms_to_weigh_and_is_checked(tmp_path):
+    # the dense GPT logs no auxiliary terms: loss = CE is checkable, its config is not "missing"
+    from hydra_model import gpt_config
+
+    rows = [
+        {"step": s, "loss": 5.0 - s / 10, "ce_loss": 5.0 - s / 10, "aux": {}, "lr": 1e-3} for s in (1, 2, 3)
+    ]
+    folder = synthetic_db(
+        tmp_path,
+        rows,
+        model_config=gpt_config("tiny").to_dict(),
+        train_config={"arch": "gpt", "warmup_steps": 1},
+    )
+    out = analyze_loss_components(str(folder))
+    assert out["max_abs_residual"] == 0.0
+    assert [f["kind"] for f in out["findings"]] == []

@@ -97,3 +97,16 @@ def test_a_dense_checkpoint_is_refused(runner, tmp_path):
     model.save_pretrained(tmp_path / "dense")
     res = invoke(runner, ["moe", "weight-balance", "--checkpoint", tmp_path / "dense"])
     assert res.exit_code == 1 and "no MoE layers" in last_error_line(res)
+
+
+def test_a_nan_expert_is_flagged_and_the_table_still_prints(runner, tiny_run, tmp_path):
+    # its norms are NaN: the imbalance (None in the JSON-able result) crashed the table's title
+    ck = torch.load(tiny_run.final, weights_only=True)
+    ck["model"]["blocks.0.mor.block.ffn.w_gate_up"][1] = float("nan")
+    ck[CHECKSUM_KEY] = payload_digest(ck)
+    path = tmp_path / "hydra_tiny_step98.pt"
+    torch.save(ck, path)
+    res = invoke(runner, ["moe", "weight-balance", "--checkpoint", path, "--no_plot"])
+    assert res.exit_code == 0, res.output
+    out = weight_balance(str(path))
+    assert any(f["kind"] == "nonfinite_weights" and f["layer"] == 0 for f in out["findings"])

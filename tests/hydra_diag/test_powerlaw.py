@@ -86,3 +86,14 @@ def test_two_points_fit_but_give_no_interval_and_bad_input_raises():
         fit_power_law([1e6], [3.0])
     with pytest.raises(ValueError):
         fit_power_law([1e6, 1e6, 1e6], [3.0, 2.9, 3.1])
+
+
+@pytest.mark.parametrize("bad", [(2e6, math.inf), (math.inf, 4.5), (2e6, math.nan), (math.nan, 4.5)])
+def test_a_non_finite_point_is_left_out_not_a_nan_fit(bad):
+    # a diverged run's loss (inf) used to turn every coefficient of the fit into NaN, silently
+    xs, ys = [1e6, 4e6, 8e6], [5.0, 4.1, 3.8]
+    want = fit_power_law(xs, ys)
+    got = fit_power_law([bad[0], *xs], [bad[1], *ys])
+    assert got.n == 3
+    assert got.exponent == pytest.approx(want.exponent) and math.isfinite(got.exponent)
+    assert got.coefficient == pytest.approx(want.coefficient)

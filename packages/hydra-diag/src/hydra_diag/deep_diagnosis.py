@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hydra_diag.health import component_of
-from hydra_diag.loading import autocast_for, batches_for, model_under_test, pick_device
+from hydra_diag.loading import autocast_for, batches_for, model_under_test, pick_device, require_hydra
 from hydra_diag.output import Progress, no_progress
 
 
@@ -203,6 +203,7 @@ def deep_diagnosis(
     progress("loading the model")
     loaded = model_under_test(model, model_size, overrides, checkpoint, dev)
     model, source, tc = loaded.model, loaded.source, loaded.train_config
+    require_hydra(model, "deep diagnosis")  # hooks HYDRA's blocks and their recursions
     seq_len = min(seq_len, model.config.max_seq_len)
     batches, data_desc = batches_for(
         model,
@@ -259,11 +260,12 @@ def deep_diagnosis(
 
 
 def render_deep_diagnosis(result: dict[str, Any], console) -> None:
-    from hydra_diag.render import print_findings, rows_table
+    from hydra_diag.render import fmt, print_findings, rows_table
 
+    # fmt: a NaN loss reaches the renderer as None (the result is made JSON-able first)
     console.print(
         f"[bold]deep diagnosis[/] of {result['source']} on {result['data']} ({result['device']}), "
-        f"loss {result['loss']:.4f}",
+        f"loss {fmt(result['loss'], '.4f')}",
         highlight=False,
     )
     console.print(

@@ -42,8 +42,9 @@ def mean_cross_entropy(model, batches, device: torch.device, routing: str = "eva
             with autocast_for(device):
                 out = model(x, targets=y)
             n = int((y != -100).sum())
-            total += out.ce_loss.double() * n
-            count += n
+            if n:  # a batch with every target ignored has a NaN mean (0/0): it holds no tokens
+                total += out.ce_loss.double() * n
+                count += n
     finally:
         model.train(was)
     return float(total / max(count, 1)), count
@@ -73,6 +74,8 @@ def eval_checkpoint(
     seq_len = seq_len or tc.get("seq_len") or min(512, model.config.max_seq_len)
     batch_size = batch_size or tc.get("batch_size") or 8
     n_batches = n_batches or tc.get("eval_batches") or 8
+    if seq_len > model.config.max_seq_len:  # the forward would raise ValueError mid-evaluation
+        raise DiagError(f"--seq_len {seq_len} exceeds the model's max_seq_len={model.config.max_seq_len}")
     if dataset is None and not (tc.get("dataset") and _available(tc["dataset"])):
         where = (
             f"its dataset {tc['dataset']!r} is not available here"

@@ -278,8 +278,13 @@ def model_health_check(
             "params_non_embedding": model.num_parameters(exclude_embeddings=True),
             "vocab_size": cfg.vocab_size,
             "dim": cfg.dim,
-            "blocks_x_recursions": f"{cfg.n_mor_blocks}x{cfg.recursions_per_block}",
-            "moe": cfg.moe_enabled,
+            # a dense GPT checkpoint has layers, neither recursions nor experts
+            "blocks_x_recursions": (
+                f"{cfg.n_mor_blocks}x{cfg.recursions_per_block}"
+                if hasattr(cfg, "n_mor_blocks")
+                else f"{cfg.n_layers} dense layers (GPT)"
+            ),
+            "moe": getattr(cfg, "moe_enabled", False),
             "device": str(dev),
             "initial_ce": ce,
             "ln_vocab": ln_v,

@@ -136,6 +136,18 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> LoadedMo
     return LoadedModel(model.to(device), f"checkpoint {p} (step {step})", step, dict(train_cfg), p)
 
 
+def require_hydra(model: Any, tool: str) -> None:
+    """DiagError unless ``model`` is a HYDRA model: ``tool`` reads its routed blocks, routers or
+    experts, which the dense GPT baseline (also loadable here) does not have."""
+    from hydra_model.architectures import arch_of
+
+    if arch_of(model) != "hydra":
+        raise DiagError(
+            f"{tool} reads HYDRA's routed blocks, routers and experts; this is a dense GPT model "
+            "(arch gpt), which has none"
+        )
+
+
 def model_from_options(
     model_size: str,
     overrides: list[str] | dict[str, Any] | None,

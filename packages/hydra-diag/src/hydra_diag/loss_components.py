@@ -46,6 +46,8 @@ def analyze_loss_components(path: str, run_id: str | None = None, model: str | N
     data = load_run(path, run_id, model)
     cfg = data.model_config()
     weights = aux_loss_weights(cfg) if cfg is not None else {}
+    # the dense GPT baseline has no auxiliary terms (and no HydraConfig): its loss must equal CE
+    dense = cfg is None and data.train_config.get("arch") == "gpt"
     series = component_series(data)
     findings: list[dict[str, Any]] = []
 
@@ -100,7 +102,7 @@ def analyze_loss_components(path: str, run_id: str | None = None, model: str | N
                 f"{r['component']} grew {r['first']:.4g} -> {r['last']:.4g} while CE fell",
             )
     residuals = []
-    if cfg is not None:
+    if cfg is not None or dense:
         for s in data.steps:
             if not (_finite(s["loss"]) and _finite(s["ce_loss"])):
                 continue
@@ -137,15 +139,17 @@ def analyze_loss_components(path: str, run_id: str | None = None, model: str | N
 
 
 def render_loss_components(result: dict[str, Any], console) -> None:
-    from hydra_diag.render import print_findings, rows_table
+    from hydra_diag.render import fmt, print_findings, rows_table
 
+    # min and max stay in --json: with them the nine columns overflow 80 and rich cut the names
     console.print(
         rows_table(
             f"loss components of run {result['run_id']} ({len(result['steps'])} logged steps; "
-            f"max |loss − ce − Σw·aux| = {result['max_abs_residual']})",
+            f"max |loss − ce − Σw·aux| = {fmt(result['max_abs_residual'], '.3g')})",
             result["summary"],
-            ["component", "weight", "first", "last", "min", "max", "mean", "weighted_last", "share_of_loss"],
+            ["component", "weight", "first", "last", "mean", "weighted_last", "share_of_loss"],
             formats={"share_of_loss": ".2%"},
+            headers={"weighted_last": "w·last", "share_of_loss": "share"},
         )
     )
     print_findings(console, result["findings"], "loss-component findings")

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hydra_diag.loading import batches_for, load_model, pick_device
+from hydra_diag.loading import batches_for, load_model, pick_device, require_hydra
 from hydra_diag.output import DiagError, Progress, no_progress
 from hydra_diag.router_probe import RouterProbe, restore_buffers, snapshot_buffers
 
@@ -34,6 +34,7 @@ def moe_layers(model) -> list[tuple[int, Any]]:
     """(block index, MoEFFN) for every block with experts."""
     from hydra_model import MoEFFN
 
+    require_hydra(model, "MoE diagnostics")  # a DiagError, which the watchdog reports and goes on
     out = []
     for i, blk in enumerate(model.blocks):
         for mod in blk.modules():
@@ -75,6 +76,16 @@ def weight_balance(
         dn_init = resid_std * math.sqrt(moe.w_down[0].numel())
         med = float(gu.median())
         experts = []
+        bad = [e for e in range(moe.n_experts) if not all(map(math.isfinite, (gu[e], dn[e], rt[e])))]
+        if bad:  # NaN norms compare false with every bound: without this they pass as balanced
+            findings.append(
+                {
+                    "severity": "error",
+                    "kind": "nonfinite_weights",
+                    "layer": i,
+                    "message": f"experts {bad} hold NaN/Inf weights",
+                }
+            )
         for e in range(moe.n_experts):
             rel = float(gu[e]) / med if med > 0 else None
             experts.append(
@@ -269,14 +280,16 @@ def _decoder(tokenizer: str | None, loaded):
 
 
 def render_weight_balance(result: dict[str, Any], console) -> None:
-    from hydra_diag.render import print_findings, rows_table
+    from hydra_diag.render import fmt, print_findings, rows_table
 
     for layer in result["layers"]:
+        # fmt: a NaN imbalance reaches the renderer as None (the result is made JSON-able first)
         console.print(
             rows_table(
                 f"layer {layer['layer']}: expert weight norms "
-                f"(imbalance gate/up {layer['gate_up_imbalance']:.2f}x, "
-                f"down {layer['down_imbalance']:.2f}x, router {layer['router_imbalance']:.2f}x)",
+                f"(imbalance gate/up {fmt(layer['gate_up_imbalance'], '.2f')}x, "
+                f"down {fmt(layer['down_imbalance'], '.2f')}x, "
+                f"router {fmt(layer['router_imbalance'], '.2f')}x)",
                 layer["experts"],
             )
         )

@@ -114,7 +114,7 @@ def plot_scaling(result: dict[str, Any], path: Path) -> Path:
                 fmt="s",
                 color="red",
                 capsize=4,
-                label=f"{result['target_params'] / 1e9:.0f}B: {pred['y']:.3f} ({pred['level']:.0%} PI)",
+                label=f"{result['target_params'] / 1e9:.3g}B: {pred['y']:.3f} ({pred['level']:.0%} PI)",
             )
         else:
             ax.loglog([pred["x"]], [pred["y"]], "s", color="red", label=f"prediction {pred['y']:.3f}")

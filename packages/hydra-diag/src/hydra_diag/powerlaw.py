@@ -154,9 +154,15 @@ def fit_power_law(
     """Least squares of ln y on ln x (see the module docstring); ``method`` covariance|bootstrap."""
     if method not in ("covariance", "bootstrap"):
         raise ValueError(f"method {method!r}: use covariance or bootstrap")
-    pts = [(float(x), float(y)) for x, y in zip(xs, ys, strict=True) if x and y and x > 0 and y > 0]
+    # missing, non-positive and non-finite points (a diverged run's inf loss) are left out: one inf
+    # in log space makes every coefficient NaN
+    pts = [
+        (float(x), float(y))
+        for x, y in zip(xs, ys, strict=True)
+        if x is not None and y is not None and 0 < x < math.inf and 0 < y < math.inf
+    ]
     if len(pts) < 2:
-        raise ValueError(f"a power-law fit needs at least 2 positive points, got {len(pts)}")
+        raise ValueError(f"a power-law fit needs at least 2 positive finite points, got {len(pts)}")
     lx = np.log([p[0] for p in pts])
     ly = np.log([p[1] for p in pts])
     if np.ptp(lx) == 0:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hydra_diag.loading import batches_for, model_under_test, pick_device
+from hydra_diag.loading import batches_for, model_under_test, pick_device, require_hydra
 from hydra_diag.output import Progress, no_progress
 from hydra_diag.router_probe import RouterProbe, restore_buffers, snapshot_buffers
 
@@ -248,6 +248,7 @@ def routing_health(
     progress("loading the model")
     loaded = model_under_test(model, model_size, overrides, checkpoint, dev)
     model, source, train_cfg = loaded.model, loaded.source, loaded.train_config
+    require_hydra(model, "health routing")
     cfg = model.config
     seq_len = min(seq_len, cfg.max_seq_len)
     progress("reading batches")

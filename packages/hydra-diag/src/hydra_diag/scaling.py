@@ -15,6 +15,7 @@ points; the interval says how little that pins down.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -60,6 +61,11 @@ def scaling_analysis(
     variants = list(variants or (GPU_VARIANTS if cuda else CPU_VARIANTS))
     if len(variants) < 2:
         raise DiagError("a scaling fit needs at least two variants (--variant, repeatable)")
+    # checked before any variant trains: the fit would refuse them only after all the training
+    if uncertainty not in ("covariance", "bootstrap"):
+        raise DiagError(f"--uncertainty {uncertainty!r}: use covariance or bootstrap")
+    if not 0.0 < level < 1.0:
+        raise DiagError(f"--level {level}: an interval level is a fraction in (0, 1), e.g. 0.9")
     steps = steps or (60 if cuda else 12)
     batch_size = batch_size or (8 if cuda else 4)
     seq_len = seq_len or (512 if cuda else 32)
@@ -99,15 +105,16 @@ def scaling_analysis(
                 "skipped_steps": s.get("skipped_steps"),
             }
         )
-    usable = [r for r in runs if r["final_val_loss"] is not None]
+    # a diverged variant (NaN/inf loss) has no place on the curve; the fit would drop it anyway
+    usable = [r for r in runs if r["final_val_loss"] is not None and math.isfinite(r["final_val_loss"])]
     if len(usable) < 2:
-        raise DiagError("fewer than two variants produced a validation loss; nothing to fit")
-    by_params = fit_power_law(
-        [r["params"] for r in usable], [r["final_val_loss"] for r in usable], uncertainty
-    )
-    by_compute = fit_power_law(
-        [r["train_flops"] for r in usable], [r["final_val_loss"] for r in usable], uncertainty
-    )
+        raise DiagError("fewer than two variants produced a finite validation loss; nothing to fit")
+    losses = [r["final_val_loss"] for r in usable]
+    try:
+        by_params = fit_power_law([r["params"] for r in usable], losses, uncertainty)
+        by_compute = fit_power_law([r["train_flops"] for r in usable], losses, uncertainty)
+    except ValueError as exc:  # e.g. every variant has the same size
+        raise DiagError(f"cannot fit the variants ({exc}): give variants of different sizes") from None
     largest = max(usable, key=lambda r: r["params"])
     flops_per_param_token = largest["flops_per_token"] / largest["params"]
     target_compute = flops_per_param_token * target_params * largest["tokens_seen"]
@@ -176,7 +183,7 @@ def render_scaling(result: dict[str, Any], console) -> None:
     for key, label in (("prediction_by_params", "params"), ("prediction_by_compute", "compute")):
         p = result[key]
         console.print(
-            f"predicted loss of a {result['target_params'] / 1e9:.0f}B model (by {label}, x={p['x']:.3g}): "
+            f"predicted loss of a {result['target_params'] / 1e9:.3g}B model (by {label}, x={p['x']:.3g}): "
             f"[bold]{p['y']:.4f}[/], {p['level']:.0%} CI {fmt(p['ci'])}, prediction interval {fmt(p['pi'])}",
             highlight=False,
         )
