@@ -105,7 +105,11 @@ class ActivationMixin:
         fp = fingerprint(model_cfg, cfg, env, self.checkpoint)
         decision = (
             self.hook.decide(
-                fp, cfg.model.model_size, self.checkpoint, reuse_shared=cfg.optimizations.reuse_pretests
+                fp,
+                cfg.model.model_size,
+                self.checkpoint,
+                reuse_shared=cfg.optimizations.reuse_pretests,
+                needed=names,
             )
             if self._main
             else None
@@ -206,6 +210,9 @@ class ActivationMixin:
             if why is not None:
                 self.status[n], self.reasons[n] = STATUS_NA, why
                 self.attribution.stop(n)
+                # its pretest PASS is in the log and the events: this later N/A must be there too
+                self._say(f"[SafeOpts] {n}: N/A once the others are on: {why}")
+                self._event("not_applicable", name=n, reason=why)
                 continue
             if n == "cuda_graphs":
                 o.warmup = self.cfg.optimizations.cuda_graphs_warmup
@@ -213,7 +220,9 @@ class ActivationMixin:
             if self.status[n] == ENABLED and not self.attribution.in_window(n):
                 self.attribution.start(n, trainer.step)
         for n in self.registry:
-            if self.status[n] not in ACTIVE_STATES:
+            # a SUSPENDED one (resumed in the middle of its isolation trial) stays off until the
+            # trial decides; stopping it here would drop the trial and leave it suspended for good
+            if self.status[n] not in ACTIVE_STATES and self.status[n] != SUSPENDED:
                 self.attribution.stop(n)
 
     def _wrap_saver(self, trainer: Trainer) -> None:

@@ -313,8 +313,10 @@ class PretestRunner:
             for name in arm.opts:
                 if late and name == arm.tested:
                     continue
-                self.reg[name].activate(pt)
+                # listed before it runs: an activate that raises halfway is switched back off
+                # too (deactivate is idempotent), so that nothing of it reaches training
                 activated.append(self.reg[name])
+                self.reg[name].activate(pt)
             self.arm_active = tuple(o.name for o in activated)
             if arm.key == "default" or arm.probe or (tested is not None and tested.probe_differs):
                 out.probe_loss, err = self._probe(pt, ref)
@@ -345,8 +347,8 @@ class PretestRunner:
         s = self.settings
         for t in range(n_warm + s.steps):
             if late and t == s.warmup_steps:
+                activated.append(tested)  # before it runs, as in _run_arm
                 tested.activate(pt)
-                activated.append(tested)
                 self.arm_active = tuple(o.name for o in activated)
             _sync(self.device)
             t0 = time.perf_counter()

@@ -37,6 +37,7 @@ import json
 import platform
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,13 @@ def _read_list(path: Path) -> list[dict[str, Any]]:
     return data
 
 
+def _missing(rec: dict[str, Any], needed: list[str]) -> list[str]:
+    """The names of ``needed`` that ``rec`` has no result for."""
+    results = rec.get("results")
+    results = results if isinstance(results, dict) else {}
+    return [n for n in needed if n not in results]
+
+
 class PretestHook:
     """Decides whether pretests must run, stores their records, answers questions about them."""
 
@@ -187,21 +195,36 @@ class PretestHook:
         return _read_list(self.history_path)
 
     def decide(
-        self, fp: str, model_size: str, checkpoint: str | None, *, reuse_shared: bool = True
+        self,
+        fp: str,
+        model_size: str,
+        checkpoint: str | None,
+        *,
+        reuse_shared: bool = True,
+        needed: Iterable[str] = (),
     ) -> tuple[str | None, dict | None]:
         """(trigger, None) when the pretests must run; (None, record) to reuse ``record``: this
         folder's, else (``reuse_shared``) the machine's, marked ``machine_record`` (the caller
         copies it into this folder's history). Without ``reuse_shared`` this folder's copies of
-        machine records do not count either."""
+        machine records do not count either. A record is reused only when it holds a result for
+        each of ``needed`` (the names the run pretests): ``hydra-train pretest --only`` writes
+        records of the same fingerprint with fewer results, which must not stand for the rest."""
+        need = list(needed)
         hist = self._history()
         same = [r for r in hist if r.get("fingerprint") == fp and (reuse_shared or "reused_from" not in r)]
-        if same:
-            return None, same[-1]
+        whole = [r for r in same if not _missing(r, need)]
+        if whole:
+            return None, whole[-1]
         shared, why = self._shared(fp) if reuse_shared else (None, None)
+        lacking = _missing(shared, need) if shared is not None else []
+        if lacking:
+            shared, why = None, f"the machine's record lacks {', '.join(lacking)}; pretesting again"
         if shared is not None:
             return None, shared
         if why:
             return why, None
+        if same:
+            return f"the last record of this fingerprint lacks {', '.join(_missing(same[-1], need))}", None
         if not hist:
             return "first run", None
         last = hist[-1]

@@ -116,6 +116,9 @@ def run_standalone(
     trainer, make_batch, cfg = build_trainer(cfg, log)
     registry = build_registry(cfg)
     names = [n for n in NAMES if registry[n].requested() and (not only or n in only)]
+    for n in only or []:
+        if not registry[n].requested():  # --only alone does not request it: say so, not silence
+            log(f"[SafeOpts] {n}: not requested, not pretested (add {registry[n].flag} or --all)")
     t0 = time.perf_counter()
     runner = PretestRunner(
         trainer,

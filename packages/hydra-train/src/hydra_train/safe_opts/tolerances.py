@@ -130,7 +130,7 @@ def judge_numerics(
     if rule == "mode":
         rel = abs(opt.probe_loss - default.probe_loss) / abs(default.probe_loss)
         info["loss_rel_vs_default"] = rel
-        if rel > STATIC_LOSS_REL:
+        if not rel <= STATIC_LOSS_REL:  # a NaN loss compares False with anything: it fails
             return (
                 f"step-0 loss {opt.probe_loss:.4f} vs {default.probe_loss:.4f} (>{STATIC_LOSS_REL:.0%})",
                 info,
@@ -142,9 +142,10 @@ def judge_numerics(
         info.update(
             grad_err=opt.probe_grad_err, grad_bound=e_bound, loss_err=opt.probe_loss_err, loss_bound=l_bound
         )
-        if opt.probe_grad_err > e_bound:
+        # `not <=`: a NaN error (a non-finite step-0 probe) must fail, and `nan > bound` is False
+        if not opt.probe_grad_err <= e_bound:
             return f"step-0 gradient error {opt.probe_grad_err:.3g} > bound {e_bound:.3g}", info
-        if opt.probe_loss_err > l_bound:
+        if not opt.probe_loss_err <= l_bound:
             return f"step-0 loss error {opt.probe_loss_err:.3g} > bound {l_bound:.3g}", info
     worst = 0.0
     for t, (a, b) in enumerate(zip(opt.losses, ref.losses, strict=False)):
