@@ -76,7 +76,10 @@ def test_sigterm_exits_143_with_status_and_a_second_run_is_refused(bin_dataset, 
             proc.kill()
     assert proc.returncode == 143, err[-2000:]
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "SIGTERM" in errors[0] and "--resume" in errors[0], err[-2000:]
+    assert len(errors) == 1 and "SIGTERM" in errors[0], err[-2000:]
+    # --save_every 0: nothing to resume from, so the hint is the same command, not --resume (refused)
+    assert "no checkpoint was saved yet" in errors[0] and "--resume" not in errors[0], err[-2000:]
+    assert f"--checkpoint_dir {tmp_path}" in errors[0] and "--seq_len 32" in errors[0], err[-2000:]
     assert "Traceback" not in err
     assert _statuses(tmp_path) == ["interrupted"]
     assert not (tmp_path / LOCK_NAME).exists()

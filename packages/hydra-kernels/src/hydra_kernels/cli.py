@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from hydra_kernels import __version__
+from hydra_kernels.cli_format import compact_table
 from hydra_kernels.cli_support import (
     EXIT_USAGE,
     add_version_option,
@@ -97,7 +98,6 @@ def status(json_output: JsonFlag = False) -> None:
     """Show Triton availability, the switches, and per op what runs on this machine's device
     (backend, fused backward, fallbacks) with its launch configuration."""
     import torch
-    from rich.table import Table
 
     from hydra_kernels.controls import get_kernel_status
 
@@ -118,9 +118,9 @@ def status(json_output: JsonFlag = False) -> None:
     console.print(
         f"direct launches of compiled kernels (HYDRA_FAST_LAUNCH): {'on' if fast['enabled'] else 'off'}{why}"
     )
-    ops = Table(title="ops")
-    for col in ("op", "enabled", "fused backward", "backend", "backward backend", "fallbacks", "last error"):
-        ops.add_column(col)
+    # two-line headers: at 80 columns the cells keep their width ("reference" whole)
+    headers = ("enabled", "fused\nbackward", "backend", "backward\nbackend", "fall-\nbacks", "last\nerror")
+    ops = compact_table("ops", "op", headers)
     for op, s in st["ops"].items():
         ops.add_row(
             op,
@@ -132,10 +132,9 @@ def status(json_output: JsonFlag = False) -> None:
             s["last_error"] or "",
         )
     console.print(ops)
-    launch = Table(title=f"launch configurations on {st['device']}")
     fields = ("num_warps", "num_stages", "block_rows", "block_q", "block_kv")
-    for col in ("op", "table", "width", *fields):
-        launch.add_column(col)
+    headers = tuple(f.replace("_", "\n", 1) for f in fields)  # num_warps -> num / warps
+    launch = compact_table(f"launch configurations on {st['device']}", "op", ("table", "width", *headers))
     for op, tables in st["launch"].items():
         if not tables:
             launch.add_row(op, "-", "", "", "", "", "", "")
@@ -164,7 +163,6 @@ def check(
     """Check every op, forward and backward, on this device (CUDA if present, else the CPU)
     against a float64 reference; exit 1 if any output or gradient fails the criterion."""
     from rich.progress import Progress
-    from rich.table import Table
 
     from hydra_kernels import checks
 
@@ -195,9 +193,9 @@ def check(
         )
     else:
         console.print(f"checking {mode}")
-        table = Table(title="|kernel − ref64| ≤ 2·|torch − ref64| + atol (worst ratio ≤ 1 passes)")
-        for col in ("op", "dtype", "shape", "backend", "worst ratio", "at", "result"):
-            table.add_column(col)
+        title = "|kernel − ref64| ≤ 2·|torch − ref64| + atol (worst ratio ≤ 1 passes)"
+        # the op whole: the ccgqa_conv cases differ only at the end of their names
+        table = compact_table(title, "op", ("dtype", "shape", "backend", "worst\nratio", "at", "result"))
         for r in results:
             ratio = f"{r.worst_ratio:.3f}" if r.worst_ratio is not None else "-"
             verdict = "[green]pass[/]" if r.passed else f"[red]FAIL[/] {r.error or ''}"

@@ -106,6 +106,20 @@ def patch_typer_help() -> None:
     _patched = True
 
 
+def compact_table(title: str, first: str, columns: Sequence[str]) -> Table:
+    """A table whose first column (a name: an op, a case) is never wrapped or cut, with a rule under
+    the header only and no borders between columns, and whose other cells fold when they must: at
+    80 columns (a terminal's default, and a log file's) rich's boxed default cut every column,
+    names to ``ccgqa_co…``, which tells no op from another."""
+    from rich import box
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    t.add_column(first, no_wrap=True)
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    return t
+
+
 def format_cell(value: Any) -> str:
     """``-`` for missing, 4 significant digits for floats, the value itself otherwise."""
     if value is None:

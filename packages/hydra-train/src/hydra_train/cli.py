@@ -39,7 +39,7 @@ def run(
     source (tokenizer built and cached on first use), a few minutes on a laptop CPU; on a GPU a larger
     preset with bf16 autocast. Checkpoints, training.db and run artifacts go to --checkpoint_dir.
     Multi-GPU: torchrun --nproc_per_node=N -m hydra_train run ... (DDP; --fsdp for FSDP2)."""
-    from hydra_train.cli_errors import run_guarded
+    from hydra_train.cli_errors import resume_hint, run_guarded
     from hydra_train.run import run_training, summary_rows
 
     cfg = cfg.replace(progress=not json_out)
@@ -49,7 +49,7 @@ def run(
     summary = run_guarded(
         lambda: run_training(cfg, console=err_console if json_out else console),
         debug=debug,
-        resume_hint=f"hydra-train run --resume --checkpoint_dir {cfg.runtime.checkpoint_dir}",
+        resume_hint=lambda: resume_hint(cfg),  # this run's own flags (resume refuses others)
     )
     from hydra_train.options import torchrun_launch
 

@@ -94,7 +94,8 @@ def db_ema(
     checkpoint_dir: CkptDir = "checkpoints",
     model: Model = None,
     start: Annotated[int, _opt("--start", help=H["start"])] = 0,
-    limit: Annotated[int, _opt("--limit", help=H["limit"])] = 40,
+    # min=0: a negative limit showed one row, silently (TrainingDB.ema's spacing ran backwards)
+    limit: Annotated[int, _opt("--limit", min=0, help=H["limit"])] = 40,
     json_out: Json = False,
 ) -> None:
     """Loss with its short (0.99), medium (0.999) and long (0.9999) EMAs from --start on."""

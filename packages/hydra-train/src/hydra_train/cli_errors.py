@@ -9,17 +9,63 @@ first). ``--debug`` re-raises instead, for the full traceback. The line itself i
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shlex
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hydra_kernels.cli_support import EXIT_USAGE, fail
+
+if TYPE_CHECKING:
+    from hydra_train.config import TrainConfig
 
 EXIT_SIGTERM = 143  # 128 + SIGTERM, what a shell reports for a process ended by kill
 EXIT_SIGINT = 130
 
 
-def run_guarded(fn: Callable[[], Any], *, debug: bool, resume_hint: str) -> Any:
-    """Call ``fn``; user-facing failures become one line (see the module docstring)."""
+def run_arguments(cfg: TrainConfig) -> list[str]:
+    """The ``hydra-train run`` options that give ``cfg`` (those not at their default), ``--resume``
+    left out: what an interrupted run is continued with. A resume refuses another --seq_len or
+    --seed and looks for the checkpoints of its own model, so the hint must repeat them."""
+    from hydra_train.config_options import RUN, SECTIONS
+
+    args: list[str] = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            spec = f.metadata.get("cli")
+            value = getattr(getattr(cfg, section), f.name)
+            if spec is None or RUN not in spec.commands or f.name == "resume":
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if value == default:
+                continue
+            flag = spec.flags[0]
+            if isinstance(value, dict):  # --model_override FIELD=VALUE, as parse_assignments reads it
+                for k, v in value.items():
+                    args += [flag, f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
+            elif isinstance(value, bool):
+                args.append(flag if value else "--no-" + flag.removeprefix("--"))
+            else:
+                args += [flag, str(value)]
+    return args
+
+
+def resume_hint(cfg: TrainConfig) -> str:
+    """What continues an interrupted ``hydra-train run ...``: its own options and ``--resume``, or,
+    before its first checkpoint, the same command again (``--resume`` would find nothing)."""
+    from hydra_train.checkpoint import list_checkpoints
+
+    again = shlex.join(["hydra-train", "run", *run_arguments(cfg)])
+    if not list_checkpoints(Path(cfg.runtime.checkpoint_dir)):
+        return f"{again} (no checkpoint was saved yet, so it starts over)"
+    return f"{again} --resume"
+
+
+def run_guarded(fn: Callable[[], Any], *, debug: bool, resume_hint: str | Callable[[], str]) -> Any:
+    """Call ``fn``; user-facing failures become one line (see the module docstring).
+    ``resume_hint`` (or a function that makes it, when the run stops) says how to continue."""
     from hydra_train.errors import HydraTrainError, HydraUsageError
     from hydra_train.run_guard import Terminated, os_error_line
 
@@ -38,6 +84,11 @@ def run_guarded(fn: Callable[[], Any], *, debug: bool, resume_hint: str) -> Any:
             raise
         fail(os_error_line(exc, "I/O error"))
     except Terminated:
-        fail(f"terminated (SIGTERM); continue with: {resume_hint}", code=EXIT_SIGTERM)
+        fail(_stopped("terminated (SIGTERM)", resume_hint), code=EXIT_SIGTERM)
     except KeyboardInterrupt:
-        fail(f"interrupted; continue with: {resume_hint}", code=EXIT_SIGINT)
+        fail(_stopped("interrupted", resume_hint), code=EXIT_SIGINT)
+
+
+def _stopped(what: str, hint: str | Callable[[], str]) -> str:
+    hint = hint() if callable(hint) else hint
+    return f"{what}; continue with: {hint}" if hint else what

@@ -17,15 +17,18 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from hydra_kernels.cli_support import AssignmentError, fail, opt, parse_assignments
 from hydra_train.config_options import SECTIONS, CliSpec
 
 
 def switch(name: str, help: str):
-    """A boolean flag with its ``--no-`` form, in both spellings."""
+    """A boolean flag with its ``--no-`` form, in both spellings (one where they are the same
+    word: --help listed ``--compile, --compile, --no-compile, --no-compile``)."""
     kebab = name.replace("_", "-")
-    return typer.Option(f"--{kebab}/--no-{kebab}", f"--{name}/--no-{name}", help=help)
+    spellings = dict.fromkeys((f"--{kebab}/--no-{kebab}", f"--{name}/--no-{name}"))
+    return typer.Option(*spellings, help=help)
 
 
 def parse_model_overrides(items: list[str] | None) -> dict[str, Any]:
@@ -41,6 +44,8 @@ CONVERTERS: dict[str, Callable[[Any], Any]] = {"model_overrides": parse_model_ov
 
 
 def _typer_option(spec: CliSpec, help: str) -> Any:
+    # --help renders rich markup: unescaped, "no full [tokens, vocab] logits" lost its brackets
+    help = escape(help)
     if spec.switch:
         return switch(spec.flags[0].removeprefix("--"), help)
     return opt(*spec.flags, help=help, **({"metavar": spec.metavar} if spec.metavar else {}))

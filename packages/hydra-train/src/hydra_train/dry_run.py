@@ -18,12 +18,20 @@ ASSUMED_CUDA = DeviceInfo("cuda", 80.0, True)
 def dry_run(cfg: TrainConfig) -> dict[str, Any]:
     """The resolved configuration, the device it was resolved for, and the optimizations
     SafeOptimizations would pretest (requested) or mark not applicable (with the reason)."""
+    from hydra_train.data_parallel import why_not_graphed
+    from hydra_train.device_setup import pick_device
+    from hydra_train.options import torchrun_launch, train_options
     from hydra_train.run import check_model_flags
     from hydra_train.safe_opts.registry import build_registry
 
+    train_options()  # as a run does first: a variable it cannot use is reported here too
+    launch = torchrun_launch()
     want = cfg.runtime.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
+    if not want.startswith("cuda") or (want.startswith("cuda:") and launch.world_size > 1):
+        # the run's own refusals that need no GPU: "--device tpu", "cuda:N" under torchrun
+        pick_device(want, launch.local_rank, launch.world_size)
     if want.startswith("cuda"):
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(torch.device(want))
@@ -39,6 +47,9 @@ def dry_run(cfg: TrainConfig) -> dict[str, Any]:
     check_model_flags(resolved)
     registry = build_registry(resolved)
     requested = [name for name, o in registry.items() if o.requested()]
+    graphs = bool(resolved.experimental_cuda_graphs) and dev.type == "cuda"
+    if graphs and (resolved.fsdp or launch.world_size > 1):
+        graphs = why_not_graphed(resolved) is None  # FSDP2 steps, DDP's reducer: never graphed
     return {
         "device": want,
         "device_note": device_note,
@@ -46,8 +57,9 @@ def dry_run(cfg: TrainConfig) -> dict[str, Any]:
         "fast_path": {
             "triton_kernels": resolved.triton_kernels,
             "chunked_ce": resolved.chunked_ce,
-            "cuda_graphs": resolved.experimental_cuda_graphs and dev.type == "cuda",
-            "compiled_routing_glue": dev.type == "cuda",
+            "cuda_graphs": graphs,
+            # hydra-model's routing glue: only HYDRA routes, and HYDRA_COMPILED_ROUTING=0 keeps it eager
+            "compiled_routing_glue": dev.type == "cuda" and resolved.arch == "hydra" and _routing_compiled(),
             "compile": resolved.compile_scope if resolved.compile else False,
             "precision": resolved.precision,
         },
@@ -55,3 +67,10 @@ def dry_run(cfg: TrainConfig) -> dict[str, Any]:
         "would_pretest": requested if not resolved.experimental_skip_pretest else [],
         "not_requested": [name for name in registry if name not in requested],
     }
+
+
+def _routing_compiled() -> bool:
+    """Whether hydra-model runs its routing glue compiled (its switch, HYDRA_COMPILED_ROUTING)."""
+    from hydra_model import compiled_routing_enabled
+
+    return compiled_routing_enabled()

@@ -21,6 +21,11 @@ SUPPORTED = (
     ".bin, .pt, .jsonl, .txt, .parquet, .arrow files (or folders of them), or a Hugging Face "
     "dataset folder written by save_to_disk"
 )
+#: What ``hydra-train tokenizer train`` reads: text only (.bin and .pt shards hold token ids).
+TEXT_SUPPORTED = (
+    ".txt, .jsonl, .parquet, .arrow files (or folders of them), or a Hugging Face dataset folder "
+    "written by save_to_disk (.bin and .pt shards hold token ids, not text)"
+)
 #: Split names taken as validation data in a DatasetDict, in order of preference.
 VAL_SPLITS = ("validation", "val", "valid")
 
@@ -133,16 +138,16 @@ def iter_texts(paths: list[Path], column: str = "text") -> Iterator[str]:
             files = [p]
         text_files = [f for f in files if f.suffix.lower() in (".txt", ".jsonl", *TABLE_SUFFIXES)]
         if not text_files:
-            raise HydraDataError(unsupported_message(p, files))
+            raise HydraDataError(unsupported_message(p, files, TEXT_SUPPORTED))
         for f in text_files:
             yield from read_texts(f, column)
 
 
-def unsupported_message(path: Path, files: list[Path]) -> str:
-    """One line: what was found at ``path`` and what is supported."""
+def unsupported_message(path: Path, files: list[Path], supported: str = SUPPORTED) -> str:
+    """One line: what was found at ``path`` and what is ``supported`` (by ``--dataset``, by default)."""
     if path.is_file():
         found = f"unsupported data format {path.suffix or '(no suffix)'!r}"
     else:
         kinds = sorted({f.suffix.lower() or "(no suffix)" for f in files})
         found = f"no supported data files (found {', '.join(kinds)})" if kinds else "empty folder"
-    return f"{path}: {found}; supported: {SUPPORTED}"
+    return f"{path}: {found}; supported: {supported}"
