@@ -32,6 +32,16 @@ TINY_SETS = [
 ]
 
 
+def tiny_race_args(data, json_path, budget: float = 0.5) -> list:
+    """``race run`` of the gpt and hydra at the tiny preset on ``data`` (a bigram dataset), one
+    evaluation, ``--json json_path``: a race of a second or so on the CPU."""
+    return [
+        "race", "run", "--configs", "gpt,hydra", "--model-size", "tiny", "--budget", budget, "--evals", 1,
+        "--seq-len", 16, "--batch-size", 4, "--val-windows", 4, "--vocab-size", 256,
+        "--dataset", data, *TINY_SETS, "--json", json_path, "--quiet",
+    ]  # fmt: skip
+
+
 def race_args(out: Path, *extra: str) -> list[str]:
     return [
         "race",
@@ -212,12 +222,7 @@ def test_a_failing_entrant_does_not_lose_the_others(runner, tmp_path, monkeypatc
         return real(cfg, *args, **kw)
 
     monkeypatch.setattr(runner_mod, "race_one", flaky)
-    args = [
-        "race", "run", "--configs", "gpt,hydra", "--model-size", "tiny", "--budget", 0.5, "--evals", 1,
-        "--seq-len", 16, "--batch-size", 4, "--val-windows", 4, "--vocab-size", 256,
-        "--dataset", data, *TINY_SETS, "--json", tmp_path / "r.json", "--quiet",
-    ]  # fmt: skip
-    res = invoke(runner, args)
+    res = invoke(runner, tiny_race_args(data, tmp_path / "r.json"))
     assert res.exit_code == 1
     assert "hydra: RuntimeError: CUDA out of memory (simulated)" in res.stderr
     doc = json.loads((tmp_path / "r.json").read_text())

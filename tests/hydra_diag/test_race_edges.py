@@ -17,7 +17,7 @@ import torch
 from hydra_diag.race.configs import resolve_configs
 from hydra_diag.race.data import load_race_data
 from tests.hydra_diag.conftest import invoke
-from tests.hydra_diag.test_race import TINY_SETS
+from tests.hydra_diag.test_race import tiny_race_args
 
 
 def _row_dataset(folder, row_len: int, seed: int = 0):
@@ -78,11 +78,7 @@ def test_ctrl_c_keeps_the_entrants_that_finished(runner, tmp_path, monkeypatch):
         return real(cfg, *args, **kw)
 
     monkeypatch.setattr(runner_mod, "race_one", interrupted)
-    args = [
-        "race", "run", "--configs", "gpt,hydra", "--model-size", "tiny", "--budget", 0.3, "--evals", 1,
-        "--seq-len", 16, "--batch-size", 4, "--val-windows", 4, "--vocab-size", 256,
-        "--dataset", data, *TINY_SETS, "--json", tmp_path / "r.json", "--quiet",
-    ]  # fmt: skip
+    args = tiny_race_args(data, tmp_path / "r.json", budget=0.3)
     try:
         res = invoke(runner, args)
     except KeyboardInterrupt:
@@ -199,11 +195,7 @@ def test_each_finished_entrant_is_on_disk_before_the_next_starts(runner, tmp_pat
         return real(cfg, *args, **kw)
 
     monkeypatch.setattr(runner_mod, "race_one", second_reads_the_file)
-    args = [
-        "race", "run", "--configs", "gpt,hydra", "--model-size", "tiny", "--budget", 0.3, "--evals", 1,
-        "--seq-len", 16, "--batch-size", 4, "--val-windows", 4, "--vocab-size", 256,
-        "--dataset", data, *TINY_SETS, "--json", tmp_path / "r.json", "--quiet",
-    ]  # fmt: skip
+    args = tiny_race_args(data, tmp_path / "r.json", budget=0.3)
     res = invoke(runner, args)
     assert res.exit_code == 0, res.stderr
     (first,) = seen["doc"]["runs"]

@@ -1,12 +1,10 @@
-"""What a user of ``hydra-train`` sees where it used to mislead: help text, ``--dry_run``'s report,
-the hint after Ctrl-C, and the errors of ``tokenizer train`` and ``db ema``."""
+"""What a user of ``hydra-train`` sees where it used to mislead: help text, the hint after Ctrl-C,
+and the errors of ``tokenizer train`` and ``db ema`` (``--dry_run``'s cases: test_dry_run.py)."""
 
 from __future__ import annotations
 
-import json
 import re
 
-import pytest
 from typer.testing import CliRunner
 
 import hydra_train.run as run_mod
@@ -27,46 +25,6 @@ def test_help_keeps_bracketed_text():
     assert "no full [tokens, vocab] logits" in _flat(res.output)
     # a one-word switch was listed twice in each form
     assert "--compile, --compile" not in _flat(res.output)
-
-
-@pytest.fixture
-def no_run(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a dry run must not load data or build a model")
-
-    monkeypatch.setattr(run_mod, "load_run_data", refuse)
-    monkeypatch.setattr(run_mod, "run_training", refuse)
-
-
-def _dry(*args: str) -> dict:
-    res = runner.invoke(app, ["run", "--dry_run", "--json", *args])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
-
-
-def test_dry_run_does_not_promise_cuda_graphs_under_fsdp(no_run, monkeypatch):
-    # FSDP2 steps are never graphed (safe_opts' cuda_graphs is N/A there)
-    assert _dry("--device", "cuda", "--fsdp")["fast_path"]["cuda_graphs"] is False
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _dry("--device", "cuda", "--ddp_grad_sync", "reducer")["fast_path"]["cuda_graphs"] is False
-    assert _dry("--device", "cuda")["fast_path"]["cuda_graphs"] is True  # graphed DDP
-
-
-def test_dry_run_gpt_has_no_routing_glue(no_run):
-    assert _dry("--device", "cuda", "--arch", "gpt")["fast_path"]["compiled_routing_glue"] is False
-    assert _dry("--device", "cuda")["fast_path"]["compiled_routing_glue"] is True
-
-
-def test_dry_run_refuses_the_device_a_run_refuses(no_run):
-    res = runner.invoke(app, ["run", "--dry_run", "--device", "tpu"])
-    assert res.exit_code == 1 and "--device 'tpu'" in res.output, res.output
-
-
-def test_dry_run_reports_an_unusable_variable(no_run, monkeypatch):
-    monkeypatch.setenv("HYDRA_MEM_DUMP_EVERY", "ten")
-    res = runner.invoke(app, ["run", "--dry_run", "--device", "cpu"])
-    assert res.exit_code == 1 and "HYDRA_MEM_DUMP_EVERY" in res.output, res.output
 
 
 def _interrupt(monkeypatch):

@@ -141,3 +141,28 @@ def test_each_part_of_the_fast_path_can_be_turned_off():
 def test_a_bad_flag_is_still_reported():
     res = runner.invoke(app, ["run", "--dry_run", "--device", "cuda", "--model_size", "huge"])
     assert res.exit_code != 0 and "huge" in res.output
+
+
+def test_dry_run_does_not_promise_cuda_graphs_under_fsdp(monkeypatch):
+    # FSDP2 steps are never graphed (safe_opts' cuda_graphs is N/A there)
+    assert _dry("--device", "cuda", "--fsdp")["fast_path"]["cuda_graphs"] is False
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _dry("--device", "cuda", "--ddp_grad_sync", "reducer")["fast_path"]["cuda_graphs"] is False
+    assert _dry("--device", "cuda")["fast_path"]["cuda_graphs"] is True  # graphed DDP
+
+
+def test_dry_run_gpt_has_no_routing_glue():
+    assert _dry("--device", "cuda", "--arch", "gpt")["fast_path"]["compiled_routing_glue"] is False
+    assert _dry("--device", "cuda")["fast_path"]["compiled_routing_glue"] is True
+
+
+def test_dry_run_refuses_the_device_a_run_refuses():
+    res = runner.invoke(app, ["run", "--dry_run", "--device", "tpu"])
+    assert res.exit_code == 1 and "--device 'tpu'" in res.output, res.output
+
+
+def test_dry_run_reports_an_unusable_variable(monkeypatch):
+    monkeypatch.setenv("HYDRA_MEM_DUMP_EVERY", "ten")
+    res = runner.invoke(app, ["run", "--dry_run", "--device", "cpu"])
+    assert res.exit_code == 1 and "HYDRA_MEM_DUMP_EVERY" in res.output, res.output
