@@ -156,7 +156,8 @@ def run_cmd(
     quiet: Annotated[bool, opt("--quiet", help="No progress on stderr.")] = False,
 ) -> None:
     """Race the configurations: each trains for --budget seconds on the same data; prints the table,
-    writes --json and --plots. Exit 1 when a configuration failed or diverged (the others still ran).
+    writes --json (after each configuration too, so a killed race keeps those that finished) and
+    --plots. Exit 1 when a configuration failed or diverged (the others still ran).
     Exit 130 when the race was interrupted (Ctrl-C: the configurations that finished are still written)."""
     from hydra_diag.race.configs import COMPILE_CHOICES, parse_config_names, parse_sets, resolve_configs
     from hydra_diag.race.data import load_race_data
