@@ -15,8 +15,8 @@ from torch import nn
 
 from hydra_train.callbacks import CallbackList, TrainerCallback
 from hydra_train.config import TrainConfig
-from hydra_train.optim import build_optimizer
-from hydra_train.optim import LRSchedule
+from hydra_train.errors import HydraDivergedError
+from hydra_train.optim import LRSchedule, build_optimizer
 from hydra_train.trainer import Trainer
 
 V, D, B, S = 37, 16, 3, 8
@@ -87,23 +87,45 @@ def _batches(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _run_both(*, steps: int, accum: int, clip: float, warmup: int, lr: float = 3e-2):
+class NaNGrad(TrainerCallback):
+    """A NaN in one gradient of the given steps (1-based), after their backward."""
+
+    name = "nan_grad"
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+
+    def on_after_backward(self, step, model) -> None:
+        if step in self.steps:
+            model.mid.weight.grad.view(-1)[0] = float("nan")
+
+
+def _trainer(model: nn.Module, batches: list, callbacks: list, **kw) -> Trainer:
+    """A Trainer on ``model`` over ``batches`` (CPU, fp32, fused AdamW, cosine schedule)."""
+    settings = dict(
+        batch_size=B, seq_len=S, grad_accum=1, log_every=1, eval_every=10**6, save_every=0,
+        lr=3e-2, min_lr_ratio=0.1, lr_schedule="cosine", weight_decay=0.1, device="cpu",
+        precision="fp32", max_skipped_steps=10,
+    )  # fmt: skip
+    cfg = TrainConfig(**{**settings, **kw})
+    choice = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    return Trainer(
+        model, cfg, optimizer=choice.optimizer, schedule=LRSchedule.from_config(choice.optimizer, cfg),
+        loader=ListLoader(list(batches)), val_batches=[], device=torch.device("cpu"),
+        callbacks=CallbackList(callbacks), log=lambda m: None,
+    )  # fmt: skip
+
+
+def _run_both(*, steps: int, accum: int, clip: float, warmup: int, skip: frozenset = frozenset()):
     torch.manual_seed(0)
     model = TinyLM()
     ref = copy.deepcopy(model)
     batches = _batches(steps * accum, seed=1234)
-    wd, min_ratio = 0.1, 0.1
-    cfg = TrainConfig(
-        batch_size=B, seq_len=S, grad_accum=accum, max_steps=steps, log_every=1, eval_every=10**6,
-        save_every=0, lr=lr, warmup_steps=warmup, min_lr_ratio=min_ratio, lr_schedule="cosine",
-        grad_clip=clip, weight_decay=wd, device="cpu", precision="fp32", max_skipped_steps=10,
-    )  # fmt: skip
-    choice = build_optimizer(model, lr=lr, weight_decay=wd, betas=(0.9, 0.95))
-    schedule = LRSchedule.from_config(choice.optimizer, cfg)
+    lr, wd, min_ratio = 3e-2, 0.1, 0.1
     rows = Rows()
-    tr = Trainer(
-        model, cfg, optimizer=choice.optimizer, schedule=schedule, loader=ListLoader(list(batches)),
-        val_batches=[], device=torch.device("cpu"), callbacks=CallbackList([rows]), log=lambda m: None,
+    tr = _trainer(
+        model, batches, [rows, NaNGrad(set(skip))], grad_accum=accum, max_steps=steps, lr=lr,
+        warmup_steps=warmup, min_lr_ratio=min_ratio, grad_clip=clip, weight_decay=wd,
     )  # fmt: skip
     tr.train()
 
@@ -124,7 +146,9 @@ def _run_both(*, steps: int, accum: int, clip: float, warmup: int, lr: float = 3
         for x, y in batches[s * accum : (s + 1) * accum]:
             loss = ref(x, y).loss
             (loss / accum).backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
+        if s + 1 in skip:
+            ref.mid.weight.grad.view(-1)[0] = float("nan")
         norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
         finite = math.isfinite(norm) and all(math.isfinite(v) for v in losses)
         if finite:
@@ -146,6 +170,27 @@ def test_trainer_equals_a_plain_pytorch_loop(accum, clip):
     for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
     assert tr.state.tokens_seen == steps * accum * B * S
+    if clip > 0:  # the clip did act
+        assert any(e["grad_norm"] > clip for e in expect.values())
+
+
+def test_a_skipped_step_leaves_weights_and_adam_state_as_a_loop_that_skips_it():
+    """A NaN gradient at step 3: the step is not applied (Adam's step count included: the bias
+    correction of every later step depends on it), the schedule still advances, and the loss EMA
+    ignores it; everything after equals a plain loop that skipped that step."""
+    steps = 6
+    tr, model, ref, rows, expect = _run_both(steps=steps, accum=2, clip=1.0, warmup=2, skip=frozenset({3}))
+    assert [rows.rows[s]["finite"] for s in range(1, steps + 1)] == [True, True, False, True, True, True]
+    assert tr.skipped_steps() == 1 and rows.rows[steps]["skipped_steps"] == 1
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    assert all(int(st["step"]) == steps - 1 for st in tr.optimizer.state.values())
+    # the short EMA, bias-corrected over the applied steps only
+    ema, n = 0.0, 0
+    for s in range(1, steps + 1):
+        if expect[s]["finite"]:
+            ema, n = 0.99 * ema + 0.01 * expect[s]["loss"], n + 1
+        assert rows.rows[s]["ema_short"] == pytest.approx(ema / (1 - 0.99**n), rel=1e-5), s
 
 
 def test_logged_lr_is_the_lr_the_step_used():
@@ -157,3 +202,15 @@ def test_logged_lr_is_the_lr_the_step_used():
     # the first step runs in warmup at 1/warmup of the peak, and its row says so
     assert rows.rows[1]["lr"] == pytest.approx(3e-2 / 3) and rows.rows[1]["lr_phase"] == "warmup"
     assert rows.rows[3]["lr_phase"] == "warmup" and rows.rows[4]["lr_phase"] == "cosine"
+
+
+def test_a_skip_streak_between_log_points_still_stops_the_run():
+    """--max_skipped_steps 2 and 4 non-finite steps in a row (2-5) that end before the next log
+    point (step 10): the run must stop, not miss the streak because it ended unseen."""
+    torch.manual_seed(0)
+    tr = _trainer(
+        TinyLM(), _batches(10, seed=5), [NaNGrad({2, 3, 4, 5})], max_steps=10, log_every=10,
+        warmup_steps=1, grad_clip=1.0, max_skipped_steps=2,
+    )  # fmt: skip
+    with pytest.raises(HydraDivergedError, match=r"4 steps in a row \(2-5\)"):
+        tr.train()

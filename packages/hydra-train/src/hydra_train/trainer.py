@@ -110,6 +110,7 @@ class Trainer(StepMixin, TrainerStateMixin):
         self.train_time_s = 0.0
         self.saver: Callable[[Trainer, bool], Path | None] | None = None
         self._session_start_step = 0
+        self._step_phase = schedule.phase()  # the schedule phase of the last step run (its log row)
 
     # -- seams --------------------------------------------------------------------------------
 
@@ -162,6 +163,8 @@ class Trainer(StepMixin, TrainerStateMixin):
         while self.step < cfg.runtime.max_steps and self.stop_reason is None:
             batches = [self.loader.next() for _ in range(cfg.optim.grad_accum)]
             res = self.step_impl(batches)
+            # what this step ran with, read before the schedule moves on to the next step's lr
+            lr, self._step_phase = self.schedule.get_last_lr()[0], self.schedule.phase()
             self.schedule.step()
             self.state.step += 1
             self.state.tokens_seen += self.tokens_per_step
@@ -174,7 +177,7 @@ class Trainer(StepMixin, TrainerStateMixin):
                 res.aux_losses,
                 res.grad_norm,
                 res.finite,
-                lr=self.schedule.get_last_lr()[0],
+                lr=lr,
                 tokens=self.tokens_per_step,
                 tokens_per_s=self.tokens_per_step / max(now - t_prev_step, 1e-9),
             )
@@ -245,7 +248,7 @@ class Trainer(StepMixin, TrainerStateMixin):
             "ema_short": ema[0],
             "ema_medium": ema[1],
             "ema_long": ema[2],
-            "lr_phase": self.schedule.phase(),
+            "lr_phase": self._step_phase,
             "base_lr": self.schedule.base_lr(),
         }
         if math.isfinite(vals["loss"]):

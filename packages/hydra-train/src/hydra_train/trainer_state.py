@@ -48,6 +48,10 @@ class TrainerStateMixin:
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         # skipped steps in a row ending at the current step (on the device: read at log/save points)
         self._streak = torch.zeros((), dtype=torch.int64, device=device)
+        # the longest streak seen and the step it reached: the check runs at log and save points
+        # only, and a streak that ended between two of them would otherwise go unseen
+        self._worst_streak = torch.zeros((), dtype=torch.int64, device=device)
+        self._worst_end = torch.zeros((), dtype=torch.int64, device=device)
 
     @property
     def step(self) -> int:
@@ -60,15 +64,19 @@ class TrainerStateMixin:
         self._ema_count = self._ema_count + f
         self._skipped = self._skipped + (~finite).to(torch.int64)
         self._streak = torch.where(finite, torch.zeros_like(self._streak), self._streak + 1)
+        longer = self._streak > self._worst_streak
+        self._worst_streak = torch.where(longer, self._streak, self._worst_streak)
+        self._worst_end = self._worst_end.masked_fill(longer, self.step)
 
     def check_skip_streak(self) -> None:
         """Stop (:class:`HydraDivergedError`) once more than ``--max_skipped_steps`` optimizer steps in
-        a row were skipped for non-finite loss or gradients (one host sync)."""
-        streak = int(self._streak)
+        a row were skipped for non-finite loss or gradients, the current streak or one that ended
+        since the last check (one host sync)."""
+        streak, end = torch.stack([self._worst_streak, self._worst_end]).tolist()
         if streak > self.cfg.optim.max_skipped_steps:
-            first = self.step - streak + 1
+            first = end - streak + 1
             raise HydraDivergedError(
-                f"training diverged: {streak} steps in a row ({first}-{self.step}) had non-finite "
+                f"training diverged: {streak} steps in a row ({first}-{end}) had non-finite "
                 f"loss or gradients (limit --max_skipped_steps {self.cfg.optim.max_skipped_steps}); stopped "
                 f"at step {self.step}. Lower --lr or --grad_clip and resume from the last checkpoint"
             )
