@@ -134,7 +134,10 @@ def status(json_output: JsonFlag = False) -> None:
     console.print(ops)
     fields = ("num_warps", "num_stages", "block_rows", "block_q", "block_kv")
     headers = tuple(f.replace("_", "\n", 1) for f in fields)  # num_warps -> num / warps
-    launch = compact_table(f"launch configurations on {st['device']}", "op", ("table", "width", *headers))
+    # the table names run to 29 characters (_linear_ce_kernels.ROW_LAUNCH): they wrap, the numbers not
+    launch = compact_table(
+        f"launch configurations on {st['device']}", "op", ("table", "width", *headers), fold=("table",)
+    )
     for op, tables in st["launch"].items():
         if not tables:
             launch.add_row(op, "-", "", "", "", "", "", "")

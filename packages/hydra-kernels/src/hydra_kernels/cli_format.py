@@ -106,17 +106,23 @@ def patch_typer_help() -> None:
     _patched = True
 
 
-def compact_table(title: str, first: str, columns: Sequence[str]) -> Table:
-    """A table whose first column (a name: an op, a case) is never wrapped or cut, with a rule under
-    the header only and no borders between columns, and whose other cells fold when they must: at
-    80 columns (a terminal's default, and a log file's) rich's boxed default cut every column,
-    names to ``ccgqa_co…``, which tells no op from another."""
+def compact_table(title: str, first: str, columns: Sequence[str], fold: Sequence[str] | None = None) -> Table:
+    """A table for 80 columns (a terminal's default, and a log file's): a rule under the header
+    only, no borders between columns. The first column (a name: an op, a case) and every column
+    not in ``fold`` (default: the last one, free text such as an error) keep their cells whole;
+    the ``fold`` columns wrap. rich's boxed default cut every column at 80, op names to
+    ``ccgqa_co…``, and folding every column split short words such as ``reference``."""
     from rich import box
 
-    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    fold = (columns[-1],) if fold is None else tuple(fold)
+    # two spaces between columns (a right pad and the box's blank separator), none at the edges
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
     t.add_column(first, no_wrap=True)
     for c in columns:
-        t.add_column(c, overflow="fold")
+        if c in fold:
+            t.add_column(c, overflow="fold")
+        else:
+            t.add_column(c, no_wrap=True)
     return t
 
 
