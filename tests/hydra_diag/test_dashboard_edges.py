@@ -86,3 +86,24 @@ def test_port_out_of_range(runner, tmp_path):
     synthetic_db(tmp_path, [dict(step=1, **ROW)])
     for port in ("70000", "-1"):
         one_line_error(invoke(runner, ["dashboard", tmp_path, "--port", port]), "--port", "65535")
+
+
+def test_an_unexpected_error_is_a_500_naming_it_and_the_server_goes_on(tmp_path, monkeypatch):
+    """An error the handler does not expect (a row the page cannot use, a bug) answered nothing:
+    the connection dropped and the page only showed "not updating". Now a 500 that names it, and
+    the next request is served."""
+    import secrets
+
+    from hydra_diag.dashboard.store import DashboardStore
+
+    synthetic_db(tmp_path, [dict(step=1, **ROW)])
+    word = secrets.token_hex(4)
+
+    def broken(self, run_id, since=None):
+        raise ValueError(f"bad utilization JSON {word}")
+
+    monkeypatch.setattr(DashboardStore, "run", broken)
+    with serving(tmp_path) as url:
+        got = get_json(url + "api/run/run1", 500)
+        assert "ValueError" in got["error"] and word in got["error"] and "/api/run/run1" in got["error"]
+        assert [r["run_id"] for r in get_json(url + "api/runs")["runs"]] == ["run1"]

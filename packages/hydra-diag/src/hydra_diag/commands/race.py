@@ -82,7 +82,12 @@ def run_cmd(
         opt("--configs", help="Comma-separated configuration names, or 'all' (default gpt,hydra)."),
     ] = None,
     model_size: Annotated[
-        str, opt("--model_size", help="Preset of every configuration: tiny, debug, 100M ...")
+        str,
+        opt(
+            "--model_size",
+            help="Preset of every configuration: tiny, debug, 100M ... (hydra-v1, hydra-v2 and "
+            "hydra-c3 are the 100M presets of earlier races: their dimensions stay 100M's).",
+        ),
     ] = "100M",
     budget: Annotated[float, opt("--budget", help="Seconds of training per configuration.", min=0.1)] = 120.0,
     sets: Annotated[

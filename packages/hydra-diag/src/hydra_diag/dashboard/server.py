@@ -19,6 +19,7 @@ import errno
 import json
 import socket
 import sqlite3
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
@@ -95,6 +96,11 @@ class DashboardHandler(BaseHTTPRequestHandler):
             self._json({"error": str(exc)}, 503)
         except (BrokenPipeError, ConnectionResetError):  # the browser left
             pass
+        except Exception as exc:
+            # a 500 that names it, not a dropped connection: the page shows the error and keeps
+            # polling, and the server's log says what went wrong
+            self.log_error("%s failed: %s", url.path, traceback.format_exc())
+            self._json({"error": f"internal error serving {url.path}: {type(exc).__name__}: {exc}"}, 500)
 
     def _run(self, run_id: str, query: dict[str, list[str]]) -> None:
         since = {}
