@@ -121,3 +121,31 @@ def test_import_hf_names_a_truncated_safetensors_file(tmp_path):
     res = runner.invoke(app, ["import-hf", str(tmp_path / "llama"), str(tmp_path / "out.pt")])
     assert res.exit_code == 1 and "model.safetensors is unreadable" in res.stderr, res.output
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_an_export_that_fails_half_way_leaves_the_earlier_export_whole(tmp_path, monkeypatch):
+    """export-hf over an earlier export that fails after the weights (a full disk, a kill): the
+    earlier export's files are byte for byte what they were, nothing half-written is left beside
+    them, and a later export that completes replaces them."""
+    import hydra_model.hf_export as hf_export
+
+    small_model(seed=5).save_pretrained(tmp_path / "m")
+    export_hf(tmp_path / "m", tmp_path / "hf")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    small_model(seed=6).save_pretrained(tmp_path / "m")  # new weights to export over the old
+    real = hf_export._write_json
+
+    def disk_full(path, obj):
+        if path.name == "generation_config.json":
+            raise OSError(28, "No space left on device")
+        return real(path, obj)
+
+    monkeypatch.setattr(hf_export, "_write_json", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(tmp_path / "m", tmp_path / "hf")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m"]  # no staging folder left
+    monkeypatch.setattr(hf_export, "_write_json", real)
+    export_hf(tmp_path / "m", tmp_path / "hf")
+    after = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    assert after.keys() == before.keys() and after["model.safetensors"] != before["model.safetensors"]

@@ -130,8 +130,8 @@ def export_hf(
     allow_pickle: bool = False,
 ) -> Exported:
     """Write the model of ``checkpoint`` (a save_pretrained folder or a hydra-train .pt) as a
-    Hugging Face folder ``out`` (created; an earlier export there is replaced, other files are
-    left alone). ``tokenizer``:
+    Hugging Face folder ``out`` (created; an earlier export there is replaced once the new one is
+    complete, other files are left alone). ``tokenizer``:
     a tokenizer.json to ship (None: none is written). Raises ExportError (or the loaders'
     ValueError / FileNotFoundError) naming what is wrong."""
     from hydra_model.hf_hydra import MODEL_TYPE, copy_remote_code, hydra_export_state, hydra_hf_config
@@ -157,23 +157,33 @@ def export_hf(
     tok_path = Path(tokenizer) if tokenizer is not None else None
     special, eos_text = tokenizer_special_ids(tok_path)
     out.mkdir(parents=True, exist_ok=True)
-    files: list[str] = []
-    state = model.state_dict()
-    if arch == "gpt":
-        config, model_type = llama_config(cfg, special, dtype), "llama"
-        _save_weights(gpt_to_llama_state(state, cfg), out / WEIGHTS_FILE, DTYPES[dtype])
-    else:
-        config, model_type = hydra_hf_config(model, special, dtype), MODEL_TYPE
-        _save_weights(hydra_export_state(model), out / WEIGHTS_FILE, DTYPES[dtype])
-        files += [p.name for p in copy_remote_code(out)]
-    _write_json(out / "config.json", config)
-    generation = {**special, "do_sample": False}
-    if arch != "gpt":
-        generation["use_cache"] = False  # the shipped code reruns the prefix: no cache to use
-    _write_json(out / "generation_config.json", generation)
-    files += ["config.json", WEIGHTS_FILE, "generation_config.json"]
-    if tok_path is not None:
-        files += write_tokenizer(tok_path, out, eos_text, cfg.max_seq_len)
+    # every file is written into a staging folder beside ``out`` and moved in once all are
+    # complete: an export that fails part-way (full disk, killed) leaves an earlier one whole
+    stage = out.parent / f".{out.name}.export-tmp"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        files: list[str] = []
+        state = model.state_dict()
+        if arch == "gpt":
+            config, model_type = llama_config(cfg, special, dtype), "llama"
+            _save_weights(gpt_to_llama_state(state, cfg), stage / WEIGHTS_FILE, DTYPES[dtype])
+        else:
+            config, model_type = hydra_hf_config(model, special, dtype), MODEL_TYPE
+            _save_weights(hydra_export_state(model), stage / WEIGHTS_FILE, DTYPES[dtype])
+            files += [p.name for p in copy_remote_code(stage)]
+        _write_json(stage / "config.json", config)
+        generation = {**special, "do_sample": False}
+        if arch != "gpt":
+            generation["use_cache"] = False  # the shipped code reruns the prefix: no cache to use
+        _write_json(stage / "generation_config.json", generation)
+        files += ["config.json", WEIGHTS_FILE, "generation_config.json"]
+        if tok_path is not None:
+            files += write_tokenizer(tok_path, stage, eos_text, cfg.max_seq_len)
+        for name in files:
+            (stage / name).replace(out / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     for stale in sorted(set(EXPORT_FILES) - set(files)):  # an earlier export's, e.g. remote code
         (out / stale).unlink(missing_ok=True)
     return Exported(
