@@ -92,9 +92,7 @@ def tokenizer_special_ids(tokenizer_path: Path | None) -> tuple[dict[str, int | 
 
 def write_tokenizer(tokenizer_path: Path, out: Path, eos_text: str | None, max_len: int) -> list[str]:
     """tokenizer.json as it is, and the two small files ``AutoTokenizer`` needs beside it."""
-    target = out / "tokenizer.json"
-    if not (target.exists() and target.samefile(tokenizer_path)):  # a re-export shipping its own
-        shutil.copyfile(tokenizer_path, target)
+    shutil.copyfile(tokenizer_path, out / "tokenizer.json")  # ``out``: export_hf's fresh staging folder
     special = {"eos_token": eos_text, "pad_token": eos_text} if eos_text is not None else {}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

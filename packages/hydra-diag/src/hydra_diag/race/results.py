@@ -132,8 +132,6 @@ def write_document(doc: dict[str, Any], path: str) -> None:
     if path == "-":
         sys.stdout.write(text)
         return
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(p)
+    from hydra_train.atomic_files import atomic_write_bytes
+
+    atomic_write_bytes(Path(path), text.encode("utf-8"))
