@@ -107,3 +107,44 @@ def test_an_unexpected_error_is_a_500_naming_it_and_the_server_goes_on(tmp_path,
         got = get_json(url + "api/run/run1", 500)
         assert "ValueError" in got["error"] and word in got["error"] and "/api/run/run1" in got["error"]
         assert [r["run_id"] for r in get_json(url + "api/runs")["runs"]] == ["run1"]
+
+
+def _get_with_host(url: str, host: str) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"Host": host}), timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_loopback_server_refuses_a_host_that_is_not_this_machine(tmp_path):
+    """DNS rebinding: a page from another site whose name resolves to 127.0.0.1 reaches the server
+    with its own name in Host; the run's data must not be served to it. Names of this machine,
+    with or without a port, are answered."""
+    synthetic_db(tmp_path, [dict(step=1, **ROW)])
+    with serving(tmp_path) as url:
+        port = url.rstrip("/").rsplit(":", 1)[1]
+        for host in (f"attacker.example:{port}", "attacker.example", f"127.0.0.1.attacker.example:{port}"):
+            code, body = _get_with_host(url + "api/runs", host)
+            assert code == 403, (host, body)
+            assert host in body["error"] and "127.0.0.1" in body["error"]
+            assert "runs" not in body
+        ours = (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}", f"[::1]:{port}", "localhost")
+        for host in ours:
+            code, body = _get_with_host(url + "api/runs", host)
+            assert code == 200, (host, body)
+            assert [r["run_id"] for r in body["runs"]] == ["run1"]
+
+
+def test_a_server_on_a_chosen_address_answers_any_host(tmp_path):
+    """--host 0.0.0.0 (or any non-loopback address) is the user's choice to expose the run: the
+    Host check is off there, so a machine reached by its name is answered."""
+    from hydra_diag.dashboard.server import host_name, is_loopback
+
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert host_name("[::1]:8050") == "[::1]" and host_name("Example.org:80") == "example.org"
+    assert host_name("127.0.0.1") == "127.0.0.1"

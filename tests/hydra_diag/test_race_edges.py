@@ -202,7 +202,8 @@ def test_each_finished_entrant_is_on_disk_before_the_next_starts(runner, tmp_pat
     assert first["name"] == "gpt" and first["status"] == "ok" and math.isfinite(first["final_val_loss"])
     final = json.loads((tmp_path / "r.json").read_text())
     assert [r["name"] for r in final["runs"]] == ["gpt", "hydra"]
-    assert not (tmp_path / "r.json.tmp").exists()
+    # no temporary file of the atomic write is left beside the JSON
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
 
 
 def test_a_datasets_own_vocabulary_is_used_when_none_is_given(tmp_path):

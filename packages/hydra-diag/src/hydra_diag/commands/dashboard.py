@@ -7,8 +7,6 @@ import typer
 from hydra_diag.cliutil import opt
 from hydra_kernels.cli_support import console, err_console, fail
 
-_LOCAL = ("127.0.0.1", "localhost", "::1")
-
 
 def dashboard_cmd(
     checkpoint_dir: Annotated[
@@ -21,7 +19,11 @@ def dashboard_cmd(
     port: Annotated[int, opt("--port", help="TCP port to serve on.")] = 8050,
     host: Annotated[
         str,
-        opt("--host", help="Address to bind; the default serves this machine only (no authentication)."),
+        opt(
+            "--host",
+            help="Address to bind. The default serves this machine only: no authentication, and only "
+            "requests addressed to localhost, 127.0.0.1 or [::1] are answered.",
+        ),
     ] = "127.0.0.1",
     log_requests: Annotated[bool, opt("--log_requests", help="Print every HTTP request on stderr.")] = False,
 ) -> None:
@@ -29,7 +31,7 @@ def dashboard_cmd(
     gradient norm, tokens/s, memory, MoD/MoR/MoE routing per layer, SafeOptimizations status and
     anomalies, skipped steps; pick and compare runs. It follows a `hydra-train run` as it writes
     (the page polls every 2 s) and only ever reads the database. Ctrl-C stops it."""
-    from hydra_diag.dashboard.server import DashboardServer
+    from hydra_diag.dashboard.server import DashboardServer, is_loopback
     from hydra_diag.dashboard.store import DashboardStore
     from hydra_diag.output import DiagError
 
@@ -38,7 +40,7 @@ def dashboard_cmd(
         server = DashboardServer(store, host, port, verbose=log_requests)
     except DiagError as exc:
         fail(str(exc))
-    if host not in _LOCAL:
+    if not is_loopback(host):
         err_console.print(
             f"warning: serving on {host}: anyone who can reach it sees the run", highlight=False
         )

@@ -11,6 +11,11 @@ Routes (GET only)::
 
 A request per poll is a few milliseconds of SQLite reads; a thread per connection keeps a slow
 browser from holding up another.
+
+Served on a loopback address (the default), a request must name a loopback host in its ``Host``
+header: a web page from elsewhere whose domain an attacker points at 127.0.0.1 (DNS rebinding)
+could otherwise read the run through the visitor's browser. Served on another address, the user has
+chosen to expose the run and any ``Host`` is answered.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from urllib.parse import parse_qs, unquote, urlparse
 from hydra_diag.dashboard.store import INCREMENTAL, DashboardStore
 from hydra_diag.output import DiagError
 
+#: the names a browser on this machine uses for a loopback server (IPv6 in brackets, as in a URL)
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css"}
 
 
@@ -45,6 +52,19 @@ def plotly_js() -> Path:
     if not path.is_file():
         raise DiagError(f"this plotly install ({plotly.__version__}) has no package_data/plotly.min.js")
     return path
+
+
+def host_name(header: str) -> str:
+    """The host of a ``Host`` header without its port, lower case: ``[::1]:8050`` → ``[::1]``."""
+    header = header.strip().lower()
+    if header.startswith("["):  # an IPv6 literal: the port (if any) follows the bracket
+        return header[: header.find("]") + 1] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def is_loopback(host: str) -> bool:
+    """Whether the address a server binds is this machine only."""
+    return host.lower() in ("localhost", "::1") or host.startswith("127.")
 
 
 def static_files() -> dict[str, tuple[Path, str]]:
@@ -82,6 +102,14 @@ class DashboardHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         url = urlparse(self.path)
+        host = self.headers.get("Host")
+        if self.server.loopback and host is not None and host_name(host) not in LOOPBACK_NAMES:
+            self._json(
+                {"error": f"Host {host!r} is not this machine: open {self.server.url} (this server "
+                 "answers only requests addressed to localhost, 127.0.0.1 or [::1])"},
+                403,
+            )  # fmt: skip
+            return
         try:
             if url.path in self.server.files:
                 path, ctype = self.server.files[url.path]
@@ -124,6 +152,7 @@ class DashboardServer(ThreadingHTTPServer):
 
     def __init__(self, store: DashboardStore, host: str, port: int, verbose: bool = False):
         self.store, self.verbose = store, verbose
+        self.loopback = is_loopback(host)  # then only loopback Host headers are answered
         self.files = static_files()
         if not 0 <= port <= 65535:  # bind() raises OverflowError, not OSError, for these
             raise DiagError(f"--port {port} is not a TCP port: pick one in 1-65535 (0: any free port)")
