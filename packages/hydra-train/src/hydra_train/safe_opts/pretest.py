@@ -15,14 +15,9 @@ out-of-memory, a kernel that raises) is that optimization's FAIL with the error 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import os
-import signal
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +28,7 @@ from hydra_train.callbacks import CallbackList, TrainerCallback
 from hydra_train.checkpoint import capture_rng, restore_rng
 from hydra_train.distributed import broadcast_object
 from hydra_train.prefetch import Prefetcher
+from hydra_train.safe_opts.arm_limits import ArmTimeout, error_text, time_limit
 from hydra_train.safe_opts.faults import FaultInjector
 from hydra_train.safe_opts.pretest_arms import FAIL, NA, PASS, Arm, first_arms, stacked_arms
 from hydra_train.safe_opts.registry import Optimization
@@ -57,44 +53,6 @@ class PretestSettings:
     ref_chunk_rows: int = 2  # rows per chunk of the fp32 reference probe
     #: wall-clock limit of one optimization's arm (compilation included); None: no limit
     arm_timeout_s: float | None = None
-
-
-def _error_text(exc: BaseException) -> str:
-    """``Type: message``; where the message is empty (a bare ``assert``), the file and line that
-    raised it instead, so that the pretest log says where to look."""
-    text = str(exc).strip()[:300]
-    if not text and exc.__traceback__ is not None:
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        text = f"raised at {os.path.basename(frame.filename)}:{frame.lineno} ({frame.name})"
-    return f"{type(exc).__name__}: {text}"
-
-
-class ArmTimeout(BaseException):
-    """An arm over its time limit. Not an Exception: code the arm runs that catches its own
-    failures (auto's attention measurement, say) must not swallow it and leave the arm unlimited."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None):
-    """Raise :class:`ArmTimeout` in this (main) thread after ``seconds`` (SIGALRM; a no-op where
-    that is unavailable, e.g. off the main thread or on Windows)."""
-    usable = (
-        seconds and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    )
-    if not usable:
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise ArmTimeout(f"did not finish within {seconds:g} s (warmup and compilation included)")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, float(seconds))
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 class _GraphFailureFailsTheArm(TrainerCallback):
@@ -269,7 +227,7 @@ class PretestRunner:
         except ArmTimeout as exc:
             errors[arm.key] = str(exc)
         except Exception as exc:
-            errors[arm.key] = f"error: {_error_text(exc)}"
+            errors[arm.key] = f"error: {error_text(exc)}"
             if isinstance(exc, torch.cuda.OutOfMemoryError):
                 errors[arm.key] = "out of memory: " + str(exc).split("\n")[0][:200]
         self.log(
