@@ -170,7 +170,7 @@ def test_help_lists_both_spellings_and_bad_usage():
     res = runner.invoke(app, ["run", "--help"], env={"TERMINAL_WIDTH": "240", "COLUMNS": "240"})
     assert res.exit_code == 0 and "--max-steps" in res.output and "--8bit_adam" in res.output
     res = runner.invoke(app, ["run", "--mode", "fast", "--max_steps", "1"])
-    assert res.exit_code == 1 and "--mode 'fast' is not one of" in res.output
+    assert res.exit_code == 2 and "--mode 'fast' is not one of" in res.output  # a usage error
 
 
 @pytest.mark.slow

@@ -201,7 +201,7 @@ def check_numbers(cfg: TrainConfig) -> None:
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise HydraTrainError(f"--{name} {value!r} is not one of: {', '.join(allowed)}")
+        raise HydraUsageError(f"--{name} {value!r} is not one of: {', '.join(allowed)}")
 
 
 def _check_positive(cfg: TrainConfig, names: tuple[str, ...], allow_zero: tuple[str, ...] = ()) -> None:
