@@ -317,12 +317,23 @@ def generate(
 ) -> None:
     """Continue --prompt with a trained model (greedy by default). Stops at the tokenizer's
     end-of-text token (<|endoftext|>) or after --max_new_tokens, and reports tokens/s on stderr."""
+    import math
+    import sys
+
     import torch
 
-    from hydra_model.text_generation import end_of_text_id, timed_generate
+    from hydra_model import text_generation as tg
 
     if top_p is not None and top_p == 0:  # the option's range is closed; a nucleus of 0 is empty
         fail("--top-p must be > 0 (1 keeps every token)", code=2)
+    if not math.isfinite(temperature):  # the option's minimum lets inf through
+        fail(f"--temperature {temperature}: must be a finite number ≥ 0 (0 = greedy)", code=2)
+    try:
+        device = tg.resolve_device(device)
+    except ValueError as exc:
+        fail(str(exc), code=2)
+    except RuntimeError as exc:
+        fail(str(exc))
     if threads is not None:
         torch.set_num_threads(threads)
 
@@ -333,8 +344,6 @@ def generate(
         from tokenizers import Tokenizer
     except ImportError:
         fail("the `tokenizers` package is needed to encode the prompt: pip install tokenizers")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     model = _load_model(checkpoint, device, allow_pickle)
     try:
         tok = Tokenizer.from_file(str(tok_path))
@@ -348,9 +357,9 @@ def generate(
             f"tokenizer {tok_path} produces id {max(ids)} ≥ the model's vocab_size {model.config.vocab_size}"
         )
     gen = torch.Generator(device=device).manual_seed(seed)
-    eos = end_of_text_id(tok)
+    eos, eos_note = tg.usable_end_of_text(tok, model.config.vocab_size)
     with err_console.status("generating..."):
-        result = timed_generate(
+        result = tg.timed_generate(
             model,
             ids,
             max_new_tokens,
@@ -362,6 +371,9 @@ def generate(
             device=device,
         )
     text = tok.decode(result.ids)
+    ignored = tg.ignored_sampling_note(temperature, top_k, top_p)  # said on stderr, not silently
+    for note in filter(None, (ignored, eos_note, tg.undecodable_note(tok, result.ids, tok_path))):
+        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False, soft_wrap=True)
     if as_json:
         emit_json(
             {
@@ -378,7 +390,10 @@ def generate(
             }
         )
     else:
-        console.print(Text(prompt, style="bold") + Text(text), highlight=False)
+        if console.is_terminal:  # soft_wrap: the terminal wraps it; no newlines are added
+            console.print(Text(prompt, style="bold") + Text(text), highlight=False, soft_wrap=True)
+        else:  # a pipe or file gets the text as it is (rich would wrap it and expand its tabs)
+            sys.stdout.write(prompt + text + "\n")
         err_console.print(result.summary(), style="dim", highlight=False, markup=False)
 
 

@@ -100,8 +100,12 @@ class DecoderMixin:
         keep_decoder: bool = True,
     ) -> torch.Tensor:
         """Incremental decoding with the model's cache (keys/values, and CCGQA's conv and
-        value-shift state) → [B, S + new]. ``decode``: auto (CUDA graphs on CUDA, else eager),
-        eager, staged or graphs (decode_graphs.py); ``self.last_decode_report`` says what ran.
+        value-shift state) → [B, S + new]. The B prompts have one length S: there is no padding
+        or attention mask (a pad token would be read as text), so prompts of other lengths take
+        a call each (a kept decoder serves them). With ``eos_token_id`` a sequence that produced
+        it emits it from then on, and the call stops once every sequence has. ``decode``: auto
+        (CUDA graphs on CUDA, else eager), eager, staged or graphs (decode_graphs.py);
+        ``self.last_decode_report`` says what ran.
         ``keep_decoder``: keep a staged or graphed decoder for the next call of the same batch
         size and a total length in the same 64-position bucket, which then replays its graphs
         without a warm-up or capture (decoder_hold.py); :meth:`release_decoder` frees it."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,7 +50,7 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
     """Raise a ValueError naming a sampling setting no sampler takes (checked before a prefill)."""
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature={temperature} must be a finite number ≥ 0 (0 = greedy)")
-    if top_k is not None and top_k < 1:
+    if top_k is not None and as_int(top_k, "top_k") < 1:
         raise ValueError(f"top_k={top_k} must be ≥ 1")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
@@ -70,6 +71,30 @@ def check_prompt(model: CCGQAMoDMoRModel, input_ids: torch.Tensor) -> None:
     vocab = model.config.vocab_size
     if low < 0 or high >= vocab:
         raise ValueError(f"input_ids hold token ids {low}..{high}; the model's vocabulary is 0..{vocab - 1}")
+
+
+def as_int(value: object, name: str) -> int:
+    """``value`` as a Python int (numpy and 0-d tensor integers are taken), else a TypeError naming
+    ``name``: a float count failed deep inside a tensor allocation, after the prefill."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+def check_eos(model: CCGQAMoDMoRModel, eos_token_id: int | None) -> int | None:
+    """``eos_token_id`` as an int, or a ValueError when the model cannot produce it: a generation
+    asked to stop there would silently run to ``max_new_tokens``."""
+    if eos_token_id is None:
+        return None
+    eos, vocab = as_int(eos_token_id, "eos_token_id"), model.config.vocab_size
+    if not 0 <= eos < vocab:
+        raise ValueError(
+            f"eos_token_id={eos} is outside the model's vocabulary 0..{vocab - 1}: the model can "
+            "never produce it (pass the end-of-text id of the tokenizer the model was trained with, "
+            "or None)"
+        )
+    return eos
 
 
 @torch.no_grad()
@@ -93,6 +118,8 @@ def generate(
     the same bucket of 64 positions, which then skips the warm-up and capture (decoder_hold.py)."""
     check_prompt(model, input_ids)
     check_sampling(temperature, top_k, top_p)
+    eos_token_id = check_eos(model, eos_token_id)
+    max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be ≥ 0")
     mode = resolve_mode(decode, input_ids.device)

@@ -3,7 +3,9 @@ timing of the generation and the cut at end-of-text.
 
 The end-of-text token is looked up by name in the tokenizer (``<|endoftext|>`` first: the token
 hydra-train's tokenizers append after every document); generation stops when the model emits it,
-and it is not part of the printed text.
+and it is not part of the printed text. An end-of-text id the model cannot produce (a tokenizer
+larger than its vocabulary) and generated ids the tokenizer has no token for (a model vocabulary
+larger than the tokenizer's) are noted on stderr, not silently dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def find_tokenizer(checkpoint: Path, explicit: Path | None = None) -> Path:
     """``explicit`` when given (it must exist), else the ``tokenizer.json`` beside ``checkpoint``
     (inside it when it is a save_pretrained folder); FileNotFoundError naming where it looked."""
     if explicit is not None:
+        if explicit.is_dir():  # it exists: "does not exist" would mislead
+            raise FileNotFoundError(f"--tokenizer {explicit} is a folder: pass the tokenizer.json file in it")
         if not explicit.is_file():
             raise FileNotFoundError(f"--tokenizer {explicit} does not exist")
         return explicit
@@ -42,6 +46,62 @@ def end_of_text_id(tokenizer: Any) -> int | None:
         if tid is not None:
             return int(tid)
     return None
+
+
+def resolve_device(spec: str) -> str:
+    """``--device``: auto (CUDA when a GPU is visible, else the CPU), cpu, cuda or cuda:N. A
+    ValueError names a spec that is no such device (a usage error), a RuntimeError a CUDA device
+    this machine does not have: loading the checkpoint there failed with a message about the
+    checkpoint ("unreadable, probably truncated or corrupt", or pinned memory)."""
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise RuntimeError(f"--device {spec}: no CUDA GPU is visible here; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise RuntimeError(f"--device {spec}: {count} CUDA GPU(s) visible, cuda:0..cuda:{count - 1}")
+    return "cpu" if device.type == "cpu" else str(device)  # cpu:0 is the CPU (threads, JSON)
+
+
+def usable_end_of_text(tokenizer: Any, vocab_size: int) -> tuple[int | None, str | None]:
+    """(the tokenizer's end-of-text id, None), or (None, a note saying why it is not used) when the
+    model cannot produce it (a tokenizer larger than the model's vocabulary): generate refuses such
+    an id, and it would never have stopped the generation."""
+    eos = end_of_text_id(tokenizer)
+    if eos is None or eos < vocab_size:
+        return eos, None
+    return None, (
+        f"the tokenizer's end-of-text id {eos} is outside the model's vocabulary 0..{vocab_size - 1}: "
+        "generation runs to --max_new_tokens (is it the tokenizer the model was trained with?)"
+    )
+
+
+def ignored_sampling_note(temperature: float, top_k: int | None, top_p: float | None) -> str | None:
+    """A note when --top-k or --top-p are given without a temperature: greedy decoding (the
+    default, 0) ignores them, and every --seed gives the same text."""
+    given = [name for name, value in (("--top-k", top_k), ("--top-p", top_p)) if value is not None]
+    if temperature > 0 or not given:
+        return None
+    verb = "applies" if len(given) == 1 else "apply"
+    return f"{' and '.join(given)} {verb} only when sampling (--temperature > 0): this generation is greedy"
+
+
+def undecodable_note(tokenizer: Any, ids: list[int], where: Path) -> str | None:
+    """A note on the ``ids`` the tokenizer has no token for (a model vocabulary larger than the
+    tokenizer's), which its ``decode`` leaves out of the text without a word; None if none."""
+    lost = {i for i in ids if tokenizer.id_to_token(i) is None}
+    if not lost:
+        return None
+    shown = ", ".join(map(str, sorted(lost)[:8])) + (", ..." if len(lost) > 8 else "")
+    n = sum(i in lost for i in ids)
+    return f"{n} of the {len(ids)} generated tokens (ids {shown}) have no entry in {where}: not in the text"
 
 
 @dataclass
