@@ -10,8 +10,15 @@ vocabulary there. Every document is followed by the end-of-document id
 Layouts: ``stream`` (default): ``{"tokens": 1-D int32}`` per shard, which hydra-train cuts into
 windows of any ``--seq_len``; ``rows``: the stream packed into rows of ``seq_len + 1`` tokens,
 ``{"input_ids": [N, seq_len + 1]}`` (the remainder that fills no row is dropped and counted).
-A document goes to ``val/`` when the first byte of sha1(its text) is below ``val_fraction·256``
-(content-based, so re-running gives the same split); otherwise everything goes to ``train/``.
+A document goes to ``val/`` when sha1(its UTF-8 text), read as a fraction of 2**160, is below
+``val_fraction`` (content-based, so re-running gives the same split); everything else goes to
+``train/``, or to the output folder itself when ``val_fraction`` is 0.
+
+Output folder: the shards are written into a staging folder inside it and moved in only once the
+whole input is converted, so a conversion that fails (bad line, full disk) leaves the folder as it
+was. The shards of an earlier conversion there (``partNNNNN.pt`` under its ``meta.json``) are
+replaced; other data that ``hydra-train run --dataset OUT`` would read beside the new shards (the
+input ``.jsonl`` itself, shards of another tool) is refused.
 
 Chat template (``chat-to-pt``): each message becomes ``<|ROLE|>\\n`` + content + ``\\n`` with ROLE
 one of system, user, assistant, tool; a conversation is its messages in order, then the
@@ -33,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hydra_diag.convert_output import META_FORMAT, earlier_shards, move_into_place, staging_folder
 from hydra_diag.output import DiagError, Progress, no_progress
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -50,6 +58,8 @@ def render_chat(messages: list[dict[str, Any]], where: str = "conversation") -> 
     """The documented template over ``[{"role", "content"}, …]``; unknown roles are a DiagError."""
     parts = []
     for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DiagError(f'{where}: message {i} is not an object with "role" and "content"')
         role, content = m.get("role"), m.get("content")
         if role not in CHAT_ROLES:
             raise DiagError(
@@ -68,10 +78,13 @@ def chat_messages(obj: Any, where: str) -> list[dict[str, Any]]:
     if isinstance(obj, dict) and isinstance(obj.get("conversations"), list):
         out = []
         for i, turn in enumerate(obj["conversations"]):
+            if not isinstance(turn, dict):
+                raise DiagError(f'{where}: turn {i} is not an object with "from" and "value"')
             role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
             if role is None:
                 raise DiagError(
-                    f"{where}: turn {i} comes from {turn.get('from')!r}; expected human, gpt or system"
+                    f"{where}: turn {i} comes from {turn.get('from')!r}; expected one of "
+                    f"{', '.join(SHAREGPT_ROLES)}"
                 )
             out.append({"role": role, "content": turn.get("value")})
         return out
@@ -97,8 +110,14 @@ def input_files(inputs: list[str], suffix: str = ".jsonl") -> list[Path]:
 def read_jsonl(files: list[Path]) -> Iterator[tuple[str, Any]]:
     """(``file:line``, parsed object) for every non-empty line; bad JSON is a DiagError naming it."""
     for f in files:
-        with open(f, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
+        with open(f, "rb") as fh:  # bytes, decoded line by line: an undecodable line is named
+            for n, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DiagError(
+                        f"{f}:{n}: not UTF-8 text (byte {exc.start + 1} of the line); re-encode the file"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -214,63 +233,73 @@ def write_shards(
         raise DiagError(f"--layout {layout!r}: use stream or rows")
     if not 0.0 <= val_fraction < 1.0:
         raise DiagError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    tok, tok_path = resolve_tokenizer(tokenizer, vocab_size, progress)
     out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    split_dirs = {"train": out / "train", "val": out / "val"} if val_fraction > 0 else {"train": out}
-    writers = {k: ShardWriter(v, layout, seq_len, tokens_per_shard) for k, v in split_dirs.items()}
-    cutoff = int(val_fraction * 256)
-    max_id = -1
-    pending: list[str] = []
-
-    def drain() -> None:
-        nonlocal max_id
-        by_split: dict[str, list[str]] = {k: [] for k in writers}
-        for text in pending:
-            val = val_fraction > 0 and hashlib.sha1(text.encode("utf-8")).digest()[0] < cutoff
-            by_split["val" if val else "train"].append(text)
-        for split, texts in by_split.items():
-            if texts:
-                ids = encode_documents(tok, texts).astype(np.int64)  # one batched call per split
-                if ids.size:
-                    max_id = max(max_id, int(ids.max()))
-                writers[split].add(ids, len(texts))
-        pending.clear()
-
-    for n, doc in enumerate(documents, 1):
-        pending.append(doc)
-        if len(pending) >= batch_docs:
-            drain()
-            progress(f"{n} documents")
-    drain()
-    for w in writers.values():
-        w.close()
-    vocab = tok.get_vocab_size()
-    if max_id >= vocab:
-        raise DiagError(f"the tokenizer produced id {max_id} >= its vocabulary size {vocab}")
-    if tok_path.resolve() != (out / "tokenizer.json").resolve():
-        shutil.copyfile(tok_path, out / "tokenizer.json")
-    splits = {
-        k: {
-            "documents": w.documents,
-            "tokens": w.tokens_written,
-            "shards": len(w.files),
-            "dropped_tokens": w.dropped,
-            "files": w.files,
+    earlier = earlier_shards(out)  # before any work: refused data in OUT is one line at once
+    tok, tok_path = resolve_tokenizer(tokenizer, vocab_size, progress)
+    stage = staging_folder(out)
+    try:
+        split_dirs = {"train": "train", "val": "val"} if val_fraction > 0 else {"train": ""}
+        writers = {
+            k: ShardWriter(stage / v, layout, seq_len, tokens_per_shard) for k, v in split_dirs.items()
         }
-        for k, w in writers.items()
-    }
-    meta = {
-        "format": "hydra-diag-shards/1",
-        "vocab_size": vocab,
-        "layout": layout,
-        "seq_len": seq_len if layout == "rows" else None,
-        "tokenizer": str(tok_path),
-        "splits": splits,
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    if not any(s["tokens"] for s in splits.values()):
-        raise DiagError("no tokens were written: the input has no documents (or every row was too short)")
+        max_id = -1
+        pending: list[str] = []
+
+        def drain() -> None:
+            nonlocal max_id
+            by_split: dict[str, list[str]] = {k: [] for k in writers}
+            for text in pending:
+                # the whole hash as a fraction of 1: its first byte alone sent no document to val/
+                # below a val_fraction of 1/256 and rounded every other one down to a multiple of it
+                digest = hashlib.sha1(text.encode("utf-8")).digest()
+                val = val_fraction > 0 and int.from_bytes(digest, "big") < val_fraction * 2**160
+                by_split["val" if val else "train"].append(text)
+            for split, texts in by_split.items():
+                if texts:
+                    ids = encode_documents(tok, texts).astype(np.int64)  # one batched call per split
+                    if ids.size:
+                        max_id = max(max_id, int(ids.max()))
+                    writers[split].add(ids, len(texts))
+            pending.clear()
+
+        for n, doc in enumerate(documents, 1):
+            pending.append(doc)
+            if len(pending) >= batch_docs:
+                drain()
+                progress(f"{n} documents")
+        drain()
+        for w in writers.values():
+            w.close()
+        vocab = tok.get_vocab_size()
+        if max_id >= vocab:
+            raise DiagError(f"the tokenizer produced id {max_id} >= its vocabulary size {vocab}")
+        splits = {
+            k: {
+                "documents": w.documents,
+                "tokens": w.tokens_written,
+                "shards": len(w.files),
+                "dropped_tokens": w.dropped,
+                "files": [str(out / Path(f).relative_to(stage)) for f in w.files],
+            }
+            for k, w in writers.items()
+        }
+        if not any(s["tokens"] for s in splits.values()):
+            raise DiagError("no tokens were written: the input has no documents (or every row was too short)")
+        if tok_path.resolve() != (out / "tokenizer.json").resolve():
+            shutil.copyfile(tok_path, stage / "tokenizer.json")
+        meta = {
+            "format": META_FORMAT,
+            "vocab_size": vocab,
+            "layout": layout,
+            "seq_len": seq_len if layout == "rows" else None,
+            "tokenizer": str(tok_path),
+            "splits": splits,
+        }
+        (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    except BaseException:  # a failed conversion leaves OUT as it was
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    move_into_place(stage, out, earlier)
     return {"tool": tool, "out_dir": str(out), **meta}
 
 

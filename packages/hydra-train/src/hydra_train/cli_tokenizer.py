@@ -39,11 +39,31 @@ def default_out(files: list[Path]) -> Path:
     return (first if first.is_dir() else first.parent) / "tokenizer.json"
 
 
+def writable_folder(target: Path) -> None:
+    """Create ``target``'s folder, and fail with one line naming it when a file cannot go there."""
+    import os
+
+    folder = target.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        in_the_way = next((p for p in (folder, *folder.parents) if p.is_file()), None)
+        why = f"{in_the_way} is a file, not a folder" if in_the_way else exc.strerror or str(exc)
+        fail(f"cannot write {target}: its folder {folder} cannot be created ({why})")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        fail(f"cannot write {target}: the folder {folder} is not writable")
+
+
 @tokenizer_app.command("train")
 def train(
     files: Files,
     vocab_size: Annotated[
-        int, _opt("--vocab_size", help="Vocabulary size, including the <|endoftext|> token (>= 300).")
+        int,
+        _opt(
+            "--vocab_size",
+            help="Vocabulary size, including the <|endoftext|> token (>= 300).",
+            min=300,  # hydra_train.tokenizer.MIN_VOCAB: 256 byte symbols, the token, a few merges
+        ),
     ] = 8192,
     out: Annotated[
         Path | None,
@@ -71,6 +91,7 @@ def train(
         target = target / "tokenizer.json"
     if target.exists() and not force:
         fail(f"{target} exists; pass --force to replace it (data tokenized with it would no longer match)")
+    writable_folder(target)  # before training, which can take minutes on a large corpus
     counted = {"docs": 0, "chars": 0}
 
     def texts():
@@ -85,7 +106,10 @@ def train(
         fail(str(exc))
     if counted["docs"] == 0:
         fail(f"no text found in {', '.join(map(str, files))}")
-    atomic_write_bytes(target, tok.to_str().encode("utf-8"))
+    try:
+        atomic_write_bytes(target, tok.to_str().encode("utf-8"))
+    except OSError as exc:  # e.g. the disk filled during training
+        fail(f"could not write {target}: {exc.strerror or exc}")
     result = {
         "tokenizer": str(target),
         "vocab_size": tok.get_vocab_size(),

@@ -140,7 +140,14 @@ def iter_texts(paths: list[Path], column: str = "text") -> Iterator[str]:
         if not text_files:
             raise HydraDataError(unsupported_message(p, files, TEXT_SUPPORTED))
         for f in text_files:
-            yield from read_texts(f, column)
+            try:
+                texts = read_texts(f, column)
+            except UnicodeDecodeError as exc:  # .jsonl is read strictly (.txt replaces bad bytes)
+                raise HydraDataError(
+                    f"{f}: not UTF-8 text (it holds the byte {exc.object[exc.start]:#04x}, which UTF-8 "
+                    "does not allow there); re-encode the file as UTF-8"
+                ) from None
+            yield from texts
 
 
 def unsupported_message(path: Path, files: list[Path], supported: str = SUPPORTED) -> str:

@@ -68,14 +68,37 @@ def eos_id(tok) -> int:
     )
 
 
+def _with_literal_marker(tok, text: str, marker: str) -> list[int]:
+    """Ids of ``text`` in which each ``marker`` (the end-of-document token's string) is encoded as
+    plain text: matched as the special token it would be a document boundary in mid-document, and
+    decoding would drop it."""
+    was = tok.encode_special_tokens
+    tok.encode_special_tokens = True  # only for the marker: other special tokens keep matching
+    try:
+        literal = tok.encode(marker, add_special_tokens=False).ids
+    finally:
+        tok.encode_special_tokens = was
+    ids: list[int] = []
+    for k, piece in enumerate(text.split(marker)):
+        if k:
+            ids += literal
+        ids += tok.encode(piece, add_special_tokens=False).ids
+    return ids
+
+
 def encode_documents(tok, texts: list[str], batch: int = 256) -> np.ndarray:
-    """Token ids of all ``texts``, each followed by the end-of-document id, as one uint32 array."""
+    """Token ids of all ``texts``, each followed by the end-of-document id, as one uint32 array.
+    The end-of-document id appears only there: its string written inside a text (Python sources
+    that handle GPT-2 tokenizers, web pages) is encoded as the characters it is."""
     eos = eos_id(tok)
+    marker = tok.id_to_token(eos)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: skips offsets
     parts: list[np.ndarray] = []
     for i in range(0, len(texts), batch):
-        for enc in encode(texts[i : i + batch], add_special_tokens=False):
-            parts.append(np.asarray(enc.ids, dtype=np.uint32))
+        chunk = texts[i : i + batch]
+        for text, enc in zip(chunk, encode(chunk, add_special_tokens=False), strict=True):
+            ids = _with_literal_marker(tok, text, marker) if marker in text else enc.ids
+            parts.append(np.asarray(ids, dtype=np.uint32))
             parts.append(np.asarray([eos], dtype=np.uint32))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 

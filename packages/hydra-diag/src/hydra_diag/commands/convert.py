@@ -45,7 +45,9 @@ def jsonl_to_pt_cmd(
 ) -> None:
     """Tokenizes text JSONL (one {"text": ...} per line, e.g. Nemotron-style dumps) into .pt shards
     hydra-train reads with --dataset OUT_DIR; the tokenizer.json and a meta.json go beside them.
-    Needs the `tokenizers` package (a hydra-train dependency); no GPU."""
+    Converting into OUT_DIR again replaces the earlier shards; other data there is refused, and a
+    failed conversion leaves OUT_DIR as it was. Needs the `tokenizers` package (a hydra-train
+    dependency); no GPU."""
     from hydra_diag.convert import jsonl_to_pt, render_convert
 
     execute(
@@ -81,7 +83,8 @@ def chat_to_pt_cmd(
 ) -> None:
     """Renders chat JSONL ({"messages": [{"role", "content"}...]} or ShareGPT {"conversations": [{"from",
     "value"}...]}) with the template "<|ROLE|>\\n" + content + "\\n" per message (roles system, user,
-    assistant, tool), one conversation per document, and tokenizes it into .pt shards. No GPU."""
+    assistant, tool), one conversation per document, and tokenizes it into .pt shards (OUT_DIR as for
+    jsonl-to-pt). No GPU."""
     from hydra_diag.convert import chat_to_pt, render_convert
 
     execute(
