@@ -13,11 +13,14 @@
   ``train`` split, and its ``validation``/``val``/``valid`` split when there is one.
 
 Inside a folder (its ``train/`` subfolder when there is one): shards are the files ending in
-``.bin``, ``.pt``, ``.jsonl``, ``.txt``, ``.parquet`` or ``.arrow``, in name order; any other
-format is an error that lists these.
-Validation data is, in order of preference, the ``val/`` (or ``validation/``) subfolder
-beside a ``train/`` one; the shards whose name contains ``val``/``valid``/``validation`` as a word;
-otherwise the last 1% of the training windows (at least one). Text data (``.jsonl``,
+``.bin``, ``.pt``, ``.jsonl``, ``.txt``, ``.parquet`` or ``.arrow``, in name order, hidden files
+(names starting with ``.``) aside; any other format is an error that lists these. Neighbouring
+text files are packed into one stream (:func:`hydra_train.shards.open_shards`); shards shorter
+than one window give no training data, and are reported (logged and in the description).
+Validation data is, in order of preference, the ``val/`` (or ``validation/``) subfolder beside a
+``train/`` one or beside the shards themselves (with the shards named as below); the shards whose
+name contains ``val``/``valid``/``validation`` as a word; otherwise the last 1% of the training
+windows (at least one). Text data (``.jsonl``,
 ``.txt``, tables; the text is the ``--text_column`` field, default ``text``) needs a tokenizer:
 ``--tokenizer`` or a ``tokenizer.json`` in the folder (``hydra-train tokenizer train DATA`` writes
 one there). The vocabulary is ``--vocab_size``, else the
@@ -36,7 +39,7 @@ from hydra_train.corpus import cache_dir, load_stdlib_corpus
 from hydra_train.dataset import TokenDataset, WindowView
 from hydra_train.errors import HydraDataError, short_error
 from hydra_train.options import train_options
-from hydra_train.shards import SHARD_SUFFIXES, Shard, open_shard, write_token_shard
+from hydra_train.shards import SHARD_SUFFIXES, Shard, open_shard, open_shards, write_token_shard
 from hydra_train.text_tables import hf_train_val, is_hf_dataset_dir, unsupported_message
 from hydra_train.tokenizer import cached_corpus_tokenizer, encode_documents, load_tokenizer
 
@@ -55,7 +58,12 @@ class DataBundle:
 
 
 def _shard_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in SHARD_SUFFIXES)
+    # hidden files are not data: macOS's "._name" AppleDouble files, editors' and writers' temporaries
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in SHARD_SUFFIXES
+    )
 
 
 def resolve_dataset_path(name: str) -> Path:
@@ -192,7 +200,7 @@ def load_data(
         return _hf_dataset(path, tok, tok_path, vocab, seq_len, text_column, dataset)
 
     def open_all(files: list[Path]) -> list[Shard]:
-        return [open_shard(f, tok, text_column) for f in files]
+        return open_shards(files, tok, text_column, log)
 
     if path.is_file():
         train_files, val_files = [path], []
@@ -208,6 +216,8 @@ def load_data(
             files = _shard_files(where)
             val_files = [f for f in files if _VAL_NAME.search(f.stem)]
             train_files = [f for f in files if f not in val_files]
+            if sub_val is not None and train_files:  # shards with a val/ folder beside them
+                val_files = _shard_files(sub_val) + val_files
             if val_files and not train_files:
                 raise HydraDataError(
                     f"{where}: every shard ({', '.join(f.name for f in val_files[:3])}"
@@ -217,8 +227,10 @@ def load_data(
         if not train_files:
             raise HydraDataError(unsupported_message(where, [f for f in where.rglob("*") if f.is_file()]))
     train_ds = TokenDataset(open_all(train_files), seq_len, vocab, name=f"{dataset}:train")
+    opened = {"train": train_ds}
     if val_files:
         val_ds = TokenDataset(open_all(val_files), train_ds.seq_len, vocab, name=f"{dataset}:val")
+        opened["validation"] = val_ds
         train, val = train_ds, val_ds
         how = f"{len(val_files)} validation shard(s)"
     else:
@@ -228,4 +240,9 @@ def load_data(
     desc = (
         f"{path}: {len(train_files)} shard(s), {train_ds.num_tokens / 1e6:.2f}M tokens, {how}, vocab {vocab}"
     )
+    for split, ds in opened.items():
+        note = ds.short_shards_note()
+        if note:  # said when the run starts, and kept in the description the run records
+            log(f"warning: {split} data: {note}")
+            desc += f"; {split}: {note}"
     return DataBundle(train, val, vocab, train_ds.seq_len, desc, tok_path)

@@ -2,7 +2,10 @@
 
 A :class:`TokenDataset` is a list of shards cut into *windows* of ``seq_len + 1`` tokens
 (stream shards: consecutive, non-overlapping windows that never cross a shard boundary; row
-shards: one window per row). Window ``w`` gives ``input = tokens[:-1]``, ``target = tokens[1:]``.
+shards: one window per row). A shard shorter than one window gives none: such shards are counted
+(``short_shards``, reported by :mod:`hydra_train.data_sources`); text files are packed together
+first (:func:`hydra_train.shards.open_shards`), so short documents are used.
+Window ``w`` gives ``input = tokens[:-1]``, ``target = tokens[1:]``.
 
 Batch order (:class:`BatchPlan`): training draws *sample positions* 0, 1, 2, ... ; position ``p``
 is window ``perm_e[p mod N]`` of epoch ``e = p div N``, where ``perm_e`` is a permutation seeded by
@@ -53,12 +56,15 @@ class TokenDataset:
                 )
             counts.append(s.tokens.shape[0] if self.is_rows else max(0, (s.num_tokens - 1) // self.seq_len))
         self._cum = np.cumsum([0, *counts])
+        #: shards that give no window (shorter than seq_len + 1 tokens): left out, and reported
+        self.short_shards = [s for s, c in zip(shards, counts, strict=True) if c == 0]
         if self.num_windows == 0:
             total = sum(s.num_tokens for s in shards)
+            hint = "" if self.is_rows else "; use a smaller --seq_len or more data"
             raise HydraDataError(
-                f"{name}: empty dataset: {total} tokens in {len(shards)} shard(s) "
+                f"{name}: empty dataset: {total} tokens in {sum(s.files for s in shards)} shard(s) "
                 f"({shards[0].path}{', ...' if len(shards) > 1 else ''}) give no window of "
-                f"{self.seq_len + 1} tokens"
+                f"{self.seq_len + 1} tokens{hint}"
             )
 
     @property
@@ -68,6 +74,17 @@ class TokenDataset:
     @property
     def num_tokens(self) -> int:
         return self.num_windows * self.seq_len
+
+    def short_shards_note(self) -> str | None:
+        """What the shards too short for one window leave out, or None when every shard is used."""
+        if not self.short_shards:
+            return None
+        tokens = sum(s.num_tokens for s in self.short_shards)
+        short, files = sum(s.files for s in self.short_shards), sum(s.files for s in self.shards)
+        return (
+            f"{short} of {files} shards ({tokens} tokens) are shorter than "
+            f"one window of {self.seq_len + 1} tokens and are not used"
+        )
 
     def check_max_seq_len(self, max_seq_len: int) -> None:
         if self.seq_len > max_seq_len:
@@ -98,7 +115,10 @@ class TokenDataset:
         """(head, tail): the last ``n_tail`` windows held out (for validation)."""
         n = self.num_windows
         if not 0 < n_tail < n:
-            raise HydraDataError(f"{self.name}: {n} windows are too few to hold out {n_tail} for validation")
+            raise HydraDataError(
+                f"{self.name}: {n} windows are too few to hold out {n_tail} for validation; use a smaller "
+                "--seq_len, more data, or validation data of its own (a val/ folder, or a validation split)"
+            )
         return WindowView(self, 0, n - n_tail), WindowView(self, n - n_tail, n)
 
 

@@ -17,13 +17,17 @@ input ``row[:-1]``, target ``row[1:]``).
     A headerless raw ``.bin`` (e.g. nanoGPT's uint16 files) is read when a JSON sidecar
     ``<file>.json`` sits beside it: ``{"dtype": "uint16"|"uint32", "header_bytes": 0}``.
 
-``.pt`` (``torch.load(weights_only=True)``): a 1-D integer tensor (stream); or a dict with
-``"tokens"`` (1-D, stream) or ``"input_ids"`` (2-D, rows).
+``.pt`` (``torch.load(weights_only=True, mmap=True)``: memory-mapped, so a large shard does not
+need RAM for its full size; a file in torch's legacy pre-zip format cannot be mapped and is read
+whole, with a warning): a 1-D integer tensor (stream); or a dict with ``"tokens"`` (1-D, stream) or
+``"input_ids"`` (2-D, rows).
 
 ``.jsonl`` (one ``{"text": ...}`` object per line), ``.txt`` (the whole file is one document) and
 ``.parquet`` / ``.arrow`` (one document per row of the text column; :mod:`hydra_train.text_tables`):
 tokenized at load time with the dataset's tokenizer, every document followed by end-of-document.
-The text field or column is ``--text_column`` (default ``text``).
+The text field or column is ``--text_column`` (default ``text``). :func:`open_shards` packs each
+run of neighbouring text files into one stream shard, so that files shorter than a window (one
+sentence, a small source file) are used rather than left out.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
+import warnings
+import zipfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,15 +54,20 @@ MAGIC = b"HYDRATOK"
 HEADER = struct.Struct("<8sIIQq")  # 32 bytes
 SHARD_SUFFIXES = (".bin", ".pt", ".jsonl", ".txt", *TABLE_SUFFIXES)
 TEXT_SUFFIXES = (".jsonl", ".txt", *TABLE_SUFFIXES)
+#: characters of text gathered (over files) before they are encoded in one batched call
+ENCODE_BATCH_CHARS = 8_000_000
+#: seconds between progress lines while text is tokenized
+PROGRESS_EVERY_S = 10.0
 
 
 @dataclass
 class Shard:
     """One opened shard: ``tokens`` is 1-D (stream) or 2-D (rows), numpy or memmap."""
 
-    path: Path
+    path: Path  # the file; for text files packed together (open_shards), their folder
     tokens: np.ndarray
     max_token_id: int | None  # None: not known without a scan (checked per batch instead)
+    files: int = 1  # how many files the tokens come from
 
     @property
     def is_rows(self) -> bool:
@@ -164,6 +177,10 @@ def _open_bin(path: Path) -> Shard:
         raise HydraDataError(f"{sidecar}: unreadable sidecar ({short_error(exc)})") from None
     if dtype.kind != "u" or dtype.itemsize not in (2, 4):
         raise HydraDataError(f"{sidecar}: dtype must be uint16 or uint32, got {dtype}")
+    if not 0 <= offset <= size:  # a sidecar meant for another file, or a shard since replaced
+        raise HydraDataError(
+            f"{path}: its sidecar {sidecar.name} says header_bytes {offset}, but the file has {size} bytes"
+        )
     if (size - offset) % dtype.itemsize:
         raise HydraDataError(f"{path}: {size - offset} data bytes is not a whole number of {dtype} tokens")
     n = (size - offset) // dtype.itemsize
@@ -219,33 +236,143 @@ def read_texts(path: Path, text_column: str = "text") -> list[str]:
     return texts
 
 
-def open_shard(path: str | Path, tokenizer=None, text_column: str = "text") -> Shard:
-    """Open one shard by its suffix; every failure is a :class:`HydraDataError` naming the file."""
-    p = Path(path)
+def _check_readable(p: Path) -> None:
     if not p.is_file():
         raise HydraDataError(f"{p}: no such file")
     if not os.access(p, os.R_OK):
         raise HydraDataError(f"{p}: not readable (permissions)")
+
+
+def _load_pt(p: Path) -> object:
+    # mmap keeps a large shard out of RAM (the pages are read on use, and are page cache the OS
+    # can drop); only torch's zip format can be mapped, and the legacy format is rare, so it is
+    # read whole and said so
+    mappable = zipfile.is_zipfile(p)
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=mappable)
+    except Exception as exc:
+        raise HydraDataError(f"{p}: unreadable .pt shard ({short_error(exc)})") from None
+    if not mappable:
+        warnings.warn(
+            f"{p}: saved in torch's legacy (pre-zip) format, which cannot be memory-mapped; read whole "
+            "into memory (torch.save it again to map it)",
+            stacklevel=3,
+        )
+    return obj
+
+
+def _needs_tokenizer(p: Path) -> HydraDataError:
+    return HydraDataError(
+        f"{p}: text data needs a tokenizer; pass --tokenizer path/to/tokenizer.json or put a "
+        "tokenizer.json beside the data (hydra-train tokenizer train builds one)"
+    )
+
+
+def open_shard(path: str | Path, tokenizer=None, text_column: str = "text") -> Shard:
+    """Open one shard by its suffix; every failure is a :class:`HydraDataError` naming the file."""
+    p = Path(path)
+    _check_readable(p)
     suffix = p.suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        return _pack_text([p], tokenizer, text_column)
     try:
         if suffix == ".bin":
             return _open_bin(p)
         if suffix == ".pt":
-            try:
-                obj = torch.load(p, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise HydraDataError(f"{p}: unreadable .pt shard ({short_error(exc)})") from None
-            return _from_tensor(p, obj)
-        if suffix in TEXT_SUFFIXES:
-            if tokenizer is None:
-                raise HydraDataError(
-                    f"{p}: text data needs a tokenizer; pass --tokenizer path/to/tokenizer.json or put a "
-                    "tokenizer.json beside the data (hydra-train tokenizer train builds one)"
-                )
-            arr = encode_documents(tokenizer, read_texts(p, text_column))
-            return Shard(p, arr, int(arr.max()) if arr.size else None)
+            return _from_tensor(p, _load_pt(p))
+    except HydraDataError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise HydraDataError(f"{p}: unreadable shard ({short_error(exc)})") from None
+    raise HydraDataError(unsupported_message(p, [p]))
+
+
+def _file_texts(p: Path, text_column: str) -> list[str]:
+    _check_readable(p)
+    try:
+        return read_texts(p, text_column)
     except HydraDataError:
         raise
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise HydraDataError(f"{p}: unreadable shard ({short_error(exc)})") from None
-    raise HydraDataError(unsupported_message(p, [p]))
+
+
+def _pack_text(
+    paths: list[Path], tokenizer, text_column: str, progress: Callable[[int, int], None] | None = None
+) -> Shard:
+    """One stream shard of the documents of ``paths`` in order, each followed by end-of-document
+    (what encoding each file alone and joining the results gives). The texts of several files are
+    encoded together, ``ENCODE_BATCH_CHARS`` at a time: one batched call runs on every core, where a
+    call per small file would run on one. ``progress(files done, tokens)`` is called per batch."""
+    if tokenizer is None:
+        raise _needs_tokenizer(paths[0])
+    parts: list[np.ndarray] = []
+    docs: list[str] = []
+    chars = n_tokens = 0
+
+    def flush() -> None:
+        nonlocal docs, chars, n_tokens
+        if docs:
+            ids = encode_documents(tokenizer, docs)
+            # 2 bytes a token when the ids fit (a vocabulary up to 65536): joining the parts then
+            # costs what the uint32 parts did alone; a part that does not fit makes the join uint32
+            parts.append(ids.astype(np.uint16) if ids.size and int(ids.max()) < 2**16 else ids)
+            n_tokens += int(ids.size)
+        docs, chars = [], 0
+
+    for i, p in enumerate(paths):
+        for text in _file_texts(p, text_column):
+            docs.append(text)
+            chars += len(text)
+            if chars >= ENCODE_BATCH_CHARS:  # also inside one large file: progress goes on
+                flush()
+                if progress is not None:
+                    progress(i, n_tokens)
+    flush()
+    if progress is not None:
+        progress(len(paths), n_tokens)
+    arr = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+    where = paths[0] if len(paths) == 1 else Path(os.path.commonpath(paths))
+    return Shard(where, arr, int(arr.max()) if arr.size else None, files=len(paths))
+
+
+def open_shards(
+    paths: Iterable[str | Path],
+    tokenizer=None,
+    text_column: str = "text",
+    log: Callable[[str], None] | None = None,
+) -> list[Shard]:
+    """Open ``paths`` in order; each run of neighbouring text files (``.txt``, ``.jsonl``, tables)
+    becomes one stream shard (:func:`_pack_text`). Windows never cross a shard, so a text file
+    shorter than a window would otherwise give no training data; packed, its documents follow the
+    previous file's, separated by end-of-document, like the documents of one ``.jsonl`` file.
+    ``log`` receives a progress line every ``PROGRESS_EVERY_S`` seconds while text is tokenized."""
+    ps = [Path(p) for p in paths]
+    n_text = sum(p.suffix.lower() in TEXT_SUFFIXES for p in ps)
+    before = [0, 0]  # files and tokens of the groups done
+    t0 = last = time.monotonic()
+
+    def progress(done: int, tokens: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if log is not None and now - last >= PROGRESS_EVERY_S:
+            last = now
+            log(
+                f"tokenizing text: {before[0] + done}/{n_text} files, "
+                f"{(before[1] + tokens) / 1e6:.1f}M tokens, {now - t0:.0f} s"
+            )
+
+    out: list[Shard] = []
+    group: list[Path] = []
+    for p in [*ps, None]:
+        if p is not None and p.suffix.lower() in TEXT_SUFFIXES:
+            group.append(p)
+            continue
+        if group:
+            out.append(_pack_text(group, tokenizer, text_column, progress))
+            before[0] += len(group)
+            before[1] += out[-1].num_tokens
+            group = []
+        if p is not None:
+            out.append(open_shard(p))
+    return out
