@@ -99,7 +99,7 @@ def test_an_unexpected_error_is_a_500_naming_it_and_the_server_goes_on(tmp_path,
     synthetic_db(tmp_path, [dict(step=1, **ROW)])
     word = secrets.token_hex(4)
 
-    def broken(self, run_id, since=None):
+    def broken(self, run_id, since=None, max_rows=None):
         raise ValueError(f"bad utilization JSON {word}")
 
     monkeypatch.setattr(DashboardStore, "run", broken)
@@ -148,3 +148,56 @@ def test_a_server_on_a_chosen_address_answers_any_host(tmp_path):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert host_name("[::1]:8050") == "[::1]" and host_name("Example.org:80") == "example.org"
     assert host_name("127.0.0.1") == "127.0.0.1"
+
+
+def test_a_long_runs_first_load_is_thinned_and_polls_continue_from_its_last_step(tmp_path):
+    """?max_rows=M (what the page sends): each thinned table holds at most about M rows, evenly
+    spaced logged steps with all of a step's layers, always the last step; evaluations are all
+    there. A poll from the returned cursors gets exactly the rows logged after it; no max_rows:
+    every row, as before."""
+    import itertools
+    import random
+
+    from hydra_train.metrics_db import DB_NAME, TrainingDB
+
+    rng = random.Random()
+    n_steps, every, layers = rng.randint(900, 1400), rng.choice([1, 3, 5]), rng.randint(2, 5)
+    logged = list(range(every, n_steps * every + 1, every))
+    synthetic_db(tmp_path, [dict(step=s, **ROW) for s in logged], status="running")
+    with TrainingDB(tmp_path / DB_NAME) as db:
+        for s in logged:
+            db.log_routing(
+                "run1", s, {"mod": [{"layer": i, "selected_frac": rng.random()} for i in range(layers)]}
+            )
+            if s % (10 * every) == 0:
+                db.log_eval("run1", s, rng.uniform(1, 5))
+        db.commit()
+    max_rows = rng.randint(100, 300)
+    with serving(tmp_path) as url:
+        every_row = get_json(url + "api/run/run1")
+        assert (
+            len(every_row["steps"]) == len(logged) and len(every_row["routing_mod"]) == len(logged) * layers
+        )
+        got = get_json(url + f"api/run/run1?max_rows={max_rows}")
+        for table, per_step in (("steps", 1), ("adaptive_lr", 1), ("routing_mod", layers)):
+            rows = got[table]
+            assert len(rows) <= max_rows + per_step, (table, len(rows))
+            steps = sorted({r["step"] for r in rows})
+            assert steps[-1] == logged[-1] and len(steps) >= max_rows // per_step // 2
+            gaps = {b - a for a, b in itertools.pairwise(steps[:-1])}
+            assert len(gaps) == 1, gaps  # evenly spaced (the last step aside)
+            by_step = {}
+            for r in rows:
+                by_step.setdefault(r["step"], []).append(r.get("layer", 0))
+            assert all(sorted(v) == list(range(per_step)) for v in by_step.values())
+        assert got["evals"] == every_row["evals"]  # never thinned
+        # the rows kept are the database's own, unchanged
+        full = {(r["step"], r["layer"]): r for r in every_row["routing_mod"]}
+        assert all(full[(r["step"], r["layer"])] == r for r in got["routing_mod"])
+        with TrainingDB(tmp_path / DB_NAME) as db:
+            for s in (logged[-1] + every, logged[-1] + 2 * every):
+                db.log_step("run1", s, **ROW)
+            db.commit()
+        more = get_json(url + f"api/run/run1?steps={logged[-1]}&max_rows={max_rows}")
+        assert [r["step"] for r in more["steps"]] == [logged[-1] + every, logged[-1] + 2 * every]
+        assert get_json(url + "api/run/run1?max_rows=0", 400)["error"].startswith("?max_rows=")

@@ -6,8 +6,9 @@ Routes (GET only)::
     /static/dashboard.{js,css} the page's own script and style
     /static/plotly.min.js      plotly.js, read from the installed ``plotly`` Python package
     /api/runs                  every run of the database, with its last logged step
-    /api/run/<run_id>?steps=N&evals=N&...
-                               one run's rows after step N of each table (see store.INCREMENTAL)
+    /api/run/<run_id>?steps=N&evals=N&...&max_rows=M
+                               one run's rows after step N of each table (see store.INCREMENTAL),
+                               thinned to about M rows a table when given (store.thin_by_step)
 
 A request per poll is a few milliseconds of SQLite reads; a thread per connection keeps a slow
 browser from holding up another.
@@ -140,7 +141,16 @@ class DashboardHandler(BaseHTTPRequestHandler):
             except ValueError:
                 self._json({"error": f"?{table}= takes a step number"}, 400)
                 return
-        data = self.server.store.run(run_id, since)
+        max_rows = None
+        if "max_rows" in query:
+            try:
+                max_rows = int(query["max_rows"][0])
+                if max_rows < 1:
+                    raise ValueError
+            except ValueError:
+                self._json({"error": "?max_rows= takes a positive number of rows"}, 400)
+                return
+        data = self.server.store.run(run_id, since, max_rows)
         if data is None:
             self._json({"error": f"no run {run_id!r} in {self.server.store.path}"}, 404)
         else:

@@ -31,11 +31,27 @@ INCREMENTAL: dict[str, str] = {
     "routing_mor": "step, layer, avg_depth, expected_depth",
     "routing_moe": "step, layer, entropy, utilization, kl_to_uniform, max_violation",
 }
+#: Tables thinned to at most ``max_rows`` rows a response (evaluations are few, and the page takes
+#: the best validation loss from all of them)
+THINNED = ("steps", "adaptive_lr", "routing_mod", "routing_mor", "routing_moe")
 RUN_COLUMNS = (
     "r.run_id, r.model_id, r.status, r.start_step, r.end_step, r.best_loss, r.best_val_loss, "
     "r.final_val_loss, r.tokens_per_s, r.resumed_from, r.device, r.world_size, r.started_at, r.ended_at, "
     "m.size, m.params"
 )
+
+
+def thin_by_step(rows: list[dict[str, Any]], max_rows: int) -> list[dict[str, Any]]:
+    """At most about ``max_rows`` of ``rows`` (ordered by step): every k-th logged step, all of a
+    step's rows (its layers) together, and always the last step, so a caller's cursor still lands
+    on the newest row and later polls continue from it."""
+    if len(rows) <= max_rows:
+        return rows
+    steps = sorted({r["step"] for r in rows})
+    per_step = max(1, len(rows) // len(steps))
+    stride = -(-len(steps) * per_step // max(max_rows - per_step, 1))  # ceil, the last step added
+    kept = set(steps[::stride]) | {steps[-1]}
+    return [r for r in rows if r["step"] in kept]
 
 
 def schema_columns() -> dict[str, list[str]]:
@@ -138,10 +154,14 @@ class DashboardStore:
         )
         return jsonable(rows)
 
-    def run(self, run_id: str, since: dict[str, int] | None = None) -> dict[str, Any] | None:
+    def run(
+        self, run_id: str, since: dict[str, int] | None = None, max_rows: int | None = None
+    ) -> dict[str, Any] | None:
         """One run's rows logged after the steps in ``since`` (table → last step the caller holds;
         -1 or absent: all rows), ``last`` (table → its last step now, None when empty) and its
-        SafeOptimizations status. None for an unknown run."""
+        SafeOptimizations status. None for an unknown run. ``max_rows``: each table of
+        :data:`THINNED` thinned to about that many rows (:func:`thin_by_step`): the first load of a
+        long run is then a few MB, not one row per logged step and layer."""
         from hydra_diag.dashboard.safe_events import safe_opts_report
 
         since = since or {}
@@ -177,6 +197,9 @@ class DashboardStore:
             conn.rollback()
         finally:
             conn.close()
+        if max_rows is not None:
+            for table in THINNED:
+                out[table] = thin_by_step(out[table], max_rows)
         for row in out["routing_moe"]:
             row["utilization"] = json.loads(row["utilization"]) if row.get("utilization") else []
         try:

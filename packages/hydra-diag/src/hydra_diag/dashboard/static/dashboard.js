@@ -4,6 +4,9 @@
 "use strict";
 
 const POLL_MS = 2000;
+// rows a table a response (the server keeps every k-th step and the last): a long run's first load
+// stays a few MB, and plotly draws it at once; later polls hold a few new rows each
+const MAX_ROWS = 20000;
 const TABLES = ["steps", "evals", "adaptive_lr", "routing_mod", "routing_mor", "routing_moe"];
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 const state = { runs: [], selected: null, compared: new Set(), data: {}, polls: 0, renders: 0, busy: false, dirty: true, follow: true };
@@ -29,7 +32,7 @@ async function getJSON(url) {
 
 async function pull(id) {
   const d = runData(id);
-  const query = TABLES.map((t) => `${t}=${d.cursor[t]}`).join("&");
+  const query = TABLES.map((t) => `${t}=${d.cursor[t]}`).join("&") + `&max_rows=${MAX_ROWS}`;
   const got = await getJSON(`/api/run/${encodeURIComponent(id)}?${query}`);
   d.run = got.run;
   d.safe = got.safe_opts;
@@ -48,7 +51,7 @@ async function pull(id) {
     }
     const rows = got[t];
     if (rows.length) {
-      d.rows[t] = d.rows[t].concat(rows); // not push(...rows): a first load may hold 100K rows
+      d.rows[t] = d.rows[t].concat(rows); // not push(...rows): a first load may hold 20K rows
       d.cursor[t] = rows[rows.length - 1].step;
       fresh += rows.length;
     }
