@@ -22,20 +22,28 @@ class HydraRMSNorm(nn.Module):
     """RMSNorm over the last dimension through :func:`hydra_kernels.rms_norm` (fused Triton
     forward and backward where available, the PyTorch reference elsewhere).
 
-    Drop-in for ``torch.nn.RMSNorm(dim)``: same ``weight`` parameter and state-dict key. ``eps``
-    None means ``torch.finfo(x.dtype).eps`` at call time, as in ``torch.nn.RMSNorm``. Without an
-    affine weight the kernel multiplies by a non-persistent buffer of ones.
+    Drop-in for ``torch.nn.RMSNorm(dim)``, whose one-dim ``normalized_shape`` (``[768]``) it also
+    takes: same ``weight`` parameter and state-dict key. ``eps`` None means
+    ``torch.finfo(x.dtype).eps`` at call time, as in ``torch.nn.RMSNorm``. Without an affine
+    weight the kernel multiplies by a non-persistent buffer of ones.
     """
 
     def __init__(
         self,
-        dim: int,
+        dim: int | list[int] | tuple[int, ...],
         eps: float | None = 1e-6,
         elementwise_affine: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(dim, (list, tuple)):  # torch.nn.RMSNorm's normalized_shape: [dim], (dim,), Size
+            if len(dim) != 1:
+                raise ValueError(
+                    f"HydraRMSNorm: normalized_shape {tuple(dim)} has {len(dim)} dims; only the last "
+                    "dim is normalised here, pass it alone (e.g. HydraRMSNorm(768))"
+                )
+            dim = int(dim[0])
         if dim < 1:
             raise ValueError(f"HydraRMSNorm: dim must be positive, got {dim}")
         self.normalized_shape = (int(dim),)

@@ -177,6 +177,27 @@ def _cublas_fp32_out_ok(device_index: int, dtype: torch.dtype) -> bool:
         return False
 
 
+def cublas_backend_error(
+    opts: LinearCEOptions, device: torch.device, compute_dtype: torch.dtype, weight_dtype: torch.dtype
+) -> str | None:
+    """Why ``dw_backend="cublas"`` cannot add this call's dW chunks (None when it can, or another
+    backend is asked for). Checked before the call: raised from inside the chunk loop it was
+    counted as a Triton kernel fault, warned as a fallback to the reference, then raised by the
+    reference too."""
+    if opts.dw_backend != "cublas":
+        return None
+    acc_dtype = acc_dtype_for(compute_dtype, weight_dtype, opts.dw_accum)
+    if acc_dtype == compute_dtype or compensates(acc_dtype, opts):
+        return None  # plain cuBLAS in one dtype, or the compensated scheme: no fp32-out GEMM
+    if device.type == "cuda" and _cublas_fp32_out_ok(device.index or 0, compute_dtype):
+        return None
+    return (
+        f"linear_cross_entropy: dw_backend='cublas' needs torch.addmm(..., out_dtype=torch.float32) "
+        f"for {compute_dtype} operands, which {device} does not have here; use dw_backend='auto' "
+        "(set_linear_ce_options or HYDRA_LINEAR_CE_DW_BACKEND)"
+    )
+
+
 def _accumulate_dw(acc, g, h_c, first: bool, use_triton: bool, backend: str, capacity: int) -> None:
     """``acc (+)= gᵀ @ h_c``; ``first`` overwrites (no zero-fill pass over the accumulator)."""
     gt = g.t()

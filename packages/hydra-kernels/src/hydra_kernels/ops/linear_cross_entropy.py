@@ -56,7 +56,12 @@ import torch.nn.functional as F
 from hydra_kernels import controls
 from hydra_kernels.ops import _linear_ce_kernels as K
 from hydra_kernels.ops._custom_op import KERNEL_DTYPES, compiling, eager_autograd_function, run_with_fallback
-from hydra_kernels.ops._linear_ce_chunks import LinearCEOptions, acc_dtype_for, chunked_pass
+from hydra_kernels.ops._linear_ce_chunks import (
+    LinearCEOptions,
+    acc_dtype_for,
+    chunked_pass,
+    cublas_backend_error,
+)
 from hydra_kernels.ops._linear_ce_liger import liger_linear_cross_entropy
 from hydra_kernels.options import OPTIONS
 
@@ -121,16 +126,23 @@ def linear_cross_entropy_ref(
     z_loss: float = 0.0,
 ) -> torch.Tensor:
     """Reference: full logits, CE in fp32 (fp64 for fp64 inputs); z-loss adds
-    ``z_loss * logsumexp²`` per non-ignored token. Materialises [N, V]: for tests only."""
-    logits = hidden @ weight.t()
+    ``z_loss * logsumexp²`` per non-ignored token. Materialises [N, V]: for tests only.
+
+    Takes what :func:`linear_cross_entropy` takes: ``hidden [..., D]`` with ``targets [...]`` of
+    any integer dtype, and a weight of another float dtype (cast to hidden's: the matmul runs in
+    hidden's dtype, as the op's do); ``"none"`` returns targets' shape."""
+    # flattened: F.cross_entropy reads a [B, S, V] input's dim 1 as the classes
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    y = targets.reshape(-1).long()  # cross_entropy takes int64 (or uint8) class indices only
+    logits = h2 @ weight.to(h2.dtype).t()
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
-    valid = targets != ignore_index
+    loss = F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="none")
+    valid = y != ignore_index
     if z_loss:
         lse = torch.logsumexp(logits, dim=-1)
         loss = loss + z_loss * lse.pow(2) * valid
     if reduction == "none":
-        return loss
+        return loss.reshape(targets.shape)
     if reduction == "sum":
         return loss.sum()
     if reduction == "mean":
@@ -483,6 +495,10 @@ def linear_cross_entropy(
             h2, weight, y, ignore_index, reduction, float(z_loss), opts.dw_accum
         )
     if loss is None:
+        # not while Dynamo traces: the check may probe cuBLAS on the device (once, cached)
+        error = need_dw and not compiling() and cublas_backend_error(opts, h2.device, h2.dtype, weight.dtype)
+        if error:
+            raise ValueError(error)
         config = (use_triton, opts.chunk_rows, opts.dw_accum, opts.dw_backend)
         args = (h2, weight, y, int(ignore_index), reduction, float(z_loss), need_dh, need_dw, *config)
         if compiling():

@@ -406,6 +406,17 @@ _QKNormFunction = eager_autograd_function("_QKNormFunction", _qk_norm_forward, _
 # --- public function -----------------------------------------------------------------------------
 
 
+def constant_scale(op: str, scale: float | torch.Tensor) -> float:
+    """``scale`` as the float the kernels take. A tensor that requires grad is refused: made a
+    float, it would silently get no gradient (the kernels differentiate x and temperature only)."""
+    if isinstance(scale, torch.Tensor) and scale.requires_grad:
+        raise TypeError(
+            f"{op}: scale is a tensor that requires grad, but it is taken as a constant float (no "
+            f"gradient); for a learnable scale multiply the result by it: {op}(x, 1.0, ...) * scale"
+        )
+    return float(scale)
+
+
 def qk_norm(x: torch.Tensor, scale: float, temperature: torch.Tensor | None = None) -> torch.Tensor:
     """``x / ‖x‖₂ * scale`` per head over the last dim, times ``exp(temperature[h])`` if given.
 
@@ -419,7 +430,7 @@ def qk_norm(x: torch.Tensor, scale: float, temperature: torch.Tensor | None = No
             f"qk_norm: temperature has shape {tuple(temperature.shape)} but x has {x.shape[-2]} heads "
             f"(x is {tuple(x.shape)}); pass a [H] tensor"
         )
-    scale = float(scale)
+    scale = constant_scale("qk_norm", scale)
     tensors = (x,) if temperature is None else (x, temperature)
     if x.dtype == torch.float64 or not controls.triton_path("qk_norm", *tensors):
         return qk_norm_ref(x, scale, temperature)

@@ -37,6 +37,7 @@ from hydra_kernels.ops._custom_op import (
 from hydra_kernels.ops.qk_norm import (  # noqa: F401 (TABLES, BWD_TABLES: what `status` shows)
     BWD_TABLES,
     TABLES,
+    constant_scale,
     qk_norm,
     qk_norm_backward_ref,
     qk_norm_bwd_launch,
@@ -170,7 +171,7 @@ def qk_norm_rope(
             f"qk_norm_rope: temperature has shape {tuple(temperature.shape)} but x has {x.shape[-2]} "
             f"heads (x is {tuple(x.shape)}); pass a [H] tensor"
         )
-    scale = float(scale)
+    scale = constant_scale("qk_norm_rope", scale)
     if x.dtype == torch.float64:
         return qk_norm_rope_ref(x, scale, temperature, cos, sin)
     tensors = (x, cos, sin) if temperature is None else (x, temperature, cos, sin)

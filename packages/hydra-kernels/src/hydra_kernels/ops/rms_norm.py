@@ -32,6 +32,7 @@ No kernel writes into the storage of an input or of an incoming gradient.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import replace
 
 import torch
@@ -441,12 +442,22 @@ _FusedAddRMSNormFunction = eager_autograd_function(
 # --- public functions ----------------------------------------------------------------------------
 
 
-def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _checked_args(x: torch.Tensor, weight: torch.Tensor, eps: object) -> float:
+    """``eps`` as a Python float, after checking x and weight. The kernels and the custom ops'
+    schemas take a float: a 0-d tensor made every launch fail (a counted fallback), and None
+    failed inside the reference with a message that did not name eps."""
+    if x.dim() == 0:
+        raise ValueError("rms_norm: x must have at least one dim (its last is normalised), got a 0-d tensor")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(
             f"rms_norm: weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}; "
             "pass a 1-D weight of that length"
         )
+    if isinstance(eps, torch.Tensor) and eps.numel() == 1:
+        return float(eps)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"rms_norm: eps must be a real number (e.g. 1e-6), got {type(eps).__name__} {eps!r}")
+    return float(eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -455,7 +466,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     fp32 statistics; the result has x's dtype; differentiable in x and weight. fp64 inputs run
     the reference (in fp64).
     """
-    _check_weight(x, weight)
+    eps = _checked_args(x, weight, eps)
     if x.dtype == torch.float64 or not controls.triton_path("rms_norm", x, weight):
         return rms_norm_ref(x, weight, eps)
     if compiling():
@@ -472,7 +483,7 @@ def fused_add_rms_norm(
     weight. ``residual`` must have x's shape on the fused path (a broadcast residual takes the
     reference, as do fp64 inputs).
     """
-    _check_weight(x, weight)
+    eps = _checked_args(x, weight, eps)
     fused = residual.shape == x.shape and torch.float64 not in (x.dtype, residual.dtype)
     if not (fused and controls.triton_path("rms_norm", x, residual, weight)):
         return fused_add_rms_norm_ref(x, residual, weight, eps)
