@@ -126,3 +126,86 @@ def test_8bit_state_to_torch_adamw():
 def test_not_applicable_on_cpu():
     tr = SimpleNamespace(device=torch.device("cpu"))
     assert "CUDA" in EightBitAdam(TrainConfig(eight_bit_adam=True)).not_applicable(tr)
+
+
+def bnb_checkpoint_state(params, moments) -> tuple[dict, dict]:
+    """``optimizer.state_dict()`` of a bitsandbytes AdamW8bit (what ``hydra-train run --8bit_adam``
+    saved before checkpoints held torch-format state), and the moments it encodes, recomputed here
+    as code[q] · absmax by hand."""
+    opt8, codes = fake_8bit_optimizer(params, moments)
+    state, want = {}, {}
+    for i, p in enumerate(params):
+        s = opt8.state[p]
+        state[i] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+        if s["state1"].dtype == torch.uint8:
+            scale = {j: s[f"absmax{j}"].repeat_interleave(BLOCK)[: p.numel()] for j in (1, 2)}
+            m, v = (codes[j][s[f"state{j}"].reshape(-1).long()] * scale[j] for j in (1, 2))
+            want[i] = (m.view_as(p), v.view_as(p))
+        else:
+            want[i] = (s["state1"], s["state2"])
+    group = {k: v for k, v in opt8.param_groups[0].items() if k != "params"}
+    # bitsandbytes' own group settings, which torch's AdamW has no use for
+    group.update(optim_bits=32, min_8bit_size=4096, percentile_clipping=100, block_wise=True)
+    return {"state": state, "param_groups": [{**group, "params": list(range(len(params)))}]}, want
+
+
+def test_a_saved_8bit_state_loads_into_torch_adamw_without_bitsandbytes():
+    """Loaded as it is, torch's AdamW took it and failed at the first step (KeyError: 'exp_avg'),
+    having also dropped ``fused``; converted, it continues from the same moments."""
+    from hydra_train.safe_opts.adam8bit import adamw_state_dict_from_8bit, is_8bit_state_dict
+
+    g = torch.Generator().manual_seed(3)
+    big, small = torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(30))
+    moments = [
+        (torch.randn(64, 80, generator=g) * 1e-3, torch.rand(64, 80, generator=g) * 1e-6, 11),
+        (torch.randn(30, generator=g), torch.rand(30, generator=g), 11),
+    ]
+    saved, want = bnb_checkpoint_state([big, small], moments)
+    assert is_8bit_state_dict(saved)
+    opt = torch.optim.AdamW([big, small], lr=1e-4, fused=True)
+    assert not is_8bit_state_dict(opt.state_dict())
+    converted, n = adamw_state_dict_from_8bit(saved, opt)
+    assert n == 2
+    opt.load_state_dict(converted)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
+        2e-3,
+        (0.8, 0.9),
+        1e-7,
+        0.05,
+    )
+    assert group["fused"] is True and "optim_bits" not in group
+    for i, p in enumerate((big, small)):
+        st = opt.state[p]
+        assert float(st["step"]) == 11.0
+        assert torch.equal(st["exp_avg"], want[i][0]) and torch.equal(st["exp_avg_sq"], want[i][1])
+    # it steps as a torch AdamW given those moments by hand
+    ref = torch.optim.AdamW(
+        [p.detach().clone().requires_grad_() for p in (big, small)],
+        lr=2e-3,
+        betas=(0.8, 0.9),
+        eps=1e-7,
+        weight_decay=0.05,
+    )
+    for i, (rp, p) in enumerate(zip(ref.param_groups[0]["params"], (big, small), strict=True)):
+        ref.state[rp] = {
+            "step": torch.tensor(11.0),
+            "exp_avg": want[i][0].clone(),
+            "exp_avg_sq": want[i][1].clone(),
+        }
+        rp.grad = p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    ref.step()
+    for rp, p in zip(ref.param_groups[0]["params"], (big, small), strict=True):
+        torch.testing.assert_close(p, rp, rtol=1e-6, atol=1e-7)
+
+
+def test_an_8bit_state_without_its_block_scales_is_one_clear_error():
+    from hydra_train.errors import HydraCheckpointError
+    from hydra_train.safe_opts.adam8bit import adamw_state_dict_from_8bit
+
+    big = torch.nn.Parameter(torch.randn(64, 80))
+    saved, _ = bnb_checkpoint_state([big], [(torch.randn(64, 80), torch.rand(64, 80), 2)])
+    del saved["state"][0]["absmax1"]  # e.g. a non-blockwise 8-bit state (max1 instead)
+    with pytest.raises(HydraCheckpointError, match="absmax1"):
+        adamw_state_dict_from_8bit(saved, torch.optim.AdamW([big]))

@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra_diag.output import DiagError
+
+if TYPE_CHECKING:
+    from hydra_model import GPTConfig, HydraConfig
 
 
 def db_path(path: str | Path) -> Path:
@@ -44,16 +47,35 @@ class RunData:
     def run_id(self) -> str:
         return self.run["run_id"]
 
-    def model_config(self):
-        """The run's HydraConfig (from ``models.architecture``), or None when the row is missing."""
-        from hydra_model import HydraConfig
+    @property
+    def arch(self) -> str:
+        """The architecture the run trained: its train config's ``arch`` (runs recorded before
+        ``--arch`` existed trained HYDRA, hydra_model.architectures.DEFAULT_ARCH)."""
+        from hydra_model.architectures import DEFAULT_ARCH
+
+        return self.train_config.get("arch") or DEFAULT_ARCH
+
+    def architecture_config(self) -> HydraConfig | GPTConfig | None:
+        """The config of the model the run trained, of its arch's class (HydraConfig, GPTConfig),
+        or None when the models row is missing; a DiagError when the recorded architecture is not
+        one of that arch."""
+        from hydra_model.architectures import config_from_dict
 
         if not self.model or not self.model.get("architecture"):
             return None
         try:
-            return HydraConfig.from_dict(json.loads(self.model["architecture"]))
-        except (ValueError, TypeError):
-            return None
+            return config_from_dict(self.arch, json.loads(self.model["architecture"]))
+        except (ValueError, TypeError) as exc:
+            raise DiagError(
+                f"run {self.run_id}: the model {self.model.get('model_id')!r} recorded in its database is "
+                f"not a {self.arch} model config ({exc})"
+            ) from None
+
+    def model_config(self) -> HydraConfig | None:
+        """The run's HydraConfig, or None for a run of another architecture (the dense GPT has no
+        routing, MoE or auxiliary terms to analyse) or without a models row. Use
+        :meth:`architecture_config` for the config of any architecture."""
+        return self.architecture_config() if self.arch == "hydra" else None
 
 
 def pick_run(db, run_id: str | None, model: str | None) -> dict[str, Any]:

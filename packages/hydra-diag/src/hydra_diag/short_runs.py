@@ -12,12 +12,15 @@ from __future__ import annotations
 import io
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hydra_diag.output import DiagError, Progress, no_progress
 from hydra_train.callbacks import TrainerCallback
+
+if TYPE_CHECKING:
+    from hydra_model import GPTConfig, HydraConfig
 
 
 def train_fields() -> set[str]:
@@ -137,18 +140,15 @@ def run_short_training(
             tmp.cleanup()
 
 
-def run_model_config(summary: dict[str, Any]):
-    """The HydraConfig the run trained, as hydra-train recorded it in its metrics database."""
-    import json
+def run_model_config(summary: dict[str, Any]) -> HydraConfig | GPTConfig:
+    """The config (HydraConfig or GPTConfig, by the run's ``arch``) of the model the run trained, as
+    hydra-train recorded it in its metrics database."""
+    from hydra_diag.run_db import load_run
 
-    from hydra_model import HydraConfig
-    from hydra_train.metrics_db import TrainingDB
-
-    with TrainingDB(summary["database"]) as db:
-        rows = db.query("SELECT architecture FROM models WHERE model_id=?", [summary["model_id"]])
-    if not rows:
+    cfg = load_run(summary["database"], summary["run_id"]).architecture_config()
+    if cfg is None:
         raise DiagError(f"{summary['database']} has no model {summary['model_id']!r}")
-    return HydraConfig.from_dict(json.loads(rows[0]["architecture"]))
+    return cfg
 
 
 def _quiet_console():

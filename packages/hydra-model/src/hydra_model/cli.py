@@ -352,10 +352,9 @@ def generate(
     ids = tok.encode(prompt).ids
     if not ids:
         fail("the prompt encodes to no tokens; give some text", code=2)
-    if max(ids) >= model.config.vocab_size:
-        fail(
-            f"tokenizer {tok_path} produces id {max(ids)} ≥ the model's vocab_size {model.config.vocab_size}"
-        )
+    wrong_tokenizer = tg.prompt_ids_error(ids, model.config.vocab_size, tok_path, tokenizer is not None)
+    if wrong_tokenizer:
+        fail(wrong_tokenizer)
     gen = torch.Generator(device=device).manual_seed(seed)
     eos, eos_note = tg.usable_end_of_text(tok, model.config.vocab_size)
     with err_console.status("generating..."):

@@ -74,7 +74,7 @@ class DecodeStage:
 class DecodeReport:
     """How a generation decoded (``model.last_decode_report``)."""
 
-    mode: str  # eager, staged, graphs or masked: what ran
+    mode: str  # eager, staged, graphs or masked: what ran (none: max_new_tokens=0, no prefill either)
     requested: str  # what was asked for (auto resolved)
     reason: str | None = None  # why ``mode`` differs from ``requested``, or graphs are per segment
     segments: int = 0  # graphs (or eager segments) per step
@@ -89,7 +89,7 @@ class DecodeReport:
     #: why a decoder held from an earlier generation was not reused (None: reused, or none held)
     not_reused: str | None = None
     #: how the prompt was prefilled: eager, or (a reused decoder on CUDA, a prompt length seen
-    #: before) "graph captured" / "graph" (decoder_hold.py)
+    #: before) "graph captured" / "graph" (decoder_hold.py); "none" when max_new_tokens=0
     prefill: str = "eager"
     extra: dict = field(default_factory=dict)
 

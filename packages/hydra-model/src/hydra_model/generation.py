@@ -136,7 +136,10 @@ def generate(
         cleanup.enter_context(torch.cuda.device(input_ids.device))
     with cleanup:
         pieces = [input_ids]
-        if max_new_tokens == 0:
+        if max_new_tokens == 0:  # the report says so: it described the previous call
+            model.last_decode_report = DecodeReport(
+                mode="none", requested=decode, reason="max_new_tokens=0: nothing was decoded", prefill="none"
+            )
             return input_ids
         batch, device = input_ids.shape[0], input_ids.device
         keep = keep_decoder and mode != "eager" and decoder_hold.keepable(was_training, device)

@@ -83,6 +83,20 @@ def usable_end_of_text(tokenizer: Any, vocab_size: int) -> tuple[int | None, str
     )
 
 
+def prompt_ids_error(ids: list[int], vocab_size: int, tokenizer_path: Path, explicit: bool) -> str | None:
+    """The error when the prompt encodes to an id the model has no embedding for, else None: the
+    tokenizer is not the one the model was trained with (a larger vocabulary), so say which file
+    was used and how to pass the right one."""
+    high = max(ids)
+    if high < vocab_size:
+        return None
+    used = f"--tokenizer {tokenizer_path}" if explicit else f"the checkpoint's tokenizer {tokenizer_path}"
+    return (
+        f"{used} encodes the prompt to id {high}, outside the model's vocabulary 0..{vocab_size - 1}: "
+        "it is not the tokenizer the model was trained with; pass that one with --tokenizer PATH"
+    )
+
+
 def ignored_sampling_note(temperature: float, top_k: int | None, top_p: float | None) -> str | None:
     """A note when --top-k or --top-p are given without a temperature: greedy decoding (the
     default, 0) ignores them, and every --seed gives the same text."""

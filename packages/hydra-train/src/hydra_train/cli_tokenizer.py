@@ -11,6 +11,10 @@ With ``--out`` elsewhere, pass the same path to ``run --tokenizer``. No ``from _
 annotations`` here: Typer reads these annotations at run time.
 """
 
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -20,6 +24,9 @@ from hydra_kernels.cli_support import console, emit_json, fail, new_app
 from hydra_kernels.cli_support import opt as _opt
 
 tokenizer_app = new_app("Build the tokenizer for your own text data.")
+
+#: seconds between progress lines on stderr while the corpus is read (when it is not a terminal)
+PROGRESS_EVERY_S = 10.0
 
 Files = Annotated[
     list[Path],
@@ -39,10 +46,51 @@ def default_out(files: list[Path]) -> Path:
     return (first if first.is_dir() else first.parent) / "tokenizer.json"
 
 
+def out_target(out: str | None, files: list[Path]) -> Path:
+    """The tokenizer file that ``--out`` names. A trailing slash names a folder, created if need be
+    (``Path`` drops the slash, which would turn ``newdir/`` into a file called ``newdir``)."""
+    if out is None:
+        return default_out(files)
+    target = Path(out)
+    if out.endswith(("/", os.sep)) or target.is_dir():
+        return target / "tokenizer.json"
+    return target
+
+
+def stderr_is_terminal() -> bool:
+    """Whether a person watches stderr (the tokenizers library's progress bars need a terminal)."""
+    return sys.stderr.isatty()
+
+
+def counted_with_progress(texts: Iterable[str], counted: dict[str, int], lines: bool) -> Iterator[str]:
+    """``texts``, counting documents and characters into ``counted``; with ``lines``, a line on
+    stderr every ``PROGRESS_EVERY_S`` seconds and one when the reading ends, if it took that long
+    (stderr, so that ``--json`` on stdout stays parseable)."""
+    t0 = last = time.monotonic()
+    said = False
+
+    def say(what: str) -> None:
+        print(
+            f"{what} {counted['docs']:,} documents, {counted['chars']:,} characters "
+            f"({time.monotonic() - t0:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    for t in texts:
+        counted["docs"] += 1
+        counted["chars"] += len(t)
+        yield t
+        now = time.monotonic()
+        if lines and now - last >= PROGRESS_EVERY_S:
+            say("read")
+            last, said = now, True
+    if said:  # the merges come next and take a while on a large corpus: say why it is quiet
+        say("learning the vocabulary from")
+
+
 def writable_folder(target: Path) -> None:
     """Create ``target``'s folder, and fail with one line naming it when a file cannot go there."""
-    import os
-
     folder = target.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -66,11 +114,12 @@ def train(
         ),
     ] = 8192,
     out: Annotated[
-        Path | None,
+        str | None,  # not Path: it would drop a trailing slash, which means a folder
         _opt(
             "--out",
-            help="Where to write tokenizer.json (default: in the data folder, where hydra-train run "
-            "--dataset finds it; elsewhere, pass it to run --tokenizer).",
+            help="Where to write tokenizer.json: a file, or a folder (one that exists, or a path "
+            "ending in /) (default: in the data folder, where hydra-train run --dataset finds it; "
+            "elsewhere, pass it to run --tokenizer).",
         ),
     ] = None,
     text_column: Annotated[
@@ -86,22 +135,16 @@ def train(
     from hydra_train.text_tables import iter_texts
     from hydra_train.tokenizer import train_bpe
 
-    target = out or default_out(files)
-    if target.is_dir():
-        target = target / "tokenizer.json"
+    target = out_target(out, files)
     if target.exists() and not force:
         fail(f"{target} exists; pass --force to replace it (data tokenized with it would no longer match)")
     writable_folder(target)  # before training, which can take minutes on a large corpus
     counted = {"docs": 0, "chars": 0}
-
-    def texts():
-        for t in iter_texts(files, text_column):
-            counted["docs"] += 1
-            counted["chars"] += len(t)
-            yield t
-
+    # on a terminal the tokenizers library draws its own bars; lines of ours would break them
+    bars = stderr_is_terminal()
+    texts = counted_with_progress(iter_texts(files, text_column), counted, lines=not bars)
     try:
-        tok = train_bpe(texts(), vocab_size)
+        tok = train_bpe(texts, vocab_size, show_progress=bars)
     except HydraTrainError as exc:
         fail(str(exc))
     if counted["docs"] == 0:
@@ -126,4 +169,5 @@ def train(
         soft_wrap=True,
     )
     if out is not None and target != default_out(files):
-        console.print(f"use it with: hydra-train run --tokenizer {target} ...", markup=False, soft_wrap=True)
+        hint = f"use it with: hydra-train run --tokenizer {target} ..."
+        console.print(hint, highlight=False, markup=False, soft_wrap=True)

@@ -23,8 +23,9 @@ TRAIN_SUBSET_CHARS = 4_000_000
 MIN_VOCAB = 300  # 256 byte symbols, the special token and a few merges
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int):
-    """A byte-level BPE with ``vocab_size`` entries (or fewer when the text has fewer merges)."""
+def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False):
+    """A byte-level BPE with ``vocab_size`` entries (or fewer when the text has fewer merges).
+    ``show_progress``: the tokenizers library's progress bars on stderr (for a terminal)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < MIN_VOCAB:
@@ -36,7 +37,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tok.train_from_iterator(texts, trainer)
     return tok

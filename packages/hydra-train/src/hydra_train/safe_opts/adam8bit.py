@@ -16,7 +16,10 @@ the step count):
 Checkpoints always hold torch-format state (the save is wrapped; see
 :class:`hydra_train.safe_opts.callback.SafeOptimizations`), so a checkpoint loads whichever
 optimizer the next run uses; resuming with 8-bit active re-quantises, which is why resume is
-exact up to one quantisation step there (and bit-exact everywhere else).
+exact up to one quantisation step there (and bit-exact everywhere else). Checkpoints written
+before the save was wrapped (``run`` built AdamW8bit itself) hold bitsandbytes' state; torch's
+AdamW loads it without a word and fails at its first step (KeyError 'exp_avg'):
+:func:`adamw_state_dict_from_8bit` converts such a state, bitsandbytes or not, on resume.
 
 bitsandbytes' AdamW8bit has no ``found_inf`` input, so with it the trainer reads the finiteness
 flag on the host before stepping (one sync per step, the runtime's documented rule), and CUDA
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hydra_train.errors import HydraCheckpointError
 from hydra_train.safe_opts.registry import Optimization
 
 if TYPE_CHECKING:
@@ -128,6 +132,46 @@ def to_torch_adamw(opt8: torch.optim.Optimizer, *, fused: bool, state_device=Non
     for p, st in adamw_state_from_8bit(opt8, state_device).items():
         new.state[p] = st
     return new
+
+
+def is_8bit_state_dict(saved: dict[str, Any]) -> bool:
+    """Whether an optimizer state dict is bitsandbytes' (``state1``/``state2``, not AdamW's moments)."""
+    return any(isinstance(s, dict) and "state1" in s for s in saved.get("state", {}).values())
+
+
+def adamw_state_dict_from_8bit(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> tuple[dict, int]:
+    """(``saved``, a bitsandbytes AdamW8bit state dict, as a torch AdamW state dict for
+    ``optimizer``, the number of parameters converted). Moments are dequantised with the code
+    tables and block scales the state holds (no bitsandbytes needed); each group keeps its saved
+    hyper-parameters and takes ``optimizer``'s own settings (fused, foreach, ...), which
+    bitsandbytes' groups lack. A state that cannot be converted is a HydraCheckpointError."""
+    current = optimizer.state_dict()["param_groups"]
+    groups = []
+    for i, g in enumerate(saved["param_groups"]):
+        ours = {k: v for k, v in current[i].items() if k != "params"} if i < len(current) else {}
+        kept = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "initial_lr") if k in g}
+        groups.append({**ours, **kept, "params": g["params"]})
+    state, n = {}, 0
+    for key, s in saved["state"].items():
+        if "state1" not in s:
+            state[key] = s
+            continue
+        if s["state1"].dtype == torch.uint8:
+            missing = [k for k in ("qmap1", "absmax1", "qmap2", "absmax2") if k not in s]
+            if missing:
+                raise HydraCheckpointError(
+                    f"the checkpoint's 8-bit optimizer state (parameter {key}) has no {', '.join(missing)}: "
+                    "not bitsandbytes' blockwise layout, so AdamW cannot continue from it; resume from a "
+                    "checkpoint this version wrote (they hold AdamW's state) or start a new run"
+                )
+            m = dequantize_blockwise(s["state1"], s["qmap1"], s["absmax1"])
+            v = dequantize_blockwise(s["state2"], s["qmap2"], s["absmax2"])
+        else:  # bitsandbytes keeps small parameters' states in 32 bits
+            m, v = s["state1"].float().clone(), s["state2"].float().clone()
+        step = torch.tensor(float(s["step"]), dtype=torch.float32)
+        state[key] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
+        n += 1
+    return {"state": state, "param_groups": groups}, n
 
 
 def is_8bit(opt: torch.optim.Optimizer) -> bool:
