@@ -34,3 +34,28 @@ def test_replaces_an_existing_file(tmp_path):
     atomic_write_bytes(target, b"first")
     atomic_write(target, lambda f: f.write(b"second"))
     assert target.read_bytes() == b"second"
+
+
+@pytest.mark.skipif(not hasattr(os, "fchmod"), reason="POSIX file modes")
+def test_a_new_file_gets_the_umasks_mode_and_a_replaced_file_keeps_its_own(tmp_path):
+    """A checkpoint or tokenizer written through here was 0600 (mkstemp's mode) whatever the
+    umask: a colleague could not read it on a shared machine, and a file chmod'ed by its owner lost
+    its mode on the next write. open() is the reference for a new file."""
+    import random
+
+    for umask in random.sample([0o022, 0o077, 0o002, 0o027], 2):
+        old = os.umask(umask)
+        try:
+            with open(tmp_path / f"plain_{umask:o}", "wb") as f:  # what a plain write gives
+                f.write(b"x")
+            atomic_write_bytes(tmp_path / f"atomic_{umask:o}", b"x")
+        finally:
+            os.umask(old)
+        want = os.stat(tmp_path / f"plain_{umask:o}").st_mode & 0o777
+        assert os.stat(tmp_path / f"atomic_{umask:o}").st_mode & 0o777 == want == 0o666 & ~umask
+    target = tmp_path / "kept.bin"
+    atomic_write_bytes(target, b"first")
+    mode = random.choice([0o640, 0o604, 0o600, 0o664])
+    os.chmod(target, mode)
+    atomic_write_bytes(target, b"second")
+    assert target.read_bytes() == b"second" and os.stat(target).st_mode & 0o777 == mode
