@@ -43,7 +43,8 @@ def resolved_launch_configs(device: Any) -> dict[str, dict[str, Any]]:
     A table is a module-level ``{generation: LaunchConfig}`` mapping, or a tuple of
     ``(max_width, {generation: LaunchConfig})`` rows for ops whose launch depends on the row
     width (then the config is given per width bucket). Tables are looked up in the op's module
-    and in the private ``hydra_kernels.ops`` modules it takes functions from. Overrides set for
+    and in the private ``hydra_kernels.ops`` modules it takes functions from; a private module's
+    table that the op's module re-exports is listed once, by its name there. Overrides set for
     the op's name (and the environment's) are applied.
     """
     import dataclasses
@@ -77,10 +78,11 @@ def resolved_launch_configs(device: Any) -> dict[str, dict[str, Any]]:
             for m in sorted(h for h in helpers if isinstance(h, str) and h.startswith("hydra_kernels.ops._"))
         ]
         tables: dict[str, Any] = {}
+        listed: set[int] = set()  # ids of the tables already in ``tables``
         for mod in modules:
             prefix = "" if mod is main else mod.__name__.rsplit(".", 1)[1] + "."
             for name, value in vars(mod).items():
-                if name.startswith("__"):
+                if name.startswith("__") or id(value) in listed:
                     continue
                 if is_gen_table(value):
                     tables[prefix + name] = dataclasses.asdict(resolve_launch_config(op, device, value))
@@ -89,6 +91,9 @@ def resolved_launch_configs(device: Any) -> dict[str, dict[str, Any]]:
                         f"<= {width}": dataclasses.asdict(resolve_launch_config(op, device, table))
                         for width, table in value
                     }
+                else:
+                    continue
+                listed.add(id(value))
         out[op] = tables
     return out
 

@@ -18,51 +18,39 @@ Environment: ``HYDRA_ATTENTION_BACKEND`` (auto|flash|xformers|sdpa), ``HYDRA_SDP
 (SDPA restricted to its flash kernel), ``HYDRA_SDPA_NO_FLASH=1`` (SDPA without its flash kernel).
 A requested backend that cannot run a call falls back to SDPA and is counted per reason
 (:func:`attention_fallback_counts`).
+
+The backends' implementations are in ``attention_impls.py`` and auto's timing of a candidate in
+``attention_timing.py``; this module chooses among them and holds the choices and counts.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import statistics
 import threading
-import time
-import warnings
 from collections import Counter
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from hydra_model import options
+from hydra_model.attention_impls import (  # noqa: F401 (the *_AVAILABLE flags: re-exported)
+    FLASH_ATTN_AVAILABLE,
+    XFORMERS_AVAILABLE,
+    SDPBackend,
+    _invalid_reason,
+    _run_flash,
+    _run_sdpa,
+    _run_xformers,
+)
+from hydra_model.attention_timing import (  # noqa: F401 (_gpu_ms, _time_calls: for the bench script)
+    _gpu_ms,
+    _time_calls,
+    _time_candidate,
+)
 from hydra_model.compile_cache import vouch_for_sdpa_kernel_context
 from hydra_model.options import BACKENDS, OPTIONS
 
 logger = logging.getLogger(__name__)
-
-try:  # pragma: no cover - flash-attn is not installed on the project's machines
-    from flash_attn import flash_attn_func as _flash_attn_func
-
-    FLASH_ATTN_AVAILABLE = True
-except Exception:
-    _flash_attn_func = None
-    FLASH_ATTN_AVAILABLE = False
-
-try:  # pragma: no cover - xformers is not installed on the project's machines
-    import xformers.ops as _xops
-
-    XFORMERS_AVAILABLE = True
-except Exception:
-    _xops = None
-    XFORMERS_AVAILABLE = False
-
-try:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-except ImportError:  # pragma: no cover - torch < 2.3
-    SDPBackend = None
-    sdpa_kernel = None
-
 
 vouch_for_sdpa_kernel_context()  # a restricted pick's compiled graphs stay cacheable
 
@@ -121,77 +109,7 @@ def _describe(sig: tuple) -> str:
     return f"{dev} {dtype} B={b} Hq={hq} Hkv={hkv} S={s} L={length} d={d} causal={causal} grad={grad}"
 
 
-# --- the implementations, all on [B, H, S, d] ------------------------------------------------
-
-
-def _sdpa_kernels(restrict: str | None) -> list | None:
-    if SDPBackend is None or restrict == "none":
-        return None
-    if restrict == "cudnn":
-        return [SDPBackend.CUDNN_ATTENTION]
-    if restrict == "flash" or OPTIONS.sdpa_flash_only:
-        return [SDPBackend.FLASH_ATTENTION]
-    if restrict == "efficient":
-        return [SDPBackend.EFFICIENT_ATTENTION]
-    if OPTIONS.sdpa_no_flash:
-        return [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return None
-
-
-def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    groups = q.shape[1] // t.shape[1]
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _run_sdpa(q, k, v, causal, mask, scale, restrict: str | None = None, expand: bool = False):
-    if expand:
-        k, v = _expand_kv(q, k), _expand_kv(q, v)
-    # a branch, not bool(): where a trace's head counts are symbolic, SDPA's flag must be a bool
-    gqa = True if q.shape[1] != k.shape[1] else False  # noqa: SIM210
-    kernels = _sdpa_kernels(restrict)
-    ctx = sdpa_kernel(kernels) if kernels is not None else contextlib.nullcontext()
-    with ctx:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
-        )
-
-
-def _run_flash(q, k, v, causal, mask, scale):
-    # flash-attn takes [B, S, H, d] and grouped kv heads natively
-    out = _flash_attn_func(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=scale
-    )
-    return out.transpose(1, 2)
-
-
-def _run_xformers(q, k, v, causal, mask, scale):
-    b, hq, s, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
-    groups = hq // hkv
-    # grouped layout [B, S, Hkv, G, d]; kv broadcast over G by a stride-0 expand (no copy)
-    qx = q.transpose(1, 2).reshape(b, s, hkv, groups, d)
-    kx = k.transpose(1, 2).unsqueeze(3).expand(b, length, hkv, groups, d)
-    vx = v.transpose(1, 2).unsqueeze(3).expand(b, length, hkv, groups, d)
-    bias = _xops.LowerTriangularMask() if causal else None
-    out = _xops.memory_efficient_attention(qx, kx, vx, attn_bias=bias, scale=scale)
-    return out.reshape(b, s, hq, d).transpose(1, 2)
-
-
-def _invalid_reason(name: str, q: torch.Tensor, mask: torch.Tensor | None) -> str | None:
-    """Why backend ``name`` cannot run these inputs, or None when it can."""
-    if name == "flash":
-        if not FLASH_ATTN_AVAILABLE:
-            return "not installed"
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            return "needs fp16/bf16 CUDA tensors"
-        if q.shape[-1] % 8 or q.shape[-1] > 256 or mask is not None:
-            return "head size or mask not supported"
-    if name == "xformers":
-        if not XFORMERS_AVAILABLE:
-            return "not installed"
-        if q.device.type != "cuda" or mask is not None:
-            return "needs CUDA tensors and no explicit mask"
-    return None
+# --- the implementations, all on [B, H, S, d]: attention_impls.py ----------------------------
 
 
 _Impl = Callable[..., torch.Tensor]
@@ -263,113 +181,7 @@ def same_kernel_as_sdpa(report: dict) -> bool:
     return chosen == "sdpa" or (runs not in (None, "unknown") and chosen == f"sdpa_{runs}")
 
 
-def _time_candidate(report, name, impl, inputs, causal, scale, needs_grad: bool) -> None:
-    """The candidate's median ms into ``report[name]`` (or its error there): on CUDA the time it
-    keeps the GPU busy (:func:`_gpu_ms`), elsewhere the host clock (only tests time on the CPU)."""
-    # a candidate that cannot run these shapes makes torch warn why, on every rank's stderr; the
-    # reason goes into the report, so the probe keeps those warnings to itself
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        if inputs[0].is_cuda:
-            try:
-                report[name], host_bound = _gpu_ms(impl, inputs, causal, scale, needs_grad)
-            except Exception as exc:  # a candidate that cannot run these shapes is not chosen
-                report[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
-                return
-            if host_bound:  # its calls waited on the GPU: timed with the host's share in it
-                report[f"{name} (host-bound)"] = "the GPU went idle between its calls"
-            return
-        _time_calls(report, name, impl, inputs, causal, scale, needs_grad, cuda=False)
-
-
-def _call(impl, args, causal, scale, needs_grad: bool) -> None:
-    with torch.enable_grad() if needs_grad else torch.no_grad():
-        out = impl(*args, causal, None, scale)
-        if needs_grad:
-            for t in args:
-                t.grad = None  # each call writes its gradients, as in a step (no accumulating add)
-            out.backward(torch.ones_like(out))
-
-
-@functools.cache
-def _cycles_per_ms() -> float:
-    """The GPU's spin rate (``torch.cuda._sleep`` cycles a millisecond), measured once per process."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(2_000_000)
-    end.record()
-    end.synchronize()
-    return 2_000_000 / max(start.elapsed_time(end), 1e-3)
-
-
-def _gpu_ms(impl, inputs, causal, scale, needs_grad: bool, calls: int = 5) -> tuple[float, bool]:
-    """Median over three rounds of the GPU time per call (forward, and backward where gradients
-    are needed) of ``calls`` calls queued behind a spin kernel that outlasts their launching, so
-    the events time the kernels back to back, not the host. Why not the eager calls' own time: at
-    these sizes that is mostly the host's, which moves with the host's load and is not what the
-    compiled, graphed step that uses the pick pays. Timed eagerly on an H100, flash-attention 2
-    came out fastest in 2 of 5 measurements at 8 x 256, where it keeps the GPU 1.4x longer than
-    cuDNN's kernel, and the race's compiled steps once ran it at every length
-    (packages/hydra-model/BENCHMARKS.md, 2026-11-26). Returns (ms, host_bound): host_bound where
-    the spin ended before the calls were queued even at its longest (a call that waits on the GPU
-    itself, a host far slower than its kernels), so the time holds the host's gaps."""
-    args = [t.detach().requires_grad_(needs_grad) for t in inputs]
-    with torch.cuda.device(args[0].device):  # the spin must hold the stream the calls run on
-        for _ in range(2):  # kernel selection, plan building
-            _call(impl, args, causal, scale, needs_grad)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        _call(impl, args, causal, scale, needs_grad)
-        host_ms = (time.perf_counter() - t0) * 1000  # launching one call (the GPU may still run it)
-        torch.cuda.synchronize()
-        rate = _cycles_per_ms()
-        spin = int(rate * min(2.0 * calls * host_ms + 1.0, 500.0))
-        longest = int(rate * 1000.0)  # a second: the cap of the doubling below
-        times, doubled, host_bound = [], 0, False
-        while len(times) < 3:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(spin)
-            start.record()
-            for _ in range(calls):
-                _call(impl, args, causal, scale, needs_grad)
-            end.record()
-            # the spin still running once every call is queued: no gap waited on the host. Else
-            # (a faster clock than when the spin rate was taken, a slower host) again with a spin
-            # twice as long, four times at most (a call that waits on the GPU itself never gets
-            # ahead: it is timed with its waits, and flagged)
-            ahead = not start.query()
-            end.synchronize()
-            if ahead or doubled >= 4 or spin >= longest:
-                times.append(start.elapsed_time(end) / calls)
-                host_bound = host_bound or not ahead
-            else:
-                spin, doubled = min(2 * spin, longest), doubled + 1
-    return statistics.median(times), host_bound
-
-
-def _time_calls(report, name, impl, inputs, causal, scale, needs_grad: bool, cuda: bool) -> None:
-    """Eagerly: median ms of 5 timed calls after 2 untimed ones (CUDA events on the GPU)."""
-    try:
-        times = []
-        for it in range(7):
-            args = [t.detach().requires_grad_(needs_grad) for t in inputs]
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                t0 = time.perf_counter()
-            _call(impl, args, causal, scale, needs_grad)
-            if cuda:
-                end.record()
-                end.synchronize()
-                elapsed = start.elapsed_time(end)
-            else:
-                elapsed = (time.perf_counter() - t0) * 1000
-            if it >= 2:  # the first calls include kernel selection and plan building
-                times.append(elapsed)
-        report[name] = statistics.median(times)
-    except Exception as exc:  # a candidate that cannot run these shapes is simply not chosen
-        report[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
+# --- timing a candidate: attention_timing.py -------------------------------------------------
 
 
 def _capturing(device: torch.device) -> bool:

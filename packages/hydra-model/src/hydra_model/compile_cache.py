@@ -4,9 +4,9 @@
 torch refuses to cache a graph holding a call it has not vetted. HYDRA's traced code avoids the
 ones it can (no autocast context inside the traced router logits, a custom op for the routed
 gather: fused_routing.py, routing.py); what is left is torch's own ``sdpa_kernel`` context around
-a restricted SDPA pick (attention_backend.py), vouched for here. A CPU test runs torch's check on
-HYDRA's traced graphs (tests/hydra_model/test_model.py); the measured effect is in
-packages/hydra-train/BENCHMARKS.md.
+a restricted SDPA pick (attention_backend.py; run by attention_impls.py), vouched for here. A CPU
+test runs torch's check on HYDRA's traced graphs (tests/hydra_model/test_model.py); the measured
+effect is in packages/hydra-train/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """hydra_model's process-wide options, in one explicit object (:data:`OPTIONS`).
 
-Which attention backend runs (attention_backend.py), whether the routing glue runs compiled
-(fused_routing.py) and how a decode step runs CCGQA's convolutions (ccgqa.py) are fields of a
-:class:`ModelOptions`; those modules read them there and nowhere else. Two kinds of thin entry
+Which attention backend runs (attention_backend.py, attention_impls.py), whether the routing glue
+runs compiled (fused_routing.py) and how a decode step runs CCGQA's convolutions (ccgqa.py) are
+fields of a :class:`ModelOptions`; those modules read them there and nowhere else. Two kinds of thin entry
 point fill it: environment variables, read when hydra_model is imported and again by
 :func:`reload_env` (``HYDRA_ATTENTION_BACKEND``, ``HYDRA_SDPA_FLASH_ONLY``, ``HYDRA_SDPA_NO_FLASH``,
 ``HYDRA_COMPILED_ROUTING``, ``HYDRA_DECODE_CONV``), and the ``set_*`` functions (``set_attention_backend``,

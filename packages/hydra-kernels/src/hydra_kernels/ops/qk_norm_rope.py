@@ -4,8 +4,8 @@ Why: CCGQA normalises q and k per head and then rotates them (hydra_model/ccgqa.
 each of q and k takes four launches and nine passes over its memory (forward: read, write, read,
 write; backward: read dz, write, read it and x, write dx); fused, two launches and five passes
 (read x, write; read dz and x, write dx). The kernels are qk_norm's
-(ops/qk_norm.py) with RoPE's rotate-half added (``HALF`` > 0), so the per-head statistics are
-computed the one way.
+(ops/_qk_norm_kernels.py, launched by ops/qk_norm.py) with RoPE's rotate-half added (``HALF`` >
+0), so the per-head statistics are computed the one way.
 
 **Same numbers as the two ops.** The norm's output is rounded to x's dtype before the rotation
 reads it, and in the backward the rotated-back gradient is rounded to the gradient's dtype before

@@ -90,7 +90,7 @@ def _rope_kernel(
 
 @triton.jit
 def rope_operands(COS, SIN, token, seq_len, stride_tb, stride_ts, row_mask, cols, HALF: tl.constexpr):
-    """For a kernel that holds whole rows (ops/qk_norm.py with RoPE fused): each column's
+    """For a kernel that holds whole rows (ops/_qk_norm_kernels.py with RoPE fused): each column's
     rotate-half partner, the cos and sin of its token's position (cos 1 and sin 0 past the rotated
     width R = 2·HALF), and the first-half and rotated column masks."""
     first = cols < HALF

@@ -13,12 +13,12 @@ Two faces share the kernels:
 The forward keeps nothing but its inputs; the backward recomputes ``sigmoid(gate)`` from them in
 fp32. Kernels see every tensor as ``[rows, width]`` with a row stride. When all tensors of a call
 are contiguous the whole tensor is one long row, so the grid is a flat 1-D walk over large blocks.
+The two kernels themselves (``_swiglu_fwd_kernel``, ``_swiglu_bwd_kernel``) are in
+``ops/_swiglu_kernels.py``.
 """
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from hydra_kernels.controls import triton_path
 from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
@@ -31,9 +31,9 @@ from hydra_kernels.ops._custom_op import (
     eager_autograd_function,
     next_power_of_2,
     run_with_fallback,
-    to_output_dtype,
 )
 from hydra_kernels.ops._launch import LaunchPlan, empty_like_contiguous, plan_cache
+from hydra_kernels.ops._swiglu_kernels import _swiglu_bwd_kernel, _swiglu_fwd_kernel
 
 #: Per-generation launch table. ``block_q`` is the most elements one program handles (rows
 #: narrower or ragged get a smaller block, see :func:`row_block`);
@@ -46,82 +46,6 @@ LAUNCH_DEFAULTS: dict[str, LaunchConfig] = {
     "ampere": LaunchConfig(num_warps=8, num_stages=1, block_q=2048),
     "default": LaunchConfig(num_warps=4, num_stages=1, block_q=1024),
 }
-
-
-@triton.jit
-def _swiglu_fwd_kernel(
-    gate_ptr,
-    up_ptr,
-    out_ptr,
-    n_cols,
-    col_blocks,
-    gate_row_stride,
-    up_row_stride,
-    out_row_stride,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    row = pid // col_blocks
-    # 64-bit offsets: a flattened tensor can be longer than 2**31 elements.
-    col0 = (pid - row * col_blocks).to(tl.int64) * BLOCK
-    row = row.to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols - col0
-    g = tl.load(gate_ptr + row * gate_row_stride + col0 + offs, mask=mask, other=0.0)
-    u = tl.load(up_ptr + row * up_row_stride + col0 + offs, mask=mask, other=0.0)
-    g = g.to(tl.float32)
-    # silu(g) = g / (1 + e^-g): finite for every finite g (e^-g -> inf gives -0, not nan).
-    y = g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
-    tl.store(
-        out_ptr + row * out_row_stride + col0 + offs,
-        to_output_dtype(y, out_ptr.dtype.element_ty),
-        mask=mask,
-    )
-
-
-@triton.jit
-def _swiglu_bwd_kernel(
-    gate_ptr,
-    up_ptr,
-    dout_ptr,
-    dgate_ptr,
-    dup_ptr,
-    n_cols,
-    col_blocks,
-    gate_row_stride,
-    up_row_stride,
-    dout_row_stride,
-    dgate_row_stride,
-    dup_row_stride,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    row = pid // col_blocks
-    col0 = (pid - row * col_blocks).to(tl.int64) * BLOCK
-    row = row.to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols - col0
-    g = tl.load(gate_ptr + row * gate_row_stride + col0 + offs, mask=mask, other=0.0)
-    u = tl.load(up_ptr + row * up_row_stride + col0 + offs, mask=mask, other=0.0)
-    dy = tl.load(dout_ptr + row * dout_row_stride + col0 + offs, mask=mask, other=0.0)
-    g = g.to(tl.float32)
-    u = u.to(tl.float32)
-    dy = dy.to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    silu = g * sig
-    # d silu / dg = sig + g·sig·(1 - sig) = sig·(1 + g·(1 - sig))
-    dg = dy * u * sig * (1.0 + g * (1.0 - sig))
-    du = dy * silu
-    tl.store(
-        dgate_ptr + row * dgate_row_stride + col0 + offs,
-        to_output_dtype(dg, dgate_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(
-        dup_ptr + row * dup_row_stride + col0 + offs,
-        to_output_dtype(du, dup_ptr.dtype.element_ty),
-        mask=mask,
-    )
 
 
 # --- references ------------------------------------------------------------------------------
