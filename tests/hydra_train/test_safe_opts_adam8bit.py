@@ -209,3 +209,41 @@ def test_an_8bit_state_without_its_block_scales_is_one_clear_error():
     del saved["state"][0]["absmax1"]  # e.g. a non-blockwise 8-bit state (max1 instead)
     with pytest.raises(HydraCheckpointError, match="absmax1"):
         adamw_state_dict_from_8bit(saved, torch.optim.AdamW([big]))
+
+
+def test_a_resume_from_an_8bit_checkpoint_continues_as_the_uninterrupted_run(bin_dataset, tmp_path):
+    """hydra-train run --resume of a checkpoint whose optimizer state is in bitsandbytes' layout
+    (what run saved while it built AdamW8bit itself) failed at the first step; the resume converts
+    it and, for states bitsandbytes kept in 32 bits (exact), continues bit for bit as the run that
+    never stopped, with a note saying so."""
+    import io
+
+    from rich.console import Console
+
+    from hydra_train.checkpoint import save_checkpoint
+    from hydra_train.run import run_training
+
+    from .conftest import tiny_config
+    from .test_trainer import CrashAt, Recorder
+
+    full = Recorder()
+    run_training(tiny_config(bin_dataset, tmp_path / "a", max_steps=6, save_every=3), callbacks=[full])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_training(
+            tiny_config(bin_dataset, tmp_path / "b", max_steps=6, save_every=3), callbacks=[CrashAt(5)]
+        )
+    path = tmp_path / "b" / "hydra_tiny_step3.pt"
+    ck = torch.load(path, weights_only=True)
+    opt = ck["optimizer"]
+    for i, st in opt["state"].items():  # bitsandbytes' 32-bit layout: state1/state2, an int step
+        opt["state"][i] = {"step": int(st["step"]), "state1": st["exp_avg"], "state2": st["exp_avg_sq"]}
+    for g in opt["param_groups"]:
+        g.update(optim_bits=32, min_8bit_size=4096, percentile_clipping=100, block_wise=True)
+    save_checkpoint(ck, path)
+    out, second = io.StringIO(), Recorder()
+    cfg = tiny_config(bin_dataset, tmp_path / "b", max_steps=6, save_every=3, resume=True)
+    run_training(cfg, callbacks=[second], console=Console(file=out, width=400))
+    assert "bitsandbytes AdamW8bit state (an older --8bit_adam checkpoint) converted" in out.getvalue()
+    assert sorted(second.losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert second.losses[step] == full.losses[step], step

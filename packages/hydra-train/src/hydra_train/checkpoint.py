@@ -9,8 +9,9 @@ Layout of a checkpoint (a ``torch.save`` dict, loadable with ``weights_only=True
     optimizer, scheduler     their state dicts
     rng                      python / numpy / torch CPU / CUDA generator states
     data                     {"position": micro-batches consumed (each rank), "seed": data order
-                             seed, "world_size" (absent in older files)}; the batch size and
-                             sequence length it counts in are the train config's
+                             seed, "world_size", "fingerprint" (both absent in older files)}; the
+                             batch size and sequence length it counts in are the train config's;
+                             the fingerprint describes the window layout (data_fingerprint.py)
     trainer                  loop state: EMAs, skipped steps (and the streak in a row: "streak",
                              absent in older files), tokens seen, validation history
     config                   {"model": <model config>.to_dict(), "train": TrainConfig.to_dict()}
@@ -37,6 +38,10 @@ Resuming with other settings (:func:`resume_data_position`): a different ``--see
 ``--seq_len`` would change the data order, so it is refused; a different ``--batch_size`` or world
 size continues at the same window when the windows consumed are a whole number of the new
 micro-batches (else refused), ``--grad_accum`` may change freely (the position counts micro-batches).
+Data that differs from the checkpoint's fingerprint (shards added, removed or replaced, another
+tokenizer or ``--seq_len``) is refused naming the change, unless ``--allow_data_change`` (then a
+warning: the batch order is recomputed from the new data); a checkpoint without a fingerprint
+(older) resumes with a note.
 The LR schedule keeps the saved step but follows this run's ``--max_steps``, ``--warmup_steps`` and
 ``--lr_schedule``; a change is said in one line.
 
@@ -62,6 +67,7 @@ import torch
 
 from hydra_model.checkpoint_digest import CHECKSUM_KEY, payload_digest
 from hydra_train.atomic_files import atomic_write, fsync_dir
+from hydra_train.data_fingerprint import check_resume_data
 from hydra_train.errors import HydraCheckpointError, short_error
 
 FORMAT = "hydra-train-checkpoint"
@@ -214,10 +220,15 @@ def _flags_of(path: Path) -> str:
         return ""
 
 
-def resume_data_position(ck: dict[str, Any], cfg, world_size: int, path: Path) -> tuple[int, list[str]]:
+def resume_data_position(
+    ck: dict[str, Any], cfg, world_size: int, path: Path, fingerprint: dict[str, Any] | None = None
+) -> tuple[int, list[str]]:
     """Where this run's data continues from checkpoint ``ck`` (micro-batch index per rank), and
     notes to print. Settings that would skip or repeat windows are refused with the saved values;
-    fields an older checkpoint lacks are not checked."""
+    fields an older checkpoint lacks are not checked. ``fingerprint``: this run's data
+    (hydra_train.data_fingerprint; run_training always passes it), compared with the checkpoint's;
+    a difference, another --seq_len among them, is refused unless --allow_data_change. None (a
+    Trainer built by hand, whose data is not known here): the data is not compared."""
     data, train = ck.get("data", {}), ck["config"].get("train", {})
     saved = {k: data.get(k, train.get(k)) for k in ("seed", "seq_len", "batch_size", "grad_accum")}
     now = {
@@ -227,7 +238,9 @@ def resume_data_position(ck: dict[str, Any], cfg, world_size: int, path: Path) -
         "grad_accum": cfg.optim.grad_accum,
     }
     changed = {k: v for k, v in saved.items() if v is not None and v != now[k]}
-    bad = [f"--{k} {now[k]} (checkpoint: {changed[k]})" for k in ("seed", "seq_len") if k in changed]
+    allow = cfg.runtime.allow_data_change  # other windows: the data check below says what changed
+    refused = ("seed",) if allow else ("seed", "seq_len")
+    bad = [f"--{k} {now[k]} (checkpoint: {changed[k]})" for k in refused if k in changed]
     notes = []
     position = int(data["position"])
     old_ws = int(data.get("world_size", world_size))  # older files: assumed unchanged
@@ -253,7 +266,14 @@ def resume_data_position(ck: dict[str, Any], cfg, world_size: int, path: Path) -
             f"{path} was saved by a run whose data this run would read differently (skipping or repeating "
             f"windows): {'; '.join(bad)}. Resume with the checkpoint's values, or start a new run in "
             "another --checkpoint_dir"
+            + (
+                " (or pass --allow_data_change to continue on the new --seq_len's windows)"
+                if "seq_len" in changed
+                else ""
+            )
         )
+    if fingerprint is not None:
+        notes += check_resume_data(ck, fingerprint, allow, path)
     if "grad_accum" in changed:
         notes.append(
             f"resume: --grad_accum {now['grad_accum']} (checkpoint: {changed['grad_accum']}): the data "
@@ -280,16 +300,18 @@ def _schedule_notes(saved: dict[str, Any] | None, cfg) -> list[str]:
     ]
 
 
-def resume_point(folder: Path, model_id: str, model_config, cfg, world_size: int, log) -> ResumePoint:
+def resume_point(
+    folder: Path, model_id: str, model_config, cfg, world_size: int, log, fingerprint: dict[str, Any]
+) -> ResumePoint:
     """``--resume``'s checkpoint: the newest valid one of ``model_id`` (pruning and the database
-    are per model too), checked against this run's model config and data settings before anything
-    in ``folder`` changes (a refusal changes nothing)."""
+    are per model too), checked against this run's model config, data settings and data
+    (``fingerprint``) before anything in ``folder`` changes (a refusal changes nothing)."""
     found = find_resume_checkpoint(folder, log=log, model_id=model_id)
     if found is None:  # gone since check_resume_dir looked
         raise no_checkpoint_error(folder, model_id)
     check_model_config(found.checkpoint, model_config, found.path)
     if "trainer" in found.checkpoint:  # weights only: nothing of a data stream to continue
-        resume_data_position(found.checkpoint, cfg, world_size, found.path)
+        resume_data_position(found.checkpoint, cfg, world_size, found.path, fingerprint)
     return found
 
 

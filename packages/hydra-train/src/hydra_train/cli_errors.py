@@ -28,7 +28,9 @@ EXIT_SIGINT = 130
 def run_arguments(cfg: TrainConfig) -> list[str]:
     """The ``hydra-train run`` options that give ``cfg`` (those not at their default), ``--resume``
     left out: what an interrupted run is continued with. A resume refuses another --seq_len or
-    --seed and looks for the checkpoints of its own model, so the hint must repeat them."""
+    --seed and looks for the checkpoints of its own model, so the hint must repeat them.
+    ``--allow_data_change`` is left out too: it consents to one change of data, and the
+    checkpoints written after it record the new data (a later change must be refused again)."""
     from hydra_train.config_options import RUN, SECTIONS
 
     args: list[str] = []
@@ -36,7 +38,7 @@ def run_arguments(cfg: TrainConfig) -> list[str]:
         for f in dataclasses.fields(cls):
             spec = f.metadata.get("cli")
             value = getattr(getattr(cfg, section), f.name)
-            if spec is None or RUN not in spec.commands or f.name == "resume":
+            if spec is None or RUN not in spec.commands or f.name in ("resume", "allow_data_change"):
                 continue
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if value == default:

@@ -255,7 +255,13 @@ class RuntimeOptions(LoggerFlags):
         help="Validation every N steps (also at the start and the end).",
         commands=(RUN,),
     )
-    eval_batches: int = flag(8, "--eval_batches", help="Validation batches per evaluation.", commands=(RUN,))
+    eval_batches: int = flag(
+        8,
+        "--eval_batches",
+        help="Validation batches per evaluation, per process (as --batch_size): under torchrun each rank "
+        "takes N, the first N x ranks x batch_size validation windows in all.",
+        commands=(RUN,),
+    )
     log_every: int | None = flag(
         None,
         "--log_every",
@@ -280,6 +286,15 @@ class RuntimeOptions(LoggerFlags):
         help="A switch (no value): continue the run in --checkpoint_dir from its newest valid "
         "checkpoint of this model (none there is an error). To resume another folder's run, pass "
         "that folder as --checkpoint_dir.",
+        commands=(RUN,),
+    )
+    allow_data_change: bool = flag(
+        False,
+        "--allow_data_change",
+        help="A switch (no value), with --resume: continue even though the data differs from the "
+        "checkpoint's (shards added, removed or replaced, another --seq_len or tokenizer); the batch "
+        "order is recomputed from the data as it is now, so windows may be repeated or skipped. "
+        "Without it such a resume is refused.",
         commands=(RUN,),
     )
     seed: int = flag(1337, "--seed", help="Seed for initialisation and data order.")

@@ -45,6 +45,7 @@ from hydra_train.checkpoint import (
     step_name,
 )
 from hydra_train.config import TrainConfig, compile_reason, model_id_for, resolve_config
+from hydra_train.data_fingerprint import data_fingerprint
 from hydra_train.data_parallel import capture_stream, graphed_ddp_possible
 from hydra_train.dataset import BatchPlan, eval_batches
 from hydra_train.device_setup import choose_cpu_threads, device_info, pick_device, seed_everything
@@ -277,10 +278,14 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
         world_size=dist_info.world_size,
     )
     ckpt_dir = Path(cfg.runtime.checkpoint_dir)
+    # every rank's own data (each opens it): saved in each checkpoint, compared on --resume
+    fingerprint = data_fingerprint(data.train, data.val)
     found = None
     if main:
         if cfg.runtime.resume:
-            found = resume_point(ckpt_dir, model_id, model.config, cfg, dist_info.world_size, log)
+            found = resume_point(
+                ckpt_dir, model_id, model.config, cfg, dist_info.world_size, log, fingerprint
+            )
         _keep_tokenizer_beside(data.tokenizer_path, ckpt_dir, log)
     run_id = broadcast_object(dist_info, _new_run_id(model_id))
     artifacts = RunArtifacts(ckpt_dir / "runs" / run_id, rank=dist_info.rank)
@@ -332,6 +337,7 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
         return path
 
     trainer.saver = saver
+    trainer.data_fingerprint = fingerprint
     run = TrainingRun(
         cfg, device, dist_info, data, model, model_id, n_params, n_params_ne, ckpt_dir, artifacts,
         ckpt_dir / DB_NAME, choice, trainer, safe, db,

@@ -25,6 +25,7 @@ from hydra_train.checkpoint import (
 )
 from hydra_train.distributed import full_model_state, full_optimizer_state, load_full_state
 from hydra_train.errors import HydraDivergedError
+from hydra_train.safe_opts.adam8bit import adamw_state_dict_from_8bit, is_8bit_state_dict
 
 EMA_ALPHAS = (0.99, 0.999, 0.9999)
 
@@ -42,6 +43,9 @@ class TrainerStateMixin:
 
     def _init_state(self, device: torch.device) -> None:
         self.state = LoopState()
+        #: the data's fingerprint (hydra_train.data_fingerprint), set by the runner: saved in every
+        #: checkpoint and compared on resume; None (a Trainer built by hand): neither
+        self.data_fingerprint: dict[str, Any] | None = None
         self._alphas = torch.tensor(EMA_ALPHAS, dtype=torch.float64, device=device)
         self._ema = torch.zeros(3, dtype=torch.float64, device=device)
         self._ema_count = torch.zeros((), dtype=torch.float64, device=device)
@@ -151,6 +155,8 @@ class TrainerStateMixin:
                 "position": self.loader.position,
                 "seed": self.cfg.runtime.seed,
                 "world_size": self.dist.world_size,
+                # the window layout the position counts in: a resume on other data is refused
+                **({"fingerprint": self.data_fingerprint} if self.data_fingerprint is not None else {}),
             },
             "trainer": self.state_dict(),
             "config": {"model": model_config, "train": self.cfg.to_dict()},
@@ -184,8 +190,19 @@ class TrainerStateMixin:
             load_full_state(self.model, self.optimizer, ck["model"], None)
             self.log(f"{point.path.name} holds weights only: training starts from them at step 0")
             return
-        position, notes = resume_data_position(ck, self.cfg, self.dist.world_size, point.path)
-        load_full_state(self.model, self.optimizer, ck["model"], ck.get("optimizer"))
+        position, notes = resume_data_position(
+            ck, self.cfg, self.dist.world_size, point.path, self.data_fingerprint
+        )
+        optim_state = ck.get("optimizer")
+        if optim_state is not None and is_8bit_state_dict(optim_state):
+            # run built bitsandbytes' AdamW8bit itself for a while: torch's AdamW took that state
+            # and failed at its first step (no exp_avg); converted, it continues from its moments
+            optim_state, n = adamw_state_dict_from_8bit(optim_state, self.optimizer)
+            notes.append(
+                f"{point.path.name}: bitsandbytes AdamW8bit state (an older --8bit_adam checkpoint) "
+                f"converted to AdamW's for {n} parameters"
+            )
+        load_full_state(self.model, self.optimizer, ck["model"], optim_state)
         for g in self.optimizer.param_groups:  # the current --lr wins over the saved one
             g["initial_lr"] = self.cfg.optim.lr
         self.reset_graph_state(self.optimizer)
