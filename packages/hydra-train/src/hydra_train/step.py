@@ -11,7 +11,9 @@ Gradient averaging over ranks: DDP's reducer on the last micro-batch (``no_sync(
 with ``grad_averager`` set (a graphed DDP step, or ``--ddp_grad_sync allreduce``), DDP silent and
 :class:`hydra_train.data_parallel.GradAverager` after the last backward, in the step body itself,
 so that a graph captures it. Buffers: rank 0's on every rank before a step's first forward (DDP's
-forward, the averager, or the step itself under FSDP2, which never syncs them).
+forward, the averager, or the step itself under FSDP2, which never syncs them); loss-free MoE
+balancing's pending load is summed over ranks after every micro-batch, so that its bias follows the
+whole global batch as one process's does (:meth:`StepMixin._sum_balance_loads`).
 
 Clipping (``--grad_clip``): a fused torch Adam/AdamW clips as it reads the gradients (its
 ``grad_scale``, :func:`hydra_train.optim.clip_divisor`), so only the norm is computed here; other
@@ -141,8 +143,9 @@ class StepMixin:
             averager.broadcast_buffers()  # what DDP's forward does once per step
         elif self.dist.enabled and is_fsdp(self.wrapped):
             # FSDP2 replicates buffers but never syncs them: a buffer a training forward moves from
-            # this rank's own data (MoE's loss-free balancing bias) drifted apart on every rank
-            # and the ranks routed differently. Rank 0's, as DDP does once per step
+            # this rank's own data would drift apart on every rank and the ranks would compute
+            # differently. Rank 0's, as DDP does once per step (MoE's loss-free balancing load is
+            # summed over ranks instead: _sum_balance_loads)
             broadcast_buffers(self.model)
         for i, (x, y) in enumerate(batches):
             # with the hand-rolled averaging DDP's reducer stays silent on every micro-batch
@@ -152,6 +155,7 @@ class StepMixin:
                 loss = out.loss if loss_scale is None else out.loss * loss_scale
                 (loss / n).backward()
             sums.add(out, loss_scale)
+            self._sum_balance_loads()
         if averager is not None:
             averager.average_gradients()  # before anything reads them: hooks, norm, optimizer
         if hooks:
@@ -272,6 +276,20 @@ class StepMixin:
         elif bool(finite):  # host sync: this optimizer cannot skip on its own
             opt.step()
         self._commit_router_thresholds(finite)
+
+    def _sum_balance_loads(self) -> None:
+        """Loss-free MoE balancing: each layer's ``pending_load`` (the assignments the next training
+        forward turns into a bias update) summed over ranks, after every micro-batch. Each rank
+        counted its own tokens only, and the buffer sync before a step's first forward then gave
+        every rank rank 0's count, so the biases followed rank 0's load alone; summed, every rank
+        makes one process's update on the combined batch, and the biases stay equal on every rank
+        with no broadcast. One all-reduce of a few floats, no host sync (a graph captures it)."""
+        if not self.dist.enabled:
+            return
+        layers = getattr(self.model, "moe_layers", None)
+        loads = [m.pending_load for m in layers() if m.balancing == "loss_free"] if layers else []
+        if loads:
+            coalesced(loads, lambda flat: all_reduce_sum(self.dist, flat))
 
     def _commit_router_thresholds(self, applied: torch.Tensor) -> None:
         """Causal routing: fold this step's router statistics into the thresholds, summed over

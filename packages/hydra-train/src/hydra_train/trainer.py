@@ -120,7 +120,8 @@ class Trainer(StepMixin, TrainerStateMixin):
         self.schedule.attach(optimizer)
 
     def request_stop(self, reason: str) -> None:
-        """Stop after the current step (a callback may call this)."""
+        """Stop after the current step (a callback may call this); under torchrun, a request on
+        any rank stops every rank after the next log step (``--log_every``: :meth:`_stop_agreed`)."""
         self.stop_reason = reason
 
     @contextlib.contextmanager
@@ -160,7 +161,8 @@ class Trainer(StepMixin, TrainerStateMixin):
         excluded = 0.0  # eval and save time inside the current log interval
         steps_since_log = 0
         t_prev_step = t_last_log = time.perf_counter()
-        while self.step < cfg.runtime.max_steps and self.stop_reason is None:
+        stopping = self._stop_agreed(True)  # a stop asked before the first step
+        while self.step < cfg.runtime.max_steps and not stopping:
             batches = [self.loader.next() for _ in range(cfg.optim.grad_accum)]
             res = self.step_impl(batches)
             # what this step ran with, read before the schedule moves on to the next step's lr
@@ -184,7 +186,11 @@ class Trainer(StepMixin, TrainerStateMixin):
             t_prev_step = now
             steps_since_log += 1
             self.callbacks.call("on_step_end", self.step, metrics)
-            last = self.step >= cfg.runtime.max_steps or self.stop_reason is not None
+            # at the last step too, so that every rank reports the same status
+            stopping = self._stop_agreed(
+                self.step % cfg.runtime.log_every == 0 or self.step >= cfg.runtime.max_steps
+            )
+            last = self.step >= cfg.runtime.max_steps or stopping
             saving = bool(cfg.runtime.save_every) and self.step % cfg.runtime.save_every == 0
             if self.step % cfg.runtime.log_every == 0 or last or saving:
                 self.check_skip_streak()
@@ -207,6 +213,25 @@ class Trainer(StepMixin, TrainerStateMixin):
             spent = time.perf_counter() - t0
             excluded += spent
             t_prev_step += spent
+
+    def _stop_agreed(self, sync_point: bool) -> bool:
+        """Whether to stop after this step. One process: as soon as :meth:`request_stop` was
+        called. Under torchrun every rank must stop after the same step: a rank stopping alone
+        ran its final evaluation and save against the others' next step, collectives that do not
+        pair (gloo aborted the process, NCCL hangs) and the final checkpoint was lost. A request
+        on any rank stops every rank at the next log step (``--log_every``), where the ranks
+        sync anyway (one small all-reduce; the reason is then shared)."""
+        if not self.dist.enabled:
+            return self.stop_reason is not None
+        if not sync_point:
+            return False
+        flag = torch.tensor([float(self.stop_reason is not None)], device=self.device)
+        if not bool(all_reduce_sum(self.dist, flag)):
+            return False
+        reasons: list[str | None] = [None] * self.dist.world_size
+        torch.distributed.all_gather_object(reasons, self.stop_reason)
+        self.stop_reason = next(r for r in reasons if r is not None)  # the lowest asking rank's
+        return True
 
     def _mean_over_ranks(self, m: StepMetrics) -> StepMetrics:
         """Loss terms averaged over ranks for logging (``on_step_end`` sees this rank's values)."""
@@ -259,9 +284,10 @@ class Trainer(StepMixin, TrainerStateMixin):
     def evaluate(self) -> float:
         """Mean validation cross-entropy over the fixed validation batches (all ranks)."""
         if self.dist.enabled:
-            # every rank evaluates rank 0's model, the one a checkpoint holds: within a step of
-            # several micro-batches each rank moves some buffers from its own data (MoE's loss-free
-            # balancing bias), and rank 0's come back only before the next step's first forward
+            # every rank evaluates rank 0's model, the one a checkpoint holds: a buffer a training
+            # forward moves from this rank's own data comes back to rank 0's only before the next
+            # step's first forward (MoE's loss-free balancing bias is kept equal by the step itself:
+            # hydra_train.step.StepMixin._sum_balance_loads)
             broadcast_buffers(self.model)
         was_training = self.model.training
         self.model.eval()
