@@ -12,7 +12,10 @@ A callback subclasses :class:`TrainerCallback` and overrides what it needs:
 ``on_step_end(step, metrics)``       after every optimizer step, applied or skipped
 ``on_log(step, row)``                at log intervals, with the floats written to the database
 ``on_eval(step, val_loss)``          after each validation pass
-``on_train_end(summary)``            once, with the run summary (also after a failure: status says)
+``on_train_end(summary)``            once, with the run summary (also after a failure: status says);
+                                     every callback gets it even when one before it raises
+                                     (the metrics database closes the run), then the first
+                                     error is raised
 ``state_dict()/load_state_dict()``   saved in checkpoints under ``"callbacks"[name]``, restored on resume
 
 Loggers (TensorBoard, W&B) are callbacks registered with their flag in :mod:`hydra_train.loggers`.
@@ -123,8 +126,24 @@ class CallbackList:
         return len(self.callbacks)
 
     def call(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` on every callback in order. An exception stops the others, except in
+        ``on_train_end``: the run's teardown, which every callback gets (the metrics database
+        records the run's end, the artifacts close); the first exception is raised after."""
+        if hook != "on_train_end":
+            for cb in self.callbacks:
+                getattr(cb, hook)(*args)
+            return
+        first: BaseException | None = None
         for cb in self.callbacks:
-            getattr(cb, hook)(*args)
+            try:
+                getattr(cb, hook)(*args)
+            except BaseException as exc:  # raised again below, once every callback has run
+                if first is None:
+                    first = exc
+                    if hasattr(exc, "add_note"):  # Python 3.11+: the traceback names the callback
+                        exc.add_note(f"raised by callback {cb.name!r} in on_train_end")
+        if first is not None:
+            raise first
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         return {cb.name: cb.state_dict() for cb in self.callbacks}

@@ -41,6 +41,16 @@ def _open_db(checkpoint_dir: str):
         fail(str(exc))
 
 
+def _check_model(db, model: str | None) -> None:
+    """A --model the database does not hold stops with one line listing the ones it does (stats
+    showed a row of nulls for a mistyped id, the other commands nothing)."""
+    if model is None:
+        return
+    known = db.model_ids()
+    if model not in known:  # the caller's `with` closes the database on the way out
+        fail(f"no model {model!r} in {db.path}; it holds: {', '.join(known) or 'no models yet'}")
+
+
 def _table(title: str, rows: list[dict], columns: list[str]) -> None:
     from hydra_kernels.cli_format import print_records
 
@@ -51,6 +61,7 @@ def _table(title: str, rows: list[dict], columns: list[str]) -> None:
 def db_stats(checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_out: Json = False) -> None:
     """Per model: runs, logged steps, last step, best and last loss, EMAs, best validation loss."""
     with _open_db(checkpoint_dir) as db:
+        _check_model(db, model)
         rows = db.stats(model)
     if json_out:
         return emit_json(rows)
@@ -79,6 +90,7 @@ def db_milestones(
 ) -> None:
     """The first step at which the short-EMA loss went below each threshold."""
     with _open_db(checkpoint_dir) as db:
+        _check_model(db, model)
         rows = db.milestones(model)
     if json_out:
         return emit_json(rows)
@@ -100,6 +112,7 @@ def db_ema(
 ) -> None:
     """Loss with its short (0.99), medium (0.999) and long (0.9999) EMAs from --start on."""
     with _open_db(checkpoint_dir) as db:
+        _check_model(db, model)
         rows = db.ema(model, start=start, limit=limit)
     if json_out:
         return emit_json(rows)
@@ -114,6 +127,7 @@ def db_ema(
 def db_runs(checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_out: Json = False) -> None:
     """Every run: status, steps, best and final validation loss, tokens/s, what it resumed from."""
     with _open_db(checkpoint_dir) as db:
+        _check_model(db, model)
         rows = db.runs(model)
     if json_out:
         return emit_json(rows)

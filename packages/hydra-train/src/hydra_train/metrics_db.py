@@ -339,17 +339,27 @@ class TrainingDB:
         return p
 
     def load_diagnostics_json(self, path: str | Path) -> str:
-        """Insert (or replace) one exported run; returns its run id."""
-        doc = json.loads(Path(path).read_text())
-        if doc.get("format") != EXPORT_FORMAT:
-            raise ValueError(f"{path}: not a hydra-train diagnostics export")
-        if doc.get("model"):
-            self._upsert("models", doc["model"])
-        self._upsert("runs", doc["run"])
-        for table in _PER_RUN_TABLES:
-            self._upsert_many(table, doc.get(table, []))
+        """Insert (or replace) one exported run; returns its run id. A file that is not one
+        (unreadable, not JSON, another format) raises ValueError naming it."""
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path} is not valid JSON ({exc}); move it away and rebuild again") from None
+        if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT or "run" not in doc:
+            raise ValueError(f"{path}: not a hydra-train diagnostics export; move it away and rebuild again")
+        try:
+            if doc.get("model"):
+                self._upsert("models", doc["model"])
+            self._upsert("runs", doc["run"])
+            for table in _PER_RUN_TABLES:
+                self._upsert_many(table, doc.get(table, []))
+            run_id = doc["run"]["run_id"]
+        except (sqlite3.Error, AttributeError, TypeError, KeyError) as exc:
+            self.conn.rollback()
+            msg = f"{path}: a damaged diagnostics export ({type(exc).__name__}: {exc}); move it away"
+            raise ValueError(msg + " and rebuild again") from None
         self.commit()
-        return doc["run"]["run_id"]
+        return run_id
 
 
 def rebuild_database(folder: str | Path, db_name: str = DB_NAME) -> tuple[Path, list[str]]:
@@ -364,17 +374,22 @@ def rebuild_database(folder: str | Path, db_name: str = DB_NAME) -> tuple[Path, 
     for suffix in ("", "-wal", "-shm"):
         Path(str(tmp) + suffix).unlink(missing_ok=True)
     run_ids = []
-    with TrainingDB(tmp) as db:
-        for p in exports:
-            run_ids.append(db.load_diagnostics_json(p))
-        # a dead run's export still holds the rows a later resume dropped: drop them again, each
-        # resume over the runs started before it, as start_run did
-        for r in db.query("SELECT resumed_from, start_step, started_at FROM runs WHERE start_step > 0"):
-            if r["resumed_from"]:
-                db.drop_superseded(r["resumed_from"], r["start_step"], before=r["started_at"])
-        db.commit()
-        db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        db.conn.execute("PRAGMA journal_mode=DELETE")
+    try:
+        with TrainingDB(tmp) as db:
+            for p in exports:
+                run_ids.append(db.load_diagnostics_json(p))
+            # a dead run's export still holds the rows a later resume dropped: drop them again,
+            # each resume over the runs started before it, as start_run did
+            for r in db.query("SELECT resumed_from, start_step, started_at FROM runs WHERE start_step > 0"):
+                if r["resumed_from"]:
+                    db.drop_superseded(r["resumed_from"], r["start_step"], before=r["started_at"])
+            db.commit()
+            db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            db.conn.execute("PRAGMA journal_mode=DELETE")
+    except BaseException:
+        for suffix in ("", "-wal", "-shm"):  # the half-built copy goes; training.db is untouched
+            Path(str(tmp) + suffix).unlink(missing_ok=True)
+        raise
     target = folder / db_name
     for suffix in ("-wal", "-shm"):
         Path(str(target) + suffix).unlink(missing_ok=True)

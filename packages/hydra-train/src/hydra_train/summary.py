@@ -1,8 +1,13 @@
 """The run summary: what ``hydra-train run`` prints at the end (a table, or JSON with ``--json``)
-and what the run's callbacks receive in ``on_train_end``."""
+and what the run's callbacks receive in ``on_train_end``.
+
+A number that is not finite (the loss of a skipped last step, the best loss of a run that logged
+none) is ``None`` in the summary, as it is NULL in training.db: the summary is written as JSON
+(``--json``, ``--summary_dir``), which has no NaN or Infinity."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -40,7 +45,20 @@ def describe_run(summary: dict[str, Any], run: Any) -> dict[str, Any]:
         summary["tflops_per_s"] = summary["tokens_per_s"] * fpt / 1e12
     if device.type == "cuda":
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    for key, value in summary.items():
+        summary[key] = finite_or_none(value)
     return summary
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by None (in lists and dicts too)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(finite_or_none(v) for v in value)
+    return value
 
 
 def _grad_sync(run: Any) -> str | None:
@@ -102,6 +120,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         on = [n for n, st in s["safe_opts"].items() if st in ("ENABLED", "STABLE")]
         off = [f"{n} {st}" for n, st in s["safe_opts"].items() if st not in ("ENABLED", "STABLE", "OFF")]
         rows.append(("optimizations", f"on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'}"))
+    if s.get("logger_errors"):
+        rows.append(("loggers", "; ".join(f"{n} {why}" for n, why in s["logger_errors"].items())))
     rows += [
         ("checkpoint", str(s.get("final_checkpoint", "-"))),
         ("metrics database", str(s.get("database"))),

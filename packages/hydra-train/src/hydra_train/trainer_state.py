@@ -229,8 +229,12 @@ class TrainerStateMixin:
             "best_val_loss": min(v for _, v in vh) if vh else None,
             "final_loss": self.last_log.get("loss"),
             "best_loss": self.state.best_loss,
-            "tokens_per_s": (self.step - self._session_start_step) * self.tokens_per_step / self.train_time_s
-            if self.train_time_s > 0
+            # the steps train_time_s timed: up to the last log row (a failure after it ran steps
+            # that no interval timed, and counting them overstated the speed)
+            "tokens_per_s": (self.last_log["step"] - self._session_start_step)
+            * self.tokens_per_step
+            / self.train_time_s
+            if self.train_time_s > 0 and "step" in self.last_log
             else None,
             "tokens_per_s_last": self.last_log.get("tokens_per_s"),
             "train_time_s": self.train_time_s,
