@@ -45,3 +45,24 @@ def test_opt_takes_both_spellings_and_lists_kebab_first():
     assert runner.invoke(app, ["show", "--max-steps", "8"]).stdout.strip() == "8"
     param = typer.main.get_command(app).commands["show"].params[0]
     assert param.opts == ["--max-steps", "--max_steps"]
+
+
+def test_emit_json_writes_non_finite_numbers_as_null(capsys):
+    """json.dumps wrote NaN/Infinity, which strict parsers (jq, JavaScript's JSON.parse) refuse: a
+    loss that went non-finite made every --json output unreadable to a script."""
+    import json
+    import math
+    import random
+
+    from hydra_kernels.cli_support import emit_json
+
+    bad = random.choice([float("nan"), float("inf"), -float("inf")])
+    x = random.random()
+    emit_json({"loss": bad, "rows": [x, (bad, 2)], "nested": {"a": {"b": bad}}, "n": 3, "s": "nan"})
+
+    def refuse(name):
+        raise AssertionError(f"not JSON: {name}")
+
+    got = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert got == {"loss": None, "rows": [x, [None, 2]], "nested": {"a": {"b": None}}, "n": 3, "s": "nan"}
+    assert math.isfinite(got["rows"][0])

@@ -5,6 +5,7 @@ upward. Nothing here imports torch, so ``--help`` stays fast.
 """
 
 import json
+import math
 import sys
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, NoReturn
@@ -113,9 +114,22 @@ def require_cuda(tool: str) -> None:
         fail(f"{tool} needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False).")
 
 
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, ±inf) as None: ``json.dumps`` would write NaN or
+    Infinity, which is not JSON, and a script's strict parser (``jq``, JavaScript) refuses it."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
 def emit_json(obj: Any) -> None:
-    """Write ``obj`` as JSON to stdout for scripts (no rich markup, no wrapping)."""
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    """Write ``obj`` as JSON to stdout for scripts (no rich markup, no wrapping); non-finite
+    numbers are written as null."""
+    sys.stdout.write(json.dumps(finite_json(obj), indent=2, default=str, allow_nan=False) + "\n")
 
 
 def run_app(app: Callable[..., Any], prog_name: str) -> None:
