@@ -27,6 +27,9 @@ def test_tensorboard_install_hint_is_printed_verbatim(bin_dataset, tmp_path, mon
     res = runner.invoke(app, args)
     assert res.exit_code == 1
     assert "pip install 'hydra-train[tensorboard]'" in res.output
+    # said before anything is built: found when the loggers were built, it came after the data
+    # loading and left a metrics database and an empty run folder behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_run_log_lines_keep_brackets(monkeypatch, tmp_path):

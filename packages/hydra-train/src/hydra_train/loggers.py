@@ -36,6 +36,26 @@ def register_logger(cls: type[TrainerCallback]) -> type[TrainerCallback]:
     return cls
 
 
+def check_logger_packages(cfg: Any) -> None:
+    """A HydraTrainError naming the first switched-on logger whose package is missing, checked
+    before anything is built: found when the loggers are built, it came after the data loading (a
+    minute on a cold corpus cache) and left an empty run folder behind."""
+    import importlib
+
+    from hydra_train.errors import HydraTrainError
+
+    for name, cls in LOGGERS.items():
+        module = getattr(cls, "module", None)
+        if not (getattr(cfg, name, False) and module):
+            continue
+        try:  # imported, not only looked up: torch.utils.tensorboard exists without tensorboard
+            importlib.import_module(module)
+        except ImportError:
+            raise HydraTrainError(
+                f"--{name} needs the {name} package: pip install 'hydra-train[{name}]'"
+            ) from None
+
+
 def build_loggers(cfg: Any, run_dir: Path, run_id: str) -> list[TrainerCallback]:
     """The loggers ``cfg`` switches on, built for this run."""
     return [
@@ -93,6 +113,7 @@ class TensorBoardCallback(Logger):
 
     name = "tensorboard"
     help = "Also log scalars to TensorBoard (run folder)."
+    module = "torch.utils.tensorboard"  # what the logger imports (it needs tensorboard)
 
     @classmethod
     def for_run(cls, run_dir: Path, run_id: str, config: dict[str, Any]) -> TensorBoardCallback:
@@ -129,6 +150,7 @@ class WandbCallback(Logger):
 
     name = "wandb"
     help = "Also log to Weights & Biases (offline unless WANDB_MODE says otherwise)."
+    module = "wandb"
 
     @classmethod
     def for_run(cls, run_dir: Path, run_id: str, config: dict[str, Any]) -> WandbCallback:

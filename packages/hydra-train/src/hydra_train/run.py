@@ -58,7 +58,7 @@ from hydra_train.distributed import (
     wrap_model,
 )
 from hydra_train.errors import HydraTrainError
-from hydra_train.loggers import build_loggers
+from hydra_train.loggers import build_loggers, check_logger_packages
 from hydra_train.metrics_db import DB_NAME, TrainingDB
 from hydra_train.optim import OptimizerChoice
 from hydra_train.options import torchrun_launch, train_options
@@ -116,6 +116,7 @@ def run_training(
     """Train as ``cfg`` says; returns the summary (see :meth:`Trainer.summary` plus where things went)."""
     console = console or Console()
     train_options()  # a variable that cannot be used stops the run here, before anything is built
+    check_logger_packages(cfg)  # so does --tensorboard / --wandb without its package
     launch = torchrun_launch()
     device = pick_device(cfg.runtime.device, launch.local_rank, launch.world_size)
     dist_info = init_distributed(device.type)
