@@ -8,8 +8,9 @@ section (:mod:`hydra_train.config_options`) and an option of ``hydra-train run``
 :mod:`hydra_train.run` adds every logger whose flag is set (rank 0 only).
 
 The classes import their library (tensorboard, wandb) only when built, so this module stays light:
-the configuration reads the registry while ``--help`` runs. A missing library or a backend that
-cannot start stops the run with one line when the logger is built. A backend that fails later (a
+the configuration reads the registry while ``--help`` runs. A missing library stops the run with
+one line before anything is built (:func:`check_logger_packages`), a backend that cannot start
+when the logger is built. A backend that fails later (a
 full disk, a dropped connection) does not end the run: a :class:`Logger` turns itself off with one
 warning line on stderr, and the summary reports it (``logger_errors``, the table's ``loggers`` row);
 training.db and its exports still get every row.
