@@ -1,11 +1,13 @@
 """``health routing``: how a model's routers behave on real batches, and whether one collapsed.
 
-For each batch the model runs in training mode (top-k routing, what the papers train) and in eval
-mode (causal threshold routing, what generation uses), without gradients; state that a training
-forward changes (loss-free MoE bias, statistics buffers) is restored afterwards. Reported per layer:
+For each batch the model runs in training mode and in eval mode (the same causal threshold rule
+under causal routing, the default; top-k in training and a threshold in eval under expert choice),
+without gradients; state that a training forward changes (loss-free MoE bias, statistics buffers)
+is restored afterwards. Reported per layer:
 
-* MoD: selected fraction (train: exactly ⌈capacity·S⌉/S; eval: the share of tokens whose router says
-  yes), capacity, router probability mean, and the spread of the router logits across tokens;
+* MoD: selected fraction (causal routing: the share taken, at most ⌈capacity·S⌉/S; expert choice:
+  exactly that in training, the share whose router says yes in eval), capacity, router
+  probability mean, and the spread of the router logits across tokens;
 * MoR: average and expected depth, the depth histogram, and the histogram the capacity schedule
   implies (share reaching recursion r = c_r);
 * MoE: expert utilisation, router entropy, KL to uniform, max violation.

@@ -72,8 +72,9 @@ def health_routing(
     no_plot: NoPlot = False,
     json_out: JsonOut = False,
 ) -> None:
-    """How the routers behave, in training (top-k) and eval (causal threshold) mode: MoD selected
-    fraction against capacity and the spread of router scores, the MoR depth distribution against the
+    """How the routers behave, in training and eval mode (causal routing: the same causal threshold
+    rule in both; expert choice: top-k, then a threshold): MoD selected fraction against capacity
+    and the spread of router scores, the MoR depth distribution against the
     capacity schedule, MoE expert utilisation; flags collapsed routers, all-or-none selection, dead or
     dominant experts. On a fresh preset or a checkpoint (CPU or CUDA). PNG: heat maps per layer.
     Exit 1 when an error-level problem is found."""
