@@ -58,9 +58,13 @@ class DecoderMixin:
                 hid, weight = hid.to(dt), weight.to(dt)
             return None, linear_cross_entropy(hid, weight, targets.reshape(-1), ignore_index=IGNORE_INDEX)
         logits = F.linear(h, self.embed.weight)
+        flat = targets.reshape(-1)
+        # torch's mean, divided here so that a batch with every target ignored has loss 0 and
+        # zero gradients, as the chunked path's (torch's mean of no tokens is NaN); the same
+        # sum and division as reduction="mean" otherwise, so the same bits
         ce = F.cross_entropy(
-            logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=IGNORE_INDEX
-        )
+            logits.float().reshape(-1, cfg.vocab_size), flat, ignore_index=IGNORE_INDEX, reduction="sum"
+        ) / (flat != IGNORE_INDEX).sum().clamp_min(1).to(torch.float32)
         return (logits if return_logits else None), ce
 
     def flops_per_token(self, seq_len: int, executed: bool = True) -> float:

@@ -202,8 +202,8 @@ def compute_memory_footprint(
     """Estimated training memory (MB) with fp32 weights and grads, AdamW states
     (``optimizer_bytes_per_param``: 8 for fp32 AdamW, 2 for 8-bit) and bf16 activations
     (``activation_bytes``). Routed applications hold activations only for their tokens;
-    gradient checkpointing keeps only the inputs of the checkpointed blocks plus one block (a
-    GPT layer counts as a block)."""
+    gradient checkpointing keeps only the inputs of the checkpointed blocks, and the backward
+    recomputes one of them at a time (a GPT layer counts as a block)."""
     from hydra_model.gpt import GPTModel
     from hydra_model.model import CCGQAMoDMoRModel
 
@@ -225,8 +225,17 @@ def compute_memory_footprint(
         for app in applications(cfg, seq_len, executed=True):
             per_block[app.block] = per_block.get(app.block, 0.0) + tokens * app.token_fraction * per_app
     if every:
-        kept = [tokens * cfg.dim * 4 if i % every == 0 else v for i, v in per_block.items()]
-        activations = sum(kept) + max(per_block.values(), default=0.0)
+        # a checkpointed block keeps its fp32 input; the backward recomputes one such block at a
+        # time, when the blocks after it have freed theirs: the peak is the larger of what the
+        # forward keeps and, for each checkpointed block, what the blocks before it keep plus
+        # its recomputed activations
+        order = sorted(per_block)
+        kept = {i: tokens * cfg.dim * 4 if i % every == 0 else per_block[i] for i in order}
+        activations, below = sum(kept.values()), 0.0
+        for i in order:
+            if i % every == 0:
+                activations = max(activations, below + per_block[i])
+            below += kept[i]
     else:
         activations = sum(per_block.values())
     logits = 0.0 if cfg.use_chunked_ce else tokens * cfg.vocab_size * (activation_bytes + 4 + 4)

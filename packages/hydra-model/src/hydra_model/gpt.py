@@ -53,7 +53,7 @@ from hydra_model.decoder import DecoderMixin, check_return_logits
 from hydra_model.gpt_config import GPTConfig, gpt_config
 from hydra_model.gqa import GQAAttention
 from hydra_model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from hydra_model.model import HydraOutput
+from hydra_model.model import HydraOutput, check_forward_inputs
 
 
 class GPTLayer(nn.Module):
@@ -127,6 +127,7 @@ class GPTModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         ``return_logits=False`` (with targets): the output holds the loss only (see
         :func:`~hydra_model.decoder.check_return_logits`)."""
         check_return_logits(targets, return_logits)
+        targets = check_forward_inputs(input_ids, targets, self.config.vocab_size)
         b, s = input_ids.shape
         cfg = self.config
         if cache is not None and cache.seq_len:

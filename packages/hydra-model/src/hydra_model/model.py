@@ -35,6 +35,44 @@ class HydraOutput:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def check_forward_inputs(
+    input_ids: torch.Tensor, targets: torch.Tensor | None, vocab_size: int
+) -> torch.Tensor | None:
+    """Refuse what a forward cannot read, naming it (both architectures' forwards call this):
+    ``input_ids`` must be integer ids [batch, seq] with seq ≥ 1, ``targets`` (when given) integer
+    ids of the same shape (another shape of as many numbers was paired with the wrong
+    positions). Returns the targets as int64 (cross-entropy takes no int32). Ids past the
+    vocabulary are named on the CPU in eager mode; elsewhere the check would read the ids back
+    to the host each forward, and the embedding's own error (a device-side assert) stays."""
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids of shape {tuple(input_ids.shape)}: a forward takes [batch, seq] token ids "
+            "(one sequence: input_ids.unsqueeze(0))"
+        )
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no tokens; pass seq ≥ 1")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids are {input_ids.dtype}; pass integer token ids (e.g. .long())")
+    if input_ids.device.type == "cpu" and input_ids.numel() and not torch.compiler.is_compiling():
+        low, high = (int(v) for v in torch.aminmax(input_ids))
+        bad = low if low < 0 else high
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"input_ids hold {bad}, outside the vocabulary: ids must lie in "
+                f"[0, vocab_size={vocab_size}); check the tokenizer against the config's vocab_size"
+            )
+    if targets is None:
+        return None
+    if targets.shape != input_ids.shape:
+        raise ValueError(
+            f"targets of shape {tuple(targets.shape)} must have input_ids' shape "
+            f"{tuple(input_ids.shape)}: one target per position (ignore_index -100 to skip one)"
+        )
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"targets are {targets.dtype}; pass integer token ids (-100 to ignore)")
+    return targets.long()
+
+
 def aux_loss_weights(cfg: HydraConfig) -> dict[str, float]:
     """Weight of each auxiliary term in ``loss`` (the terms in ``aux_losses`` are unweighted)."""
     return {
@@ -150,6 +188,7 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
         ``return_logits=False`` (with targets): the output holds the losses only (see
         :func:`~hydra_model.decoder.check_return_logits`)."""
         check_return_logits(targets, return_logits)
+        targets = check_forward_inputs(input_ids, targets, self.config.vocab_size)
         b, s = input_ids.shape
         cfg = self.config
         pos = None
@@ -167,11 +206,14 @@ class CCGQAMoDMoRModel(nn.Module, GradientCheckpointMixin, DecoderMixin):
                 pos = cache.positions(b, input_ids.device)  # [B, 1]
         elif s > cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds max_seq_len={cfg.max_seq_len}")
-        if self.training and torch.is_grad_enabled() and self.threshold_commit == "forward":
+        # routing state moves only with forwards that train (training mode, gradients on): a
+        # training-mode forward under no_grad (an evaluation of training-mode routing) reads it
+        trains = self.training and torch.is_grad_enabled()
+        if trains and self.threshold_commit == "forward":
             self.commit_router_thresholds()  # last step's quantile, outside any checkpointed region
         moes = self.moe_layers()
         for moe in moes:
-            if self.training and moe.balancing == "loss_free":
+            if trains and moe.balancing == "loss_free":
                 moe.apply_bias_update()  # from the previous forward's load, outside any checkpoint
             moe.reset_stats()
 

@@ -9,7 +9,7 @@ where syncs are not allowed, every expert on every sorted row with the other row
 
 Balancing: ``aux_loss`` (Switch: n_experts · Σ_e f_e · P_e) or ``loss_free`` (a per-expert bias
 added to the scores for selection only, nudged by ±rate towards equal load after each training
-forward; DeepSeek-V3 style).
+forward with gradients; DeepSeek-V3 style).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydra_kernels import swiglu, swiglu_packed
+from hydra_model.config import MOE_BALANCINGS
 
 _lock = threading.Lock()
 _dispatch_counts: Counter[str] = Counter()
@@ -78,6 +79,13 @@ class MoEFFN(nn.Module):
         bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__()
+        if n_experts < 1 or not 1 <= top_k <= n_experts:
+            raise ValueError(
+                f"MoEFFN: top_k={top_k} experts per token out of n_experts={n_experts}: "
+                "need 1 ≤ top_k ≤ n_experts"
+            )
+        if balancing not in MOE_BALANCINGS:
+            raise ValueError(f"MoEFFN: balancing={balancing!r}; expected one of {MOE_BALANCINGS}")
         self.dim, self.hidden, self.n_experts, self.top_k = dim, hidden, n_experts, top_k
         self.balancing, self.bias_update_rate = balancing, bias_update_rate
         self.router = nn.Linear(dim, n_experts, bias=False)
@@ -156,6 +164,7 @@ class MoEFFN(nn.Module):
         if vmask is not None:
             assign = assign * vmask.repeat_interleave(k).unsqueeze(-1)
         load = assign.sum(0)  # [n_exp]
+        trains = self.training and torch.is_grad_enabled()  # a forward that trains (model.py)
         with torch.no_grad():
             ent = -(probs * probs.clamp_min(1e-12).log()).sum(-1)
             n_valid = vmask.sum() if vmask is not None else torch.full((), float(n_tok), device=x.device)
@@ -163,7 +172,7 @@ class MoEFFN(nn.Module):
             self.stat_entropy.add_(
                 torch.stack([(ent * vmask).sum() if vmask is not None else ent.sum(), n_valid])
             )
-            if self.training:
+            if trains:
                 self.pending_load.add_(load)
 
         loss = None
