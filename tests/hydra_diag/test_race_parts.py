@@ -179,7 +179,8 @@ def test_training_mode_evaluation_leaves_the_model_unchanged(bigram):
     from hydra_model.architectures import build_model
 
     data = bigram()
-    # loss-free MoE balancing updates a bias buffer in every training-mode forward: state to protect
+    # loss-free MoE balancing and the routers' statistics move buffers in training-mode forwards
+    # (the biases only with gradients on): state to protect
     moe = {"moe_enabled": True, "moe_balancing": "loss_free", "moe_bias_update_rate": 0.1}
     model = build_model("hydra", "tiny", vocab_size=256, **HYDRA_TINY, **moe).eval()
     batches = data.val_batches()
