@@ -139,6 +139,33 @@ def test_a_loopback_server_refuses_a_host_that_is_not_this_machine(tmp_path):
             assert [r["run_id"] for r in body["runs"]] == ["run1"]
 
 
+def test_a_server_on_another_loopback_address_answers_its_own_url(tmp_path):
+    """Debian names the machine 127.0.1.1: a dashboard bound there (or reached by any 127.x.y.z)
+    is this machine's, and its own URL must be answered (it was refused with a 403 telling the
+    user to open the URL they had opened)."""
+    import random
+    import threading
+
+    from hydra_diag.dashboard.server import DashboardServer
+    from hydra_diag.dashboard.store import DashboardStore
+
+    synthetic_db(tmp_path, [dict(step=1, **ROW)])
+    addr = f"127.0.{random.randint(1, 254)}.{random.randint(1, 254)}"
+    server = DashboardServer(DashboardStore(tmp_path), addr, 0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        assert server.url.startswith(f"http://{addr}:")
+        assert [r["run_id"] for r in get_json(server.url + "api/runs")["runs"]] == ["run1"]
+        port = server.url.rstrip("/").rsplit(":", 1)[1]
+        assert _get_with_host(server.url + "api/runs", f"127.0.0.1:{port}")[0] == 200
+        assert _get_with_host(server.url + "api/runs", f"evil.example:{port}")[0] == 403
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
 def test_a_server_on_a_chosen_address_answers_any_host(tmp_path):
     """--host 0.0.0.0 (or any non-loopback address) is the user's choice to expose the run: the
     Host check is off there, so a machine reached by its name is answered."""
@@ -146,6 +173,7 @@ def test_a_server_on_a_chosen_address_answers_any_host(tmp_path):
 
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5")
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert is_loopback("127.0.1.1") and is_loopback("[::1]") and not is_loopback("127.0.0.1.example.org")
     assert host_name("[::1]:8050") == "[::1]" and host_name("Example.org:80") == "example.org"
     assert host_name("127.0.0.1") == "127.0.0.1"
 

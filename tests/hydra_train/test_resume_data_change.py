@@ -243,3 +243,37 @@ def test_multi_rank_checkpoints_record_and_check_the_fingerprint(data, tmp_path)
     bundle = load_run_data(tiny_config(data, tmp_path), print)
     final = torch.load(tmp_path / "ck" / "hydra_tiny_final.pt", weights_only=True)
     assert final["step"] == 4 and final["data"]["fingerprint"] == data_fingerprint(bundle.train, bundle.val)
+
+
+def test_a_copied_text_folder_keeps_its_fingerprint(tmp_path):
+    """Packed text files are one shard named by their folder: the dataset folder's own name went
+    into every shard name, so a renamed or copied text dataset was "other data" on resume."""
+    import random
+
+    from hydra_train.shards import open_shards
+    from hydra_train.tokenizer import train_bpe
+
+    rng = random.Random()
+    words = ["def", "return", "self", "x", "y", "(", ")", ":", "\n", "    ", "=", "1", "import"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(40, 200))) for _ in range(6)]
+    tok = train_bpe(texts, 300)
+
+    def fingerprint(folder: Path, seq: int = 16) -> dict:
+        files = sorted(folder.iterdir())
+        shards = open_shards(files, tok)
+        ds = TokenDataset(shards, seq, 300, name="train")
+        train, val = ds.split_tail(1)
+        return data_fingerprint(train, val)
+
+    src = tmp_path / "corpusA"
+    src.mkdir()
+    for i, t in enumerate(texts[:4]):
+        (src / f"doc{i}.txt").write_text(t, encoding="utf-8")
+    write_token_shard(src / "zz.bin", np.asarray(tok.encode(texts[4]).ids))
+    base = fingerprint(src)
+    shutil.copytree(src, tmp_path / "renamed")
+    assert data_changes(base, fingerprint(tmp_path / "renamed")) == []
+    (tmp_path / "renamed" / "doc9.txt").write_text(texts[5], encoding="utf-8")
+    text = "; ".join(data_changes(base, fingerprint(tmp_path / "renamed")))
+    assert "shards changed length: (packed text files)" in text, text
+    assert "added" not in text and "removed" not in text and "zz.bin" not in text

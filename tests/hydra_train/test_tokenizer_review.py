@@ -36,6 +36,34 @@ def test_end_of_text_written_in_a_document_stays_text():
     assert [tok.decode(d[:-1].tolist(), skip_special_tokens=False) for d in docs] == texts
 
 
+class _NoWrites:
+    """The caller's tokenizer, refusing any attribute set: encode_documents flipped its
+    encode_special_tokens for a moment, which another thread encoding with it then saw (its
+    end-of-text ids lost)."""
+
+    def __init__(self, tok):
+        object.__setattr__(self, "_tok", tok)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __setattr__(self, name, value):
+        raise AssertionError(f"encode_documents set {name} on the caller's tokenizer")
+
+
+def test_end_of_text_in_documents_leaves_the_callers_tokenizer_as_it_was():
+    rng = random.Random()
+    tok = train_bpe(_random_texts(rng, 200), 320)
+    texts = [t + EOS_TOKEN + t for t in _random_texts(rng, 6)] + _random_texts(rng, 6)
+    rng.shuffle(texts)
+    got = encode_documents(_NoWrites(tok), texts, batch=5)
+    assert np.array_equal(got, encode_documents(tok, texts, batch=5))
+    assert tok.encode_special_tokens is False
+    # the text's end-of-text string is still text, and a plain encode still matches the token
+    assert (got == eos_id(tok)).sum() == len(texts)
+    assert eos_id(tok) in tok.encode("a" + EOS_TOKEN + "b", add_special_tokens=False).ids
+
+
 def _jsonl(path, texts):
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
 
@@ -75,3 +103,17 @@ def test_text_that_is_not_utf8_is_an_error_naming_the_file(tmp_path):
     line = " ".join(res.stderr.split())
     assert res.exit_code == 1 and line.startswith("error:") and str(latin) in line, res.output
     assert "UTF-8" in line and not (tmp_path / "t.json").exists()
+
+
+def test_tokenizer_training_skips_hidden_files_as_the_run_does(tmp_path):
+    """A folder copied from macOS holds ._name files (binary AppleDouble data): `hydra-train run`
+    skips hidden files, but tokenizer training read them (a .jsonl one failed as not UTF-8, a .txt
+    one fed replacement characters into the vocabulary)."""
+    from hydra_train.text_tables import iter_texts
+
+    rng = random.Random()
+    texts = _random_texts(rng, 8)
+    _jsonl(tmp_path / "data.jsonl", texts)
+    (tmp_path / "._data.jsonl").write_bytes(bytes([0, 5, 22, 7, 0xFF, 0xFE]) + rng.randbytes(40))
+    (tmp_path / ".notes.txt").write_text("hidden " + _random_texts(rng, 1)[0], encoding="utf-8")
+    assert list(iter_texts([tmp_path])) == texts

@@ -74,8 +74,15 @@ class RunData:
     def model_config(self) -> HydraConfig | None:
         """The run's HydraConfig, or None for a run of another architecture (the dense GPT has no
         routing, MoE or auxiliary terms to analyse) or without a models row. Use
-        :meth:`architecture_config` for the config of any architecture."""
-        return self.architecture_config() if self.arch == "hydra" else None
+        :meth:`architecture_config` for the config of any architecture. A recorded config this
+        hydra-model cannot read (another version's fields) is None too: its callers (the MoE
+        watchdog, the loss components) go on without it, as they did."""
+        if self.arch != "hydra":
+            return None
+        try:
+            return self.architecture_config()
+        except DiagError:
+            return None
 
 
 def pick_run(db, run_id: str | None, model: str | None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ it)::
                              (validation shards only when they are not the training shards':
                              a held-out tail shares them). name: the path relative to the folder
                              all shards share (a moved or copied dataset keeps its names; packed
-                             text files: their folder and file count); tokens: the token count
+                             text files: their folder); tokens: the token count
                              (row shards: rows x row length); edges: 12 hex digits of a SHA-1 of
                              the first and last EDGE_TOKENS tokens (rows: first and last row).
                              Above MAX_LISTED shards: None (the checkpoint stays small), and the
@@ -71,13 +71,16 @@ def data_fingerprint(train: TokenDataset | WindowView, val: TokenDataset | Windo
     if vv.base is not tv.base:
         shards += vv.base.shards
     paths = [Path(s.path) for s in shards]
-    # the folder every shard sits in (a packed text group's path is already a folder: its parent)
-    root = Path(os.path.commonpath([p.parent for p in paths]))
+    # the folder every shard sits in: a file's folder, or a packed text group's own path (the
+    # folder its files share), so that a copied or renamed dataset keeps every name
+    root = Path(
+        os.path.commonpath([p if s.files > 1 else p.parent for s, p in zip(shards, paths, strict=True)])
+    )
     rows = []
     for s, p in zip(shards, paths, strict=True):
         name = p.relative_to(root).as_posix()
-        if s.files > 1:
-            name += f"/ ({s.files} text files)"
+        if s.files > 1:  # not their count: a file added is the group's length changing
+            name = f"{name}/ (packed text files)" if name != "." else "(packed text files)"
         rows.append([name, s.num_tokens, _edges(s.tokens)])
     fp: dict[str, Any] = {
         "version": VERSION,

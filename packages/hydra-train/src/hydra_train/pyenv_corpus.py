@@ -283,6 +283,10 @@ def _encode_split(
     """Stream ``files`` through the tokenizer into a ``.bin`` shard: (tokens, files, bytes)
     written. ``seen``: content digests of the files already written (copies are left out)."""
     eos = eos_id(tok)
+    # encoded as it always was: a source file that spells out "<|endoftext|>" (tokenizer code)
+    # gets an end-of-text id there, which encode_documents now keeps as text. Kept so, because
+    # this corpus is the race's: a change would alter its data under the recorded races
+    # (FORMAT_VERSION would rebuild every cache)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     width = 2 if tok.get_vocab_size() <= 2**16 else 4
     total_chars = sum(f.size for f in files)

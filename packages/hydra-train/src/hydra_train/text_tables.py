@@ -133,7 +133,12 @@ def iter_texts(paths: list[Path], column: str = "text") -> Iterator[str]:
             continue
         if p.is_dir():
             folder = p / "train" if (p / "train").is_dir() else p
-            files = sorted(f for f in folder.iterdir() if f.is_file() and not VAL_NAME.search(f.stem))
+            # as --dataset lists a folder: hidden files (macOS's ._name, editors' temporaries) aside
+            files = sorted(
+                f
+                for f in folder.iterdir()
+                if f.is_file() and not f.name.startswith(".") and not VAL_NAME.search(f.stem)
+            )
         else:
             files = [p]
         text_files = [f for f in files if f.suffix.lower() in (".txt", ".jsonl", *TABLE_SUFFIXES)]

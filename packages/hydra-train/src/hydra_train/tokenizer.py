@@ -69,36 +69,40 @@ def eos_id(tok) -> int:
     )
 
 
-def _with_literal_marker(tok, text: str, marker: str) -> list[int]:
-    """Ids of ``text`` in which each ``marker`` (the end-of-document token's string) is encoded as
-    plain text: matched as the special token it would be a document boundary in mid-document, and
-    decoding would drop it."""
-    was = tok.encode_special_tokens
-    tok.encode_special_tokens = True  # only for the marker: other special tokens keep matching
-    try:
-        literal = tok.encode(marker, add_special_tokens=False).ids
-    finally:
-        tok.encode_special_tokens = was
-    ids: list[int] = []
-    for k, piece in enumerate(text.split(marker)):
-        if k:
-            ids += literal
-        ids += tok.encode(piece, add_special_tokens=False).ids
-    return ids
+def _literal_ids(tok, marker: str) -> list[int]:
+    """The ids of ``marker`` (the end-of-document token's string) read as plain text. From a copy
+    of ``tok`` that matches no special token: the caller's tokenizer is never changed (another
+    thread may be encoding with it; the tokenizers library releases the GIL while it encodes)."""
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_str(tok.to_str())
+    plain.encode_special_tokens = True
+    return plain.encode(marker, add_special_tokens=False).ids
 
 
 def encode_documents(tok, texts: list[str], batch: int = 256) -> np.ndarray:
     """Token ids of all ``texts``, each followed by the end-of-document id, as one uint32 array.
     The end-of-document id appears only there: its string written inside a text (Python sources
-    that handle GPT-2 tokenizers, web pages) is encoded as the characters it is."""
+    that handle GPT-2 tokenizers, web pages) is encoded as the characters it is (matched as the
+    special token, it would be a document boundary in mid-document, and decoding would drop it);
+    the text's other special tokens still match."""
     eos = eos_id(tok)
     marker = tok.id_to_token(eos)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: skips offsets
+    literal: list[int] | None = None  # the marker's plain-text ids, made on first need
     parts: list[np.ndarray] = []
     for i in range(0, len(texts), batch):
         chunk = texts[i : i + batch]
-        for text, enc in zip(chunk, encode(chunk, add_special_tokens=False), strict=True):
-            ids = _with_literal_marker(tok, text, marker) if marker in text else enc.ids
+        plain = [t for t in chunk if marker not in t]
+        encoded = iter(encode(plain, add_special_tokens=False)) if plain else iter(())
+        for text in chunk:
+            if marker not in text:
+                ids = next(encoded).ids
+            else:  # the pieces around each marker in one batched call, the marker's text between
+                literal = _literal_ids(tok, marker) if literal is None else literal
+                ids = []
+                for k, enc in enumerate(encode(text.split(marker), add_special_tokens=False)):
+                    ids += literal + enc.ids if k else enc.ids
             parts.append(np.asarray(ids, dtype=np.uint32))
             parts.append(np.asarray([eos], dtype=np.uint32))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)

@@ -22,7 +22,7 @@ def dashboard_cmd(
         opt(
             "--host",
             help="Address to bind. The default serves this machine only: no authentication, and only "
-            "requests addressed to localhost, 127.0.0.1 or [::1] are answered.",
+            "requests addressed to localhost, 127.x.y.z or [::1] are answered.",
         ),
     ] = "127.0.0.1",
     log_requests: Annotated[bool, opt("--log_requests", help="Print every HTTP request on stderr.")] = False,

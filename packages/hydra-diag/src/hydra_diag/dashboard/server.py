@@ -14,7 +14,8 @@ A request per poll is a few milliseconds of SQLite reads; a thread per connectio
 browser from holding up another.
 
 Served on a loopback address (the default), a request must name a loopback host in its ``Host``
-header: a web page from elsewhere whose domain an attacker points at 127.0.0.1 (DNS rebinding)
+header (localhost, 127.x.y.z, [::1]): a web page from elsewhere whose domain an attacker points at
+127.0.0.1 (DNS rebinding)
 could otherwise read the run through the visitor's browser. Served on another address, the user has
 chosen to expose the run and any ``Host`` is answered.
 """
@@ -35,8 +36,6 @@ from urllib.parse import parse_qs, unquote, urlparse
 from hydra_diag.dashboard.store import INCREMENTAL, DashboardStore
 from hydra_diag.output import DiagError
 
-#: the names a browser on this machine uses for a loopback server (IPv6 in brackets, as in a URL)
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css"}
 
 
@@ -64,8 +63,17 @@ def host_name(header: str) -> str:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether the address a server binds is this machine only."""
-    return host.lower() in ("localhost", "::1") or host.startswith("127.")
+    """Whether the address a server binds (or a Host header's name) is this machine only:
+    localhost, ::1 or any 127.x.y.z (Debian names the machine 127.0.1.1)."""
+    import ipaddress
+
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:  # a name, not an address
+        return False
 
 
 def static_files() -> dict[str, tuple[Path, str]]:
@@ -104,10 +112,10 @@ class DashboardHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         url = urlparse(self.path)
         host = self.headers.get("Host")
-        if self.server.loopback and host is not None and host_name(host) not in LOOPBACK_NAMES:
+        if self.server.loopback and host is not None and not is_loopback(host_name(host)):
             self._json(
                 {"error": f"Host {host!r} is not this machine: open {self.server.url} (this server "
-                 "answers only requests addressed to localhost, 127.0.0.1 or [::1])"},
+                 "answers only requests addressed to localhost, 127.x.y.z or [::1])"},
                 403,
             )  # fmt: skip
             return
