@@ -53,7 +53,10 @@ def check_forward_inputs(
         raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no tokens; pass seq ≥ 1")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids are {input_ids.dtype}; pass integer token ids (e.g. .long())")
-    if input_ids.device.type == "cpu" and input_ids.numel() and not torch.compiler.is_compiling():
+    # plain CPU tensors only: a FakeTensor (FLOP counting, export) or another subclass has no
+    # values to read, and on a GPU the read would be a host sync every forward
+    plain = type(input_ids) is torch.Tensor and input_ids.device.type == "cpu"
+    if plain and input_ids.numel() and not torch.compiler.is_compiling():
         low, high = (int(v) for v in torch.aminmax(input_ids))
         bad = low if low < 0 else high
         if low < 0 or high >= vocab_size:
