@@ -55,8 +55,9 @@ def check_forward_inputs(
         raise ValueError(f"input_ids are {input_ids.dtype}; pass integer token ids (e.g. .long())")
     # plain CPU tensors only: a FakeTensor (FLOP counting, export) or another subclass has no
     # values to read, and on a GPU the read would be a host sync every forward
-    plain = type(input_ids) is torch.Tensor and input_ids.device.type == "cpu"
-    if plain and input_ids.numel() and not torch.compiler.is_compiling():
+    # (is_compiling first: a traced forward never evaluates the rest)
+    plain = not torch.compiler.is_compiling() and type(input_ids) is torch.Tensor
+    if plain and input_ids.device.type == "cpu" and input_ids.numel():
         low, high = (int(v) for v in torch.aminmax(input_ids))
         bad = low if low < 0 else high
         if low < 0 or high >= vocab_size:
