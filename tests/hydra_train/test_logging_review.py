@@ -144,6 +144,10 @@ def test_a_callback_raising_at_the_end_leaves_the_others_their_on_train_end(bin_
     export = json.loads((ck / f"diagnostics_{run_id}.json").read_text())
     assert export["run"]["status"] == "finished"
     assert [r["step"] for r in export["steps"]] == [s for (s,) in db_rows(ck, "SELECT step FROM steps")]
+    # and run.py still writes the --summary_dir file after the raise (it was skipped)
+    (written,) = (tmp_path / "s").glob("train_summary_*.json")
+    doc = json.loads(written.read_text())
+    assert (doc["run_id"], doc["status"], doc["steps"]) == (run_id, "finished", 4)
 
 
 def test_callback_list_calls_every_on_train_end_and_raises_the_first_error():

@@ -11,7 +11,6 @@ written and the summary (:mod:`hydra_train.summary`) returned.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -67,7 +66,7 @@ from hydra_train.reporting import MetricsDBCallback, ProgressCallback
 from hydra_train.run_guard import check_finite_weights, install_sigterm, open_checkpoint_dir, settle_dead_runs
 from hydra_train.safe_opts import pretest_log
 from hydra_train.safe_opts.callback import SafeOptimizations
-from hydra_train.summary import describe_run, summary_rows
+from hydra_train.summary import describe_run, summary_rows, write_summary_json
 from hydra_train.trainer import Trainer
 
 # kept importable from here (hydra-diag and older scripts import them from hydra_train.run)
@@ -389,12 +388,12 @@ def _train(run: TrainingRun, log) -> dict[str, Any]:
         if not summary:
             summary = trainer.summary()
         describe_run(summary, run)
-        trainer.callbacks.call("on_train_end", summary)
-        if run.db is not None:
-            run.db.close()
-        if run.dist.is_main and cfg.runtime.summary_dir:
-            folder = Path(cfg.runtime.summary_dir)
-            folder.mkdir(parents=True, exist_ok=True)
-            name = f"train_summary_{run.model_id}_{trainer.run_id}.json"
-            (folder / name).write_text(json.dumps(summary, indent=2))
+        try:
+            trainer.callbacks.call("on_train_end", summary)
+        finally:  # a callback raising at the end: the database still closes, the summary still out
+            if run.db is not None:
+                run.db.close()
+            if run.dist.is_main and cfg.runtime.summary_dir:
+                name = f"train_summary_{run.model_id}_{trainer.run_id}.json"
+                write_summary_json(summary, Path(cfg.runtime.summary_dir) / name)
     return summary

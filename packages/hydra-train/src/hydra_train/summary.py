@@ -8,6 +8,7 @@ none) is ``None`` in the summary, as it is NULL in training.db: the summary is w
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +49,15 @@ def describe_run(summary: dict[str, Any], run: Any) -> dict[str, Any]:
     for key, value in summary.items():
         summary[key] = finite_or_none(value)
     return summary
+
+
+def write_summary_json(summary: dict[str, Any], path: Path) -> None:
+    """``--summary_dir``'s file: the summary as JSON (its folder made; written atomically)."""
+    import json
+
+    from hydra_train.atomic_files import atomic_write_bytes
+
+    atomic_write_bytes(path, json.dumps(summary, indent=2).encode("utf-8"))
 
 
 def finite_or_none(value: Any) -> Any:
