@@ -54,3 +54,19 @@ def test_checkpointing_really_recomputes():
     assert not model.gradient_checkpointing
     with pytest.raises(ValueError):
         model.enable_gradient_checkpointing(every=0)
+
+
+def test_every_must_be_an_integer():
+    """every=1.5 was taken as 1 (int()), checkpointing every block where the user asked for
+    something else; an int of another type (numpy's) is still taken."""
+    import numpy as np
+
+    from hydra_model import build_model
+
+    model = build_model("gpt", "tiny", dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64)
+    with pytest.raises(TypeError, match=r"every=1\.5"):
+        model.enable_gradient_checkpointing(every=1.5)
+    assert not model.gradient_checkpointing
+    n = int(np.random.default_rng().integers(1, 4))
+    model.enable_gradient_checkpointing(every=np.int64(n))
+    assert model._checkpoint_every == n and model.gradient_checkpointing

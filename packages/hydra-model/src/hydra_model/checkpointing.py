@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -20,9 +21,13 @@ class GradientCheckpointMixin:
     _checkpoint_every: int = 0
 
     def enable_gradient_checkpointing(self, every: int = 1) -> None:
-        if int(every) < 1:
+        try:  # an int (numpy's too); every=1.5 was taken as 1
+            n = operator.index(every)
+        except TypeError:
+            raise TypeError(f"every={every!r} must be an int (1 checkpoints every block)") from None
+        if n < 1:
             raise ValueError(f"every={every} must be ≥ 1 (1 checkpoints every block)")
-        self._checkpoint_every = int(every)
+        self._checkpoint_every = n
 
     def disable_gradient_checkpointing(self) -> None:
         self._checkpoint_every = 0
