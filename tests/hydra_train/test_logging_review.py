@@ -21,6 +21,7 @@ from hydra_train.run import run_training
 from hydra_train.summary import summary_rows
 
 from .conftest import tiny_config
+from .test_trainer import CrashAt
 
 
 def strict_json(text: str):
@@ -222,17 +223,6 @@ def test_the_summary_json_stays_valid_when_the_last_loss_is_not_finite(bin_datas
 
 
 # -- tokens/s against the database -------------------------------------------------------------------
-
-
-class CrashAt(TrainerCallback):
-    name = "crash"
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, step, metrics):
-        if step == self.step:
-            raise RuntimeError("simulated crash")
 
 
 def test_summary_tokens_per_s_of_a_failed_run_matches_its_logged_rows(bin_dataset, tmp_path):

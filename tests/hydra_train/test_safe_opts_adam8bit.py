@@ -80,13 +80,20 @@ def fake_8bit_optimizer(params, moments):
     return SimpleNamespace(param_groups=groups, state=state), codes
 
 
-def test_8bit_state_to_torch_adamw():
-    g = torch.Generator().manual_seed(2)
+def two_params_and_moments(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor, list, torch.Generator]:
+    """A matrix large enough for 8-bit blockwise state and a small vector (kept in 32 bits), with
+    moments (exp_avg, exp_avg_sq, step) for each, and the generator that drew them."""
+    g = torch.Generator().manual_seed(seed)
     big, small = torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(30))
     moments = [
-        (torch.randn(64, 80, generator=g) * 1e-3, torch.rand(64, 80, generator=g) * 1e-6, 7),
-        (torch.randn(30, generator=g), torch.rand(30, generator=g), 7),
+        (torch.randn(64, 80, generator=g) * 1e-3, torch.rand(64, 80, generator=g) * 1e-6, step),
+        (torch.randn(30, generator=g), torch.rand(30, generator=g), step),
     ]
+    return big, small, moments, g
+
+
+def test_8bit_state_to_torch_adamw():
+    big, small, moments, g = two_params_and_moments(2, 7)
     opt8, codes = fake_8bit_optimizer([big, small], moments)
     new = to_torch_adamw(opt8, fused=True)
     g0 = new.param_groups[0]
@@ -154,12 +161,7 @@ def test_a_saved_8bit_state_loads_into_torch_adamw_without_bitsandbytes():
     having also dropped ``fused``; converted, it continues from the same moments."""
     from hydra_train.safe_opts.adam8bit import adamw_state_dict_from_8bit, is_8bit_state_dict
 
-    g = torch.Generator().manual_seed(3)
-    big, small = torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(30))
-    moments = [
-        (torch.randn(64, 80, generator=g) * 1e-3, torch.rand(64, 80, generator=g) * 1e-6, 11),
-        (torch.randn(30, generator=g), torch.rand(30, generator=g), 11),
-    ]
+    big, small, moments, g = two_params_and_moments(3, 11)
     saved, want = bnb_checkpoint_state([big, small], moments)
     assert is_8bit_state_dict(saved)
     opt = torch.optim.AdamW([big, small], lr=1e-4, fused=True)

@@ -47,7 +47,7 @@ def analyze_loss_components(path: str, run_id: str | None = None, model: str | N
     cfg = data.model_config()
     weights = aux_loss_weights(cfg) if cfg is not None else {}
     # the dense GPT baseline has no auxiliary terms (and no HydraConfig): its loss must equal CE
-    dense = cfg is None and data.train_config.get("arch") == "gpt"
+    dense = cfg is None and data.arch == "gpt"
     series = component_series(data)
     findings: list[dict[str, Any]] = []
 

@@ -89,13 +89,12 @@ def pretest(
     from hydra_train.errors import HydraTrainError
     from hydra_train.safe_opts.pretest_log import PretestHook
     from hydra_train.safe_opts.registry import NAMES
-    from hydra_train.summary import finite_or_none
 
     logs = log_dir or str(Path(cfg.runtime.checkpoint_dir) / "pretest_logs")
     hook = PretestHook(logs)
     if history:
-        if json_out:  # JSON has no NaN/Infinity: a non-finite number (a failed arm's) is null
-            return emit_json(finite_or_none(hook.get_summary()))
+        if json_out:  # emit_json writes a non-finite number (a failed arm's) as null
+            return emit_json(hook.get_summary())
         return hook.print_summary(console)
     if report is not None:
         from hydra_train.safe_opts.report import build_report
@@ -133,6 +132,6 @@ def pretest(
     except HydraTrainError as exc:
         fail(str(exc))
     if json_out:
-        return emit_json(finite_or_none(rec))
+        return emit_json(rec)
     _show(rec)
     sys.stdout.flush()

@@ -57,13 +57,15 @@ class DataBundle:
     tokenizer_path: Path | None = None
 
 
+def data_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` that may be data, in name order: hidden ones are not (macOS's
+    "._name" AppleDouble files, editors' and writers' temporaries). Tokenizer training lists a
+    folder the same way (text_tables.iter_texts)."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
 def _shard_files(folder: Path) -> list[Path]:
-    # hidden files are not data: macOS's "._name" AppleDouble files, editors' and writers' temporaries
-    return sorted(
-        p
-        for p in folder.iterdir()
-        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in SHARD_SUFFIXES
-    )
+    return [p for p in data_files(folder) if p.suffix.lower() in SHARD_SUFFIXES]
 
 
 def resolve_dataset_path(name: str) -> Path:

@@ -37,24 +37,28 @@ def register_logger(cls: type[TrainerCallback]) -> type[TrainerCallback]:
     return cls
 
 
-def check_logger_packages(cfg: Any) -> None:
-    """A HydraTrainError naming the first switched-on logger whose package is missing, checked
-    before anything is built: found when the loggers are built, it came after the data loading (a
-    minute on a cold corpus cache) and left an empty run folder behind."""
+def import_backend(name: str, module: str) -> Any:
+    """The library of the logger ``--name`` (``module``, imported: torch.utils.tensorboard exists
+    without tensorboard), or a HydraTrainError saying what to install."""
     import importlib
 
     from hydra_train.errors import HydraTrainError
 
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise HydraTrainError(
+            f"--{name} needs the {name} package: pip install 'hydra-train[{name}]'"
+        ) from None
+
+
+def check_logger_packages(cfg: Any) -> None:
+    """A HydraTrainError naming the first switched-on logger whose package is missing, checked
+    before anything is built: found when the loggers are built, it came after the data loading (a
+    minute on a cold corpus cache) and left an empty run folder behind."""
     for name, cls in LOGGERS.items():
-        module = getattr(cls, "module", None)
-        if not (getattr(cfg, name, False) and module):
-            continue
-        try:  # imported, not only looked up: torch.utils.tensorboard exists without tensorboard
-            importlib.import_module(module)
-        except ImportError:
-            raise HydraTrainError(
-                f"--{name} needs the {name} package: pip install 'hydra-train[{name}]'"
-            ) from None
+        if getattr(cfg, name, False) and getattr(cls, "module", None):
+            import_backend(name, cls.module)
 
 
 def build_loggers(cfg: Any, run_dir: Path, run_id: str) -> list[TrainerCallback]:
@@ -121,15 +125,7 @@ class TensorBoardCallback(Logger):
         return cls(str(run_dir / "tensorboard"))
 
     def __init__(self, log_dir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            from hydra_train.errors import HydraTrainError
-
-            raise HydraTrainError(
-                "--tensorboard needs the tensorboard package: pip install 'hydra-train[tensorboard]'"
-            ) from None
-        self.writer = SummaryWriter(log_dir=log_dir)
+        self.writer = import_backend(self.name, self.module).SummaryWriter(log_dir=log_dir)
 
     def log_row(self, step: int, row: dict[str, Any]) -> None:
         for k, v in row.items():
@@ -160,15 +156,7 @@ class WandbCallback(Logger):
     def __init__(self, run_dir: str, run_id: str, config: dict[str, Any]):
         from hydra_train.options import train_options
 
-        try:
-            import wandb
-        except ImportError:
-            from hydra_train.errors import HydraTrainError
-
-            raise HydraTrainError(
-                "--wandb needs the wandb package: pip install 'hydra-train[wandb]'"
-            ) from None
-        self.wandb = wandb
+        self.wandb = wandb = import_backend(self.name, self.module)
         opts = train_options()
         try:
             self.run = wandb.init(

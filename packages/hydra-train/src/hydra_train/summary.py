@@ -7,11 +7,12 @@ none) is ``None`` in the summary, as it is NULL in training.db: the summary is w
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from hydra_kernels.cli_support import finite_json
 
 
 def describe_run(summary: dict[str, Any], run: Any) -> dict[str, Any]:
@@ -46,8 +47,8 @@ def describe_run(summary: dict[str, Any], run: Any) -> dict[str, Any]:
         summary["tflops_per_s"] = summary["tokens_per_s"] * fpt / 1e12
     if device.type == "cuda":
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    for key, value in summary.items():
-        summary[key] = finite_or_none(value)
+    for key, value in summary.items():  # JSON has no NaN/Infinity: null, as the database's NULL
+        summary[key] = finite_json(value)
     return summary
 
 
@@ -58,17 +59,6 @@ def write_summary_json(summary: dict[str, Any], path: Path) -> None:
     from hydra_train.atomic_files import atomic_write_bytes
 
     atomic_write_bytes(path, json.dumps(summary, indent=2).encode("utf-8"))
-
-
-def finite_or_none(value: Any) -> Any:
-    """``value`` with every float that is not finite replaced by None (in lists and dicts too)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(finite_or_none(v) for v in value)
-    return value
 
 
 def _grad_sync(run: Any) -> str | None:

@@ -123,6 +123,7 @@ def iter_texts(paths: list[Path], column: str = "text") -> Iterator[str]:
     (validation text must not shape the vocabulary): its ``train/`` subfolder when there is one,
     else its files in name order less those named like validation shards; a HF dataset's train split."""
     from hydra_train.data_sources import _VAL_NAME as VAL_NAME
+    from hydra_train.data_sources import data_files
     from hydra_train.shards import read_texts
 
     for p in paths:
@@ -133,12 +134,7 @@ def iter_texts(paths: list[Path], column: str = "text") -> Iterator[str]:
             continue
         if p.is_dir():
             folder = p / "train" if (p / "train").is_dir() else p
-            # as --dataset lists a folder: hidden files (macOS's ._name, editors' temporaries) aside
-            files = sorted(
-                f
-                for f in folder.iterdir()
-                if f.is_file() and not f.name.startswith(".") and not VAL_NAME.search(f.stem)
-            )
+            files = [f for f in data_files(folder) if not VAL_NAME.search(f.stem)]  # as --dataset does
         else:
             files = [p]
         text_files = [f for f in files if f.suffix.lower() in (".txt", ".jsonl", *TABLE_SUFFIXES)]
