@@ -37,19 +37,16 @@ def register_logger(cls: type[TrainerCallback]) -> type[TrainerCallback]:
     return cls
 
 
-def import_backend(name: str, module: str) -> Any:
-    """The library of the logger ``--name`` (``module``, imported: torch.utils.tensorboard exists
-    without tensorboard), or a HydraTrainError saying what to install."""
-    import importlib
-
+def import_backend(name: str, load: Callable[[], Any]) -> Any:
+    """What the logger ``--name``'s ``load`` imports (its library), or a HydraTrainError saying
+    what to install."""
     from hydra_train.errors import HydraTrainError
 
     try:
-        return importlib.import_module(module)
+        return load()
     except ImportError:
-        raise HydraTrainError(
-            f"--{name} needs the {name} package: pip install 'hydra-train[{name}]'"
-        ) from None
+        what = f"--{name} needs the {name} package"
+        raise HydraTrainError(f"{what}: pip install 'hydra-train[{name}]'") from None
 
 
 def check_logger_packages(cfg: Any) -> None:
@@ -57,8 +54,8 @@ def check_logger_packages(cfg: Any) -> None:
     before anything is built: found when the loggers are built, it came after the data loading (a
     minute on a cold corpus cache) and left an empty run folder behind."""
     for name, cls in LOGGERS.items():
-        if getattr(cfg, name, False) and getattr(cls, "module", None):
-            import_backend(name, cls.module)
+        if getattr(cfg, name, False) and hasattr(cls, "load"):
+            import_backend(name, cls.load)
 
 
 def build_loggers(cfg: Any, run_dir: Path, run_id: str) -> list[TrainerCallback]:
@@ -118,14 +115,19 @@ class TensorBoardCallback(Logger):
 
     name = "tensorboard"
     help = "Also log scalars to TensorBoard (run folder)."
-    module = "torch.utils.tensorboard"  # what the logger imports (it needs tensorboard)
+
+    @staticmethod
+    def load() -> Any:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        return SummaryWriter
 
     @classmethod
     def for_run(cls, run_dir: Path, run_id: str, config: dict[str, Any]) -> TensorBoardCallback:
         return cls(str(run_dir / "tensorboard"))
 
     def __init__(self, log_dir: str):
-        self.writer = import_backend(self.name, self.module).SummaryWriter(log_dir=log_dir)
+        self.writer = import_backend(self.name, self.load)(log_dir=log_dir)
 
     def log_row(self, step: int, row: dict[str, Any]) -> None:
         for k, v in row.items():
@@ -147,7 +149,12 @@ class WandbCallback(Logger):
 
     name = "wandb"
     help = "Also log to Weights & Biases (offline unless WANDB_MODE says otherwise)."
-    module = "wandb"
+
+    @staticmethod
+    def load() -> Any:
+        import wandb
+
+        return wandb
 
     @classmethod
     def for_run(cls, run_dir: Path, run_id: str, config: dict[str, Any]) -> WandbCallback:
@@ -156,7 +163,7 @@ class WandbCallback(Logger):
     def __init__(self, run_dir: str, run_id: str, config: dict[str, Any]):
         from hydra_train.options import train_options
 
-        self.wandb = wandb = import_backend(self.name, self.module)
+        self.wandb = wandb = import_backend(self.name, self.load)
         opts = train_options()
         try:
             self.run = wandb.init(
