@@ -46,7 +46,7 @@ class OptimizationOptions:
         help="hydra-kernels' fused Triton ops, otherwise the PyTorch references (default: on with "
         "CUDA, pretested by SafeOptimizations; off on the CPU).",
     )
-    #: None = on for a long run with CUDA (config.compile_by_default)
+    #: None = on for a long run with CUDA (compile_defaults.compile_by_default)
     compile: bool | None = flag(
         None,
         "--compile",
