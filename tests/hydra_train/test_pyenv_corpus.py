@@ -215,3 +215,30 @@ def test_hydra_train_dataset_pyenv(tmp_path, monkeypatch):
     bundle = load_data("pyenv", seq_len=16, vocab_size=VOCAB, default_vocab=32000, log=str)
     assert bundle.vocab_size <= VOCAB and bundle.train.num_windows > bundle.val.num_windows > 0
     assert bundle.tokenizer_path.is_file() and "pyenv" in bundle.description
+
+
+def test_a_literal_end_of_text_in_a_source_file_is_text(tmp_path):
+    """Tokenizer code spells out "<|endoftext|>"; the race's corpus keeps it as the characters it
+    is (encode_documents), so the end-of-text id marks only the end of each file."""
+    from hydra_train.pyenv_corpus import FORMAT_VERSION
+    from hydra_train.tokenizer import EOS_TOKEN, eos_id
+
+    root = _tree(tmp_path / "tree")
+    (root / "site2" / "gpt2_tok.py").write_text(f'EOT = "{EOS_TOKEN}"\nsplit = text.split(EOT)\n' * 5)
+    built = load_pyenv_corpus(
+        vocab_size=VOCAB, roots=_roots(root), cache=tmp_path / "cache", sample_chars=50_000, log=str
+    )
+    tok = load_tokenizer(built.tokenizer_path)
+    eos = eos_id(tok)
+    split = split_sources(scan_sources(_roots(root), ("py",)))
+    spelled = 0
+    for s in ("train", "val"):
+        ids = np.asarray(open_shard(built.folder / f"{s}.bin").tokens)
+        assert int((ids == eos).sum()) == built.files[s]  # one per file, none inside one
+        texts = [Path(f.path).read_text() for f in split[s] if f.key != "stdlib/binary.py"]
+        np.testing.assert_array_equal(ids, encode_documents(tok, texts))
+        spelled += sum(EOS_TOKEN in t for t in texts)
+    assert spelled == 1
+    assert tok.decode(encode_documents(tok, [f'"{EOS_TOKEN}"'])[:-1].tolist()) == f'"{EOS_TOKEN}"'
+    # the shards of earlier builds matched it as the special token: another format, not reused
+    assert FORMAT_VERSION >= 3

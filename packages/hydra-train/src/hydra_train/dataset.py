@@ -40,6 +40,9 @@ class TokenDataset:
         self.name = name
         self.shards = shards
         self.vocab_size = int(vocab_size)
+        #: the model's vocabulary when smaller than the data's (check_vocab_size): the ids a batch
+        #: may hold; vocab_size stays the data's, which checkpoints record
+        self.model_vocab_size: int | None = None
         self.is_rows = shards[0].is_rows
         if self.is_rows:
             lengths = {s.tokens.shape[1] for s in shards}
@@ -93,6 +96,29 @@ class TokenDataset:
                 f"{where}: sequences of {self.seq_len} tokens are longer than the model's max_seq_len "
                 f"{max_seq_len}"
             )
+
+    def check_vocab_size(self, model_vocab_size: int) -> None:
+        """Batches must fit the model's embedding, not only the data's vocabulary: the model's can
+        be smaller (``--model_override vocab_size=N`` wins over the data's), and on CUDA an id
+        past it is a device-side assert. A shard whose largest id is recorded is refused now;
+        the others are checked per batch (check_token_range) against the smaller vocabulary."""
+        model_vocab_size = int(model_vocab_size)
+        if model_vocab_size >= self.vocab_size:
+            self.model_vocab_size = None  # the data's own check is the stricter one
+            return
+        for s in self.shards:
+            if s.max_token_id is not None and s.max_token_id >= model_vocab_size:
+                raise HydraDataError(
+                    f"{s.path}: token id {s.max_token_id} is outside the model's vocabulary "
+                    f"[0, {model_vocab_size}) (the data's is {self.vocab_size}); "
+                    + _vocab_hint(model_vocab_size)
+                )
+        self.model_vocab_size = model_vocab_size
+
+    @property
+    def id_limit(self) -> int:
+        """The ids a batch may hold lie in ``[0, id_limit)``."""
+        return self.vocab_size if self.model_vocab_size is None else self.model_vocab_size
 
     def locate(self, i: int) -> tuple[Shard, int]:
         k = int(np.searchsorted(self._cum, i, side="right")) - 1
@@ -155,6 +181,13 @@ class WindowView:
     def vocab_size(self) -> int:
         return self.base.vocab_size
 
+    @property
+    def id_limit(self) -> int:
+        return self.base.id_limit
+
+    def check_vocab_size(self, model_vocab_size: int) -> None:
+        self.base.check_vocab_size(model_vocab_size)
+
 
 def as_view(ds: TokenDataset | WindowView) -> WindowView:
     return ds if isinstance(ds, WindowView) else WindowView(ds, 0, ds.num_windows)
@@ -215,16 +248,30 @@ class BatchPlan:
 
 
 def check_token_range(rows: np.ndarray, data: WindowView, ids: list[int]) -> None:
-    """One cheap max per batch; on failure, name the shard and window that holds the bad id."""
-    vocab = data.vocab_size
+    """One cheap max per batch, on the host before the copy to the device (an id past the
+    embedding is a device-side assert there); on failure, name the shard and window that hold it."""
+    vocab = data.id_limit
     if rows.size and (int(rows.max()) >= vocab or int(rows.min()) < 0):
         bad_row = int(np.argmax((rows >= vocab).any(axis=1) | (rows < 0).any(axis=1)))
         shard, j = data.locate(ids[bad_row])
         bad = rows[bad_row][(rows[bad_row] >= vocab) | (rows[bad_row] < 0)][0]
-        raise HydraDataError(
-            f"{shard.path}: token id {int(bad)} (window {j}) is outside the vocabulary [0, {vocab}); the "
-            "data was tokenized with another vocabulary (pass --vocab_size or the matching --tokenizer)"
-        )
+        if vocab < data.vocab_size:
+            where = f"the model's vocabulary [0, {vocab}) (the data's is {data.vocab_size})"
+            hint = _vocab_hint(vocab)
+        else:
+            where = f"the vocabulary [0, {vocab})"
+            hint = (
+                "the data was tokenized with another vocabulary (pass --vocab_size or the matching "
+                "--tokenizer, or re-tokenize the data with the model's tokenizer)"
+            )
+        raise HydraDataError(f"{shard.path}: token id {int(bad)} (window {j}) is outside {where}; {hint}")
+
+
+def _vocab_hint(model_vocab_size: int) -> str:
+    return (
+        f"the model's embedding has only {model_vocab_size} rows: give the model the data's vocabulary "
+        "(no --model_override vocab_size below it) or re-tokenize the data with the model's tokenizer"
+    )
 
 
 def eval_batches(

@@ -47,15 +47,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from hydra_train.atomic_files import atomic_write_bytes
 from hydra_train.corpus import is_validation_path
 from hydra_train.errors import HydraDataError
 from hydra_train.shards import TokenShardWriter
-from hydra_train.tokenizer import eos_id, load_tokenizer, train_bpe
+from hydra_train.tokenizer import encode_documents, load_tokenizer, train_bpe
 
-FORMAT_VERSION = 2  # 2: identical files tokenized once
+#: 2: identical files tokenized once; 3: "<|endoftext|>" inside a file is text (encode_documents),
+#: so the shards of a version-2 cache, which ended a document there, are built again
+FORMAT_VERSION = 3
 DEFAULT_EXTENSIONS = ("py",)
 MAX_FILE_BYTES = 4_000_000
 BATCH_CHARS = 16_000_000
@@ -282,20 +282,16 @@ def _encode_split(
 ) -> tuple[int, int, int]:
     """Stream ``files`` through the tokenizer into a ``.bin`` shard: (tokens, files, bytes)
     written. ``seen``: content digests of the files already written (copies are left out)."""
-    eos = eos_id(tok)
-    # encoded as it always was: a source file that spells out "<|endoftext|>" (tokenizer code)
-    # gets an end-of-text id there, which encode_documents now keeps as text. Kept so, because
-    # this corpus is the race's: a change would alter its data under the recorded races
-    # (FORMAT_VERSION would rebuild every cache)
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     width = 2 if tok.get_vocab_size() <= 2**16 else 4
     total_chars = sum(f.size for f in files)
     done, n_files, t0 = 0, 0, time.perf_counter()
     with TokenShardWriter(path, width) as writer:
         for batch in text_batches(files, seen=seen):
-            for enc in encode([t for _, t in batch], add_special_tokens=False):
-                writer.append(np.asarray(enc.ids, dtype=np.uint32))
-                writer.append(np.asarray([eos], dtype=np.uint32))
+            # as every other text hydra-train reads: a source file that spells out
+            # "<|endoftext|>" (tokenizer code) keeps it as text, and the end-of-text id marks only
+            # the end of each file. batch=len: the batch's files in one encode call, as before
+            texts = [t for _, t in batch]
+            writer.append(encode_documents(tok, texts, batch=len(texts)))
             n_files += len(batch)
             done += sum(f.size for f, _ in batch)
             rate = done / max(1e-9, time.perf_counter() - t0) / 1e6

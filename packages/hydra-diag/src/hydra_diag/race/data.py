@@ -69,10 +69,17 @@ class RaceData:
         return h.hexdigest()[:16]
 
     def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The fixed validation windows in batches of at most ``batch_size``."""
+        """The fixed validation windows in batches of at most ``batch_size``, their ids checked
+        against the vocabulary on the host as training batches are (BatchPlan.batch): on CUDA an id
+        past the embedding is a device-side assert, which would fail every later entrant too."""
+        from hydra_train.dataset import as_view, check_token_range
+
+        view = as_view(self.val)
         out = []
         for i in range(0, len(self.val_ids), self.batch_size):
-            rows = np.stack([self.val.window(j) for j in self.val_ids[i : i + self.batch_size]])
+            ids = self.val_ids[i : i + self.batch_size]
+            rows = np.stack([view.window(j) for j in ids])
+            check_token_range(rows, view, ids)
             t = torch.from_numpy(rows)
             out.append((t[:, :-1], t[:, 1:]))
         return out
@@ -139,6 +146,7 @@ def load_race_data(
             seq_len = bundle.seq_len
         summary = {"name": dataset, "description": bundle.description, "cache_key": None}
     data = RaceData(train, val, vocab, seq_len, batch_size, seed, val_windows)
+    data.val_batches()  # bad ids refused here, once, rather than by each entrant the runner starts
     summary.update(
         train_windows=data.train_windows,
         train_tokens_windowed=data.train_tokens,

@@ -80,14 +80,20 @@ def build_trainer(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[Trainer
     if random_data:
         vocab = cfg.model.vocab_size or preset_vocab_size(cfg.model.model_size)
         cfg = cfg.replace(dataset=RANDOM, vocab_size=vocab)
+    else:
+        data = load_run_data(cfg, log)
+        cfg = cfg.replace(seq_len=data.seq_len, vocab_size=data.vocab_size)
+    model = build_model(cfg, cfg.model.vocab_size, device)
+    # ids the model's embedding holds: ``--model_override vocab_size`` may make it smaller than
+    # the data's vocabulary, and on CUDA an id past it is a device-side assert
+    vocab = model.config.vocab_size
+    if random_data:
         make_batch: Callable = RandomBatches(cfg.data.batch_size, cfg.data.seq_len, vocab, cfg.runtime.seed)
     else:
         from hydra_train.dataset import BatchPlan
 
-        data = load_run_data(cfg, log)
-        cfg = cfg.replace(seq_len=data.seq_len, vocab_size=data.vocab_size)
+        data.train.check_vocab_size(vocab)
         make_batch = BatchPlan(data.train, cfg.data.batch_size, seed=cfg.runtime.seed).batch
-    model = build_model(cfg, cfg.model.vocab_size, device)
     choice, schedule = build_optimizer_and_schedule(model, cfg)
     trainer = Trainer(
         model,
