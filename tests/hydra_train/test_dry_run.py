@@ -69,7 +69,11 @@ def test_cpu_defaults_stay_on_the_references():
     ],
 )
 def test_compile_follows_the_planned_tokens(args, scope):
-    from hydra_train.config_options import COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS_DDP
+    from hydra_train.config_options import (
+        COMPILE_TOKENS,
+        WHOLE_MODEL_COMPILE_TOKENS,
+        WHOLE_MODEL_COMPILE_TOKENS_DDP,
+    )
 
     assert (COMPILE_TOKENS, WHOLE_MODEL_COMPILE_TOKENS) == (100_000_000, 200_000_000)  # rows above
     assert WHOLE_MODEL_COMPILE_TOKENS_DDP == 400_000_000  # test_compile_defaults_where_they_were_measured

@@ -74,7 +74,8 @@ def compile_scope_for(cfg: TrainConfig) -> str:
 
 def compile_reason(asked: TrainConfig, resolved: TrainConfig, kind: str) -> str:
     """Why ``resolved`` compiles what it does, in a line for ``--dry_run`` and the run's log:
-    ``asked`` is the configuration before :func:`hydra_train.config.resolve_config` (None where the user said nothing)."""
+    ``asked`` is the configuration before :func:`hydra_train.config.resolve_config` (None where
+    the user said nothing)."""
     if asked.compile is not None:
         said = "--compile" if asked.compile else "--no-compile"
         return f"{said} given" + (f", scope {resolved.compile_scope}" if resolved.compile else "")

@@ -278,7 +278,8 @@ def compile_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class CompileModel(Optimization):
-    """``torch.compile``, on by default for a long CUDA run (``hydra_train.compile_defaults.compile_by_default``).
+    """``torch.compile``, on by default for a long CUDA run
+    (``hydra_train.compile_defaults.compile_by_default``).
     Scope ``blocks`` compiles each CCGQABlock (attention + FFN), the unit every recursion applies,
     with static shapes: one graph per row count a block sees (the full length, each routed
     capacity; fixed by the config) and batch size, shared by all blocks, so compile time does not grow with
