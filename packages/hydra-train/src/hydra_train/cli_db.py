@@ -51,6 +51,21 @@ def _check_model(db, model: str | None) -> None:
         fail(f"no model {model!r} in {db.path}; it holds: {', '.join(known) or 'no models yet'}")
 
 
+def _when(stamp: str | None) -> str | None:
+    """A runs-table time for the table: to the minute, in UTC; an older version's stamp (local time
+    without an offset, whose zone the database does not record) as written, marked ``local``.
+    ``--json`` gives the stored ISO strings."""
+    from datetime import datetime, timezone
+
+    try:
+        t = datetime.fromisoformat(stamp)
+    except (TypeError, ValueError):
+        return stamp
+    if t.tzinfo is None:
+        return f"{t:%Y-%m-%d %H:%M} local"
+    return f"{t.astimezone(timezone.utc):%Y-%m-%d %H:%M} UTC"
+
+
 def _table(title: str, rows: list[dict], columns: list[str]) -> None:
     from hydra_kernels.cli_format import print_records
 
@@ -125,7 +140,8 @@ def db_ema(
 
 @db_app.command("runs")
 def db_runs(checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_out: Json = False) -> None:
-    """Every run: status, steps, best and final validation loss, tokens/s, what it resumed from."""
+    """Every run: status, steps, best and final validation loss, tokens/s, what it resumed from,
+    when it started and ended."""
     with _open_db(checkpoint_dir) as db:
         _check_model(db, model)
         rows = db.runs(model)
@@ -133,7 +149,7 @@ def db_runs(checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_o
         return emit_json(rows)
     _table(
         "runs",
-        rows,
+        [{**r, "started_at": _when(r["started_at"]), "ended_at": _when(r["ended_at"])} for r in rows],
         [
             "run_id",
             "model_id",
@@ -145,6 +161,8 @@ def db_runs(checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_o
             "tokens_per_s",
             "resumed_from",
             "device",
+            "started_at",
+            "ended_at",
         ],
     )
 

@@ -24,18 +24,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hydra_train.metrics_schema import DB_NAME, EXPORT_FORMAT, SCHEMA, check_sqlite_file
+from hydra_train.metrics_schema import DB_NAME, EXPORT_FORMAT, SCHEMA, check_sqlite_file, connect, utc_now
 
 __all__ = ["DB_NAME", "SCHEMA", "TrainingDB", "check_sqlite_file", "rebuild_database"]
 
 _PER_RUN_TABLES = ("steps", "evals", "routing_mod", "routing_mor", "routing_moe", "adaptive_lr")
 DEFAULT_MILESTONES = (9.0, 8.0, 7.0, 6.0, 5.0, 4.5, 4.0, 3.5, 3.0, 2.75, 2.5, 2.25, 2.0, 1.75, 1.5)
-
-
-def _now() -> str:
-    from datetime import datetime
-
-    return datetime.now().isoformat(timespec="milliseconds")
+#: the runs with ``k``, their rank in start order, for the queries whose ties between runs go to the
+#: later one: utc_time (an older version's rows hold local time) runs once a run, not once a row
+_RUNS_BY_START = "(SELECT *, row_number() OVER (ORDER BY utc_time(started_at), rowid) AS k FROM runs)"
 
 
 def _finite(x: Any) -> Any:
@@ -50,18 +47,13 @@ class TrainingDB:
 
     def __init__(self, path: str | Path, *, read_only: bool = False):
         """``read_only``: the caller only reads (db stats, hydra-diag); a file that is not already an
-        SQLite database is then refused, a 0-byte one included."""
+        SQLite database is then refused, a 0-byte one included, and nothing is written: a run
+        copied read-only can be read, a live run's committed rows are (``metrics_schema.connect``)."""
         self.path = Path(path)
         check_sqlite_file(self.path, allow_empty=not read_only)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(self.path, timeout=30.0)
-        self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")
-        for table, cols in SCHEMA.items():
-            self.conn.execute(f"CREATE TABLE IF NOT EXISTS {table} ({cols})")
-        self.conn.execute("CREATE INDEX IF NOT EXISTS runs_by_model ON runs(model_id)")
-        self.conn.commit()
+        if not read_only:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = connect(self.path, read_only=read_only)
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -88,7 +80,7 @@ class TrainingDB:
                 params=int(params),
                 params_non_embedding=int(params_non_embedding),
                 architecture=json.dumps(architecture, sort_keys=True),
-                created_at=old[0] if old else _now(),
+                created_at=old[0] if old else utc_now(),
             ),
         )
         self.conn.commit()
@@ -106,7 +98,7 @@ class TrainingDB:
     ) -> None:
         """Record a new run; one that resumes ``resumed_from`` drops the rows it supersedes
         (:meth:`drop_superseded`)."""
-        now = _now()
+        now = utc_now()
         self._upsert(
             "runs",
             dict(
@@ -129,7 +121,10 @@ class TrainingDB:
     def lineage(self, run_id: str, *, before: str | None = None) -> set[str]:
         """``run_id`` and every run linked to it through ``resumed_from`` (the runs it continued,
         the runs that continued it, and so on), among the runs started before ``before``."""
-        where, params = (" WHERE started_at < ?", [before]) if before is not None else ("", [])
+        # utc_time: an older version's rows hold local time without an offset (metrics_schema)
+        where, params = ("", [])
+        if before is not None:
+            where, params = " WHERE utc_time(started_at) < utc_time(?)", [before]
         pairs = self.conn.execute(f"SELECT run_id, resumed_from FROM runs{where}", params).fetchall()
         found, size = {run_id}, 0
         while size != len(found):  # grow until no link adds a run
@@ -210,7 +205,7 @@ class TrainingDB:
             )
 
     def finish_run(self, run_id: str, status: str, **summary: Any) -> None:
-        sets = {"status": status, "ended_at": _now(), **summary}
+        sets = {"status": status, "ended_at": utc_now(), **summary}
         cols = ", ".join(f"{k}=?" for k in sets)
         self.conn.execute(f"UPDATE runs SET {cols} WHERE run_id=?", [*map(_finite, sets.values()), run_id])
         self.conn.commit()
@@ -239,7 +234,7 @@ class TrainingDB:
             f"SELECT run_id, model_id, status, start_step, end_step, best_loss, best_val_loss, "
             "final_val_loss, "
             f"tokens_per_s, resumed_from, device, world_size, started_at, ended_at FROM runs {where} "
-            "ORDER BY started_at, rowid",
+            "ORDER BY utc_time(started_at), rowid",
             params,
         )
 
@@ -259,8 +254,9 @@ class TrainingDB:
                 [mid],
             )[0]
             last = self.query(
-                "SELECT s.step, s.loss, s.ema_short, s.ema_medium, s.ema_long FROM steps s JOIN runs r "
-                "ON s.run_id=r.run_id WHERE r.model_id=? ORDER BY s.step DESC, r.started_at DESC LIMIT 1",
+                "SELECT s.step, s.loss, s.ema_short, s.ema_medium, s.ema_long FROM steps s JOIN "
+                f"{_RUNS_BY_START} r ON s.run_id=r.run_id WHERE r.model_id=? ORDER BY s.step DESC, r.k DESC "
+                "LIMIT 1",
                 [mid],
             )
             ev = self.query(
@@ -307,7 +303,7 @@ class TrainingDB:
         rows = self.query(
             "SELECT r.model_id, s.run_id, s.step, s.loss, s.ema_short, s.ema_medium, s.ema_long "
             f"FROM steps s "
-            f"JOIN runs r ON s.run_id=r.run_id {where} ORDER BY r.model_id, s.step, r.started_at",
+            f"JOIN {_RUNS_BY_START} r ON s.run_id=r.run_id {where} ORDER BY r.model_id, s.step, r.k",
             params,
         )
         if limit and len(rows) > limit:

@@ -1,5 +1,6 @@
-"""The metrics database's file format: its name, its tables' columns and the check that a file is
-SQLite before anything writes into it. :mod:`hydra_train.metrics_db` reads and writes it.
+"""The metrics database's file format: its name, its tables' columns, its times, the check that a
+file is SQLite before anything writes into it, and opening it (:func:`connect`).
+:mod:`hydra_train.metrics_db` reads and writes it.
 
 Tables (primary keys in brackets)::
 
@@ -15,11 +16,20 @@ Tables (primary keys in brackets)::
     routing_mor  [run_id, step, layer] avg_depth, expected_depth, depth_hist (JSON list)
     routing_moe  [run_id, step, layer] entropy, utilization (JSON list), kl_to_uniform, max_violation
     adaptive_lr  [run_id, step] lr, base_lr, factor, phase (warmup|stable|decay|cosine)
+
+Times (``created_at``, ``started_at``, ``ended_at``) are ISO 8601 in UTC with the offset, to the
+millisecond (``2026-11-28T10:42:39.123+00:00``, :func:`utc_now`). Databases of older versions hold
+local time without an offset; :func:`utc_time` reads both, and SQL sees it as ``utc_time(column)``
+on a connection :func:`connect` opened: order and compare times through it, not as plain strings.
 """
 
 from __future__ import annotations
 
+import os
+import sqlite3
+from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import quote
 
 from hydra_train.errors import HydraDataError
 
@@ -67,3 +77,73 @@ def check_sqlite_file(path: Path, *, allow_empty: bool = True) -> None:
             f"{path} {what}; move it away (hydra-train db rebuild recreates it from the "
             "diagnostics_*.json exports)"
         )
+
+
+def utc_now(timespec: str = "milliseconds") -> str:
+    """A time to store: now, in UTC with its offset, to the millisecond (or ``timespec``)."""
+    return datetime.now(timezone.utc).isoformat(timespec=timespec)
+
+
+def utc_time(stamp: str | None, timespec: str = "milliseconds") -> str | None:
+    """``stamp`` in UTC with its offset, to the millisecond (or ``timespec``): two such strings
+    compare as their times do. A stamp without an offset (an older version's row) is taken as
+    local time, the zone it was written in when the run ran on this machine. None, and a stamp
+    that is no ISO time, as they are."""
+    if not isinstance(stamp, str):
+        return stamp
+    try:
+        t = datetime.fromisoformat(stamp)
+    except ValueError:
+        return stamp
+    return t.astimezone(timezone.utc).isoformat(timespec=timespec)
+
+
+def connect(path: Path, *, read_only: bool) -> sqlite3.Connection:
+    """A connection to the database at ``path`` with :func:`utc_time` as an SQL function. A writer
+    gets WAL mode and the tables (made when missing). ``read_only`` writes nothing: see
+    :func:`_open_read_only`."""
+    if read_only:
+        conn = _open_read_only(path)
+    else:
+        conn = sqlite3.connect(path, timeout=30.0)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        for table, cols in SCHEMA.items():
+            conn.execute(f"CREATE TABLE IF NOT EXISTS {table} ({cols})")
+        conn.execute("CREATE INDEX IF NOT EXISTS runs_by_model ON runs(model_id)")
+        conn.commit()
+    conn.row_factory = sqlite3.Row
+    conn.create_function("utc_time", 1, utc_time, deterministic=True)
+    return conn
+
+
+def _open_read_only(path: Path) -> sqlite3.Connection:
+    """``mode=ro``: SQLite changes neither the file nor its journal mode, creates no file where
+    there is none, and still reads what a live writer has committed to its write-ahead log. (In a
+    folder it may write, a WAL database gets the empty -wal and -shm files every WAL reader needs.)
+    A table the file lacks (another program's SQLite file) is an empty TEMP table, so that the
+    queries answer nothing rather than fail. A WAL database in a folder where SQLite can create no
+    -shm file (a run copied read-only, chmod -w, a read-only mount) and with no write-ahead log
+    beside it is opened ``immutable``: no WAL writer has it open (one keeps its -wal there)."""
+    if not path.is_file():
+        raise HydraDataError(f"no metrics database at {path}")
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, timeout=30.0)
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.OperationalError as exc:
+        conn.close()
+        wal = Path(f"{path}-wal")
+        if os.access(path.parent, os.W_OK):
+            raise HydraDataError(f"{path}: cannot be read ({exc})") from None
+        if wal.is_file() and wal.stat().st_size > 0:  # immutable would skip its committed rows
+            raise HydraDataError(
+                f"{path}: cannot be read in a write-protected folder with its write-ahead log "
+                f"{wal.name} and no {path.name}-shm ({exc}); copy the folder somewhere writable"
+            ) from None
+        conn = sqlite3.connect(uri + "&immutable=1", uri=True)
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    for table, cols in SCHEMA.items():
+        if table not in tables:
+            conn.execute(f"CREATE TEMP TABLE {table} ({cols})")
+    return conn

@@ -6,6 +6,13 @@ Logs (``<checkpoint_dir>/pretest_logs/``)::
     pretest_<size>_<date>.json    that size's records of that day (a JSON list)
     safe_opts_events.jsonl        what the monitor did during training, one event per line
 
+The files are standard JSON: a number that is not finite (a failed arm's loss or timing) is null,
+as in the CLIs' ``--json`` (``finite_json``); files written before, holding NaN or Infinity, still
+read. An event's ``time`` is UTC with its offset, to the second, as the runs table's times in
+training.db are (hydra-diag's dashboard gives a run the events stamped between its start and end);
+a record's ``time`` is local, to the second (reports and day files compare records only with
+each other).
+
 A record is a dict: ``time``, ``model_size``, ``fingerprint``, ``trigger``, ``checkpoint``,
 ``env`` (device, compute capability, torch/triton versions), ``config`` (batch, sequence length,
 precision, model widths), ``requested``, ``settings``, ``bounds``, ``default`` (the safe default's
@@ -43,8 +50,10 @@ from typing import Any
 
 import torch
 
+from hydra_kernels.cli_support import finite_json
 from hydra_train.atomic_files import atomic_write_bytes
 from hydra_train.config import TrainConfig
+from hydra_train.metrics_schema import utc_now, utc_time
 from hydra_train.safe_opts.tolerances import failed_on_speed
 
 HISTORY = "pretest_history.json"
@@ -115,6 +124,12 @@ def timestamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
+def event_time(stamp: str | None = None) -> str:
+    """An event's ``time`` in the log: ``stamp`` (now when None) in UTC with its offset, to the
+    second. A stamp without an offset is local time, which SafeOptimizations stamps its events in."""
+    return utc_time(stamp, "seconds") if stamp else utc_now("seconds")
+
+
 def shared_pretest_dir() -> Path:
     """This machine's pretest records shared by runs: ``$HYDRA_CACHE_DIR/pretests``."""
     from hydra_train.options import train_options
@@ -160,7 +175,7 @@ def fingerprint(
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
-    atomic_write_bytes(path, json.dumps(data, indent=1, default=str).encode("utf-8"))
+    atomic_write_bytes(path, json.dumps(finite_json(data), indent=1, default=str).encode("utf-8"))
 
 
 def _read_list(path: Path) -> list[dict[str, Any]]:
@@ -291,9 +306,11 @@ class PretestHook:
         return day
 
     def log_event(self, event: dict[str, Any]) -> None:
+        """Append ``event`` to the event log, its ``time`` in UTC (:func:`event_time`)."""
+        line = finite_json({**event, "time": event_time(event.get("time"))})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / EVENTS, "a") as f:
-            f.write(json.dumps(event, default=str) + "\n")
+            f.write(json.dumps(line, default=str) + "\n")
 
     def events(self) -> list[dict[str, Any]]:
         path = self.log_dir / EVENTS
