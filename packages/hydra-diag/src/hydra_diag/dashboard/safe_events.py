@@ -6,8 +6,10 @@ verdict, anomaly, disable, suspend, re-enable, graduate) to
 ``<checkpoint_dir>/pretest_logs/safe_opts_events.jsonl`` (hydra_train/safe_opts/pretest_log.py),
 without a run id. A run's events are those stamped between its start and its end (or now, while
 it runs; or the next run's start, for a killed run with no end); ``runs.started_at`` is written
-just before the first pretest. The status is replayed from the events with the same transitions
-as hydra_train/safe_opts/callback.py.
+just before the first pretest. Event and run times are UTC with an offset, an older version's
+local time without one (the runs table's and the log's both): they are compared as UTC
+(:func:`hydra_train.metrics_schema.utc_time`). The status is replayed from the events with the
+same transitions as hydra_train/safe_opts/callback.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from hydra_train.metrics_schema import utc_time
 
 #: pretest verdict → status (callback._apply_verdicts); monitor action → status (callback._apply)
 _VERDICT = {"PASS": "ENABLED", "N/A": "N/A", "FAIL": "FAILED"}
@@ -54,15 +58,18 @@ def requested_optimizations(config: dict[str, Any]) -> list[str] | None:
         return None
 
 
+def _second(stamp: Any) -> str:
+    """``stamp`` in UTC to the whole second (truncated), "" for none: event times have whole
+    seconds, runs' have milliseconds, and either may be an older version's local time."""
+    return str(utc_time(stamp, "seconds")) if stamp else ""
+
+
 def _in_run(ev: dict[str, Any], run: dict[str, Any], next_start: str | None = None) -> bool:
-    # event times have whole seconds, runs' have milliseconds: compare at whole seconds
-    t = str(ev.get("time", ""))[:19]
-    start = str(run.get("started_at") or "")[:19]
-    end = str(run.get("ended_at") or "")[:19]
+    t, start, end = _second(ev.get("time")), _second(run.get("started_at")), _second(run.get("ended_at"))
     if not end and next_start:
         # no end time (a killed run: settle_dead_runs sets none): it ended before the next run of
         # the folder started (the folder lock), whose first pretests share that second
-        return bool(t) and start <= t < next_start[:19]
+        return bool(t) and start <= t < _second(next_start)
     return bool(t) and t >= start and (not end or t <= end)
 
 

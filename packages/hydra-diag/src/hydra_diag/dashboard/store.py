@@ -1,9 +1,13 @@
 """Reading ``training.db`` for the dashboard: read-only, one short transaction per request.
 
 The trainer writes in WAL mode (:class:`hydra_train.metrics_db.TrainingDB`). A WAL reader never
-blocks the writer and sees the last committed state; we open a fresh ``mode=ro`` connection per
-request and close it at once, so no read snapshot is held open to stall the WAL checkpoints
-either. ``PRAGMA query_only`` on top makes any write through this module an error.
+blocks the writer and sees the last committed state; we open a fresh read-only connection per
+request (hydra-train's own, :func:`hydra_train.metrics_schema.connect`) and close it at once, so
+no read snapshot is held open to stall the WAL checkpoints either. ``PRAGMA query_only`` on top
+makes any write through this module an error.
+
+Times (``started_at``, ``ended_at``) are UTC with an offset, an older version's rows local time
+without one: they are ordered and compared through SQL ``utc_time()``, never as plain text.
 
 :func:`check_database` turns every unusable input (missing, not SQLite, empty, an older schema)
 into one :class:`DiagError` line before the server starts.
@@ -15,9 +19,10 @@ import json
 import sqlite3
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from hydra_diag.output import DiagError, jsonable
+from hydra_train.errors import HydraDataError
+from hydra_train.metrics_schema import connect
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 
@@ -81,9 +86,13 @@ def resolve_db(path: str | Path) -> Path:
 
 
 def connect_ro(path: Path) -> sqlite3.Connection:
-    """A read-only connection (``mode=ro``: never creates or writes the file, WAL-aware)."""
-    conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, timeout=5.0)
-    conn.row_factory = sqlite3.Row
+    """A read-only connection: hydra-train's (``mode=ro``, never creates or writes a file, sees a
+    live writer's commits; a run copied into a write-protected folder is read too), with SQL
+    ``utc_time()``. Its errors are :class:`DiagError`, which the server answers with a 503."""
+    try:
+        conn = connect(path, read_only=True)
+    except HydraDataError as exc:  # the file went away (a rebuild), or a copy it cannot read
+        raise DiagError(str(exc)) from None
     conn.execute("PRAGMA query_only=ON")
     return conn
 
@@ -150,7 +159,7 @@ class DashboardStore:
         rows = self._query(
             f"SELECT {RUN_COLUMNS}, (SELECT max(step) FROM steps s WHERE s.run_id=r.run_id) AS last_step, "
             "(SELECT count(*) FROM steps s WHERE s.run_id=r.run_id) AS logged_steps "
-            "FROM runs r LEFT JOIN models m ON m.model_id=r.model_id ORDER BY r.started_at, r.rowid"
+            "FROM runs r LEFT JOIN models m ON m.model_id=r.model_id ORDER BY utc_time(r.started_at), r.rowid"
         )
         return jsonable(rows)
 
@@ -191,8 +200,10 @@ class DashboardStore:
                 table: conn.execute(f"SELECT max(step) FROM {table} WHERE run_id=?", (run_id,)).fetchone()[0]
                 for table in INCREMENTAL
             }
+            # the next run's start bounds a killed run's events (safe_events._in_run)
             next_start = conn.execute(
-                "SELECT min(started_at) FROM runs WHERE started_at > ?", (head["started_at"] or "",)
+                "SELECT min(utc_time(started_at)) FROM runs WHERE utc_time(started_at) > utc_time(?)",
+                (head["started_at"] or "",),
             ).fetchone()[0]
             conn.rollback()
         finally:

@@ -18,7 +18,6 @@ ranks at the next log interval, so the ranks never run different models.
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +28,7 @@ from hydra_train.safe_opts.activation import ACTIVATION_ORDER, ActivationMixin, 
 from hydra_train.safe_opts.attribution import Action, Anomaly, Attribution
 from hydra_train.safe_opts.faults import FaultInjector
 from hydra_train.safe_opts.monitor import Detectors, StepReadback
-from hydra_train.safe_opts.pretest_log import PretestHook
+from hydra_train.safe_opts.pretest_log import PretestHook, event_time
 from hydra_train.safe_opts.registry import (
     DISABLED,
     ENABLED,
@@ -113,7 +112,9 @@ class SafeOptimizations(ActivationMixin, TrainerCallback):
 
     def _event(self, event: str, **fields: Any) -> None:
         step = self.trainer.step if self.trainer is not None else 0
-        ev = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "step": step, "event": event, **fields}
+        # the log's own time (UTC), so that the events kept here and in checkpoints read as the
+        # log's do, and no local stamp is converted after the fact (a DST change's repeated hour)
+        ev = {"time": event_time(), "step": step, "event": event, **fields}
         self.events.append(ev)
         del self.events[:-500]
         if self._main:

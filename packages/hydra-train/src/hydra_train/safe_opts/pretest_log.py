@@ -126,7 +126,8 @@ def timestamp() -> str:
 
 def event_time(stamp: str | None = None) -> str:
     """An event's ``time`` in the log: ``stamp`` (now when None) in UTC with its offset, to the
-    second. A stamp without an offset is local time, which SafeOptimizations stamps its events in."""
+    second. A stamp without an offset is local time (an older version's events; SafeOptimizations
+    now stamps its events with this function)."""
     return utc_time(stamp, "seconds") if stamp else utc_now("seconds")
 
 

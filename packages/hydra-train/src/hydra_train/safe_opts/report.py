@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from hydra_train.metrics_schema import utc_time
+
 SIZES = ("100M", "250M", "500M", "1B")
 FLAGS = {
     "fa3": "--experimental_fa3",
@@ -103,6 +105,12 @@ def reference_of(key: str, res: dict[str, Any]) -> str:
     return res.get("ref") or ("static_routing" if key == "cuda_graphs[static]" else "default")
 
 
+def _when(rec: dict[str, Any]) -> str:
+    """A record's ``time`` as UTC, to order records by: a stamp may be local time without an
+    offset (pretest_log.timestamp) or carry one, whose text order is not its time order."""
+    return str(utc_time(str(rec.get("time") or "")))
+
+
 def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -144,7 +152,7 @@ def build_report(records: list[dict[str, Any]], *, speedup_size: str = "100M", c
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for size in present:
-            rec = max((r for _, r in per_size[size].values()), key=lambda r: r.get("time", ""))
+            rec = max((r for _, r in per_size[size].values()), key=_when)
             st = rec.get("settings") or {}
             cfg = rec.get("config") or {}
             b = rec.get("batch") or [cfg.get("batch_size"), cfg.get("seq_len")]
