@@ -273,8 +273,8 @@ def launch_ce_rows(
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    if logits.stride(1) != 1:
-        raise ValueError("launch_ce_rows: the logits chunk must have a unit column stride")
+    if logits.stride(1) != 1 or not targets.is_contiguous():  # the kernel reads neither by a stride
+        raise ValueError("launch_ce_rows: the logits chunk needs a unit column stride, targets a unit stride")
     cfg = resolve_launch_config("linear_cross_entropy_rows", logits.device, ROW_LAUNCH)
     block_v = min(cfg.block_q, next_power_of_2(n_cols))
     for name, value in (("block_q", cfg.block_q), ("block_rows", cfg.block_rows)):
@@ -322,8 +322,8 @@ def launch_ce_slab_grad(
     n_rows, n_cols = slab.shape
     if n_rows == 0 or n_cols == 0:
         return
-    if not slab.is_contiguous():
-        raise ValueError("launch_ce_slab_grad: the slab must be contiguous")
+    if not (slab.is_contiguous() and targets.is_contiguous()):
+        raise ValueError("launch_ce_slab_grad: the slab and targets must be contiguous")
     block_r, block_c = SLAB_TILE
     if controls.INTERPRETER_ACTIVE:  # the interpreter's cost is per program: fewer, larger ones
         block_r, block_c = 32, 128

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from hydra_kernels import controls
-from hydra_kernels.ops._custom_op import device_guard, next_power_of_2, run_with_fallback
+from hydra_kernels.ops._custom_op import check_devices, device_guard, next_power_of_2, run_with_fallback
 from hydra_kernels.ops._launch import LaunchPlan, plan_cache
 
 #: Longest row one program holds in registers; longer rows run the reference.
@@ -188,7 +188,10 @@ def causal_select_launch(
     member = torch.empty(b, k, dtype=torch.bool, device=dev)
     pos_k = torch.empty(b, k, dtype=torch.long, device=dev)
     flat = torch.empty(b * k, dtype=torch.long, device=dev)
-    count = torch.empty(b, dtype=torch.long, device=dev) if count_out is None else count_out
+    # the kernel stores count[b] at offset b: a strided count_out (a column of a wider buffer) gets
+    # a contiguous stand-in, copied into it after the launch, instead of its neighbours overwritten
+    strided_out = count_out is not None and not count_out.is_contiguous()
+    count = torch.empty(b, dtype=torch.long, device=dev) if count_out is None or strided_out else count_out
     row_stride = [0 if t is None else t.stride(0) for t in (candidates, pos)]
     strides = (logit.stride(0), *row_stride)
     key = (b, n, k, strides, cap_q, capacity_bits, capacity_one, logit.dtype, tau.dtype,
@@ -205,6 +208,8 @@ def causal_select_launch(
     positions = logit if pos is None else pos
     with device_guard(logit):
         plan(logit, tau, cand, positions, taken, idx, member, pos_k, flat, count, *strides, int(cap_q))
+    if strided_out:
+        count = count_out.copy_(count)
     return taken, idx, member, pos_k, flat, count
 
 
@@ -232,6 +237,9 @@ def causal_select(
     on for their device and n ≤ MAX_ROW; else :func:`causal_select_ref`.
     """
     _check(logit, tau, candidates, pos, k, count_out)
+    check_devices(
+        "causal_select", "logit tau candidates pos count_out", logit, tau, candidates, pos, count_out
+    )
     args = (logit, tau, candidates, pos, cap_q, capacity_bits, capacity_one, k)
 
     def reference() -> tuple[torch.Tensor, ...]:

@@ -55,6 +55,7 @@ from hydra_kernels.ops._ccgqa_conv_kernels import (
 )
 from hydra_kernels.ops._custom_op import (
     cdiv,
+    check_devices,
     compiling,
     device_guard,
     eager_apply,
@@ -387,6 +388,7 @@ def ccgqa_conv(
     error = _shape_error(window, weight, bias, zero_context, qk_mean_heads)
     if error:
         raise ValueError(error)
+    check_devices("ccgqa_conv", "window weight bias", window, weight, bias)
     device_type = window.device.type
     if window.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
         # the reference's einsum would run in autocast's dtype: so do the kernels, on a cast copy

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from hydra_kernels import controls
-from hydra_kernels.ops._custom_op import cdiv, compiling, device_guard, run_with_fallback
+from hydra_kernels.ops._custom_op import cdiv, check_devices, compiling, device_guard, run_with_fallback
 from hydra_kernels.ops._launch import LaunchPlan, plan_cache
 
 #: Output elements a program copies.
@@ -227,6 +227,7 @@ def ccgqa_prefill(
         if out is not None and (not state or out.shape != shape or out.dtype != proj.dtype):
             raise ValueError(f"ccgqa_prefill: {name} must be {list(shape)} {proj.dtype} with state=True, "
                              f"got {tuple(out.shape)} {out.dtype}")  # fmt: skip
+    check_devices("ccgqa_prefill", "proj length state_out prev_out", proj, length, state_out, prev_out)
     # inside torch.compile the reference (a raw launch would break the graph; the compiler fuses it)
     kernel = (
         not compiling()

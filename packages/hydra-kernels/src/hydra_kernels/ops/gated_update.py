@@ -30,7 +30,13 @@ import triton
 import triton.language as tl
 
 from hydra_kernels import controls
-from hydra_kernels.ops._custom_op import KERNEL_DTYPES, device_guard, next_power_of_2, run_with_fallback
+from hydra_kernels.ops._custom_op import (
+    KERNEL_DTYPES,
+    check_devices,
+    device_guard,
+    next_power_of_2,
+    run_with_fallback,
+)
 from hydra_kernels.ops._launch import LaunchPlan, plan_cache
 
 #: Widest tile of E one loop iteration loads.
@@ -163,6 +169,7 @@ def gated_update_(
         raise ValueError(f"gated_update_: without an index, out's {m} rows must not exceed h's {h.shape[0]}")
     if index is not None and (index.shape != (m,) or index.is_floating_point()):
         raise ValueError(f"gated_update_: index must be [M] = [{m}] integers, got {tuple(index.shape)}")
+    check_devices("gated_update_", "h out weight take index", h, out, weight, take, index)
     kernel = h.dtype in KERNEL_DTYPES and controls.triton_path("gated_update", h, out, weight)
     if not kernel or h.stride(1) != 1 or out.stride(1) != 1:
         return gated_update_ref_(h, out, weight, take, index)

@@ -44,6 +44,7 @@ import triton.language as tl
 from hydra_kernels import controls
 from hydra_kernels.ops._custom_op import (
     KERNEL_DTYPES,
+    check_devices,
     device_guard,
     next_power_of_2,
     run_with_fallback,
@@ -271,6 +272,9 @@ def _check(q, k, v, k_cache, v_cache, length, bias, write, cos, sin, k_temperatu
         raise ValueError(f"kv_decode_step: k_temperature must be [{hkv}], got {tuple(k_temperature.shape)}")
     if roll is not None and (roll.dim() != 2 or roll.shape[0] != b or roll_shift <= 0):
         raise ValueError(f"kv_decode_step: roll must be [B, W] with roll_shift > 0, got {tuple(roll.shape)}")
+    check_devices("kv_decode_step", "q k v k_cache v_cache length bias write cos sin k_temperature v_tail "
+                  "v_tail_next roll", q, k, v, k_cache, v_cache, length, bias, write, cos, sin, k_temperature,
+                  v_tail, v_tail_next, roll)  # fmt: skip
 
 
 def kv_decode_step_launch(

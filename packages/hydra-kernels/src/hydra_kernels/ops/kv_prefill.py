@@ -30,7 +30,14 @@ import triton
 import triton.language as tl
 
 from hydra_kernels import controls
-from hydra_kernels.ops._custom_op import cdiv, compiling, device_guard, next_power_of_2, run_with_fallback
+from hydra_kernels.ops._custom_op import (
+    cdiv,
+    check_devices,
+    compiling,
+    device_guard,
+    next_power_of_2,
+    run_with_fallback,
+)
 from hydra_kernels.ops._launch import LaunchPlan, plan_cache
 
 #: Elements of one of k and v a program copies at most (its positions × the padded head width).
@@ -135,6 +142,8 @@ def kv_prefill_(
     long, all contiguous, L ≥ n; ``count`` [B] integers in [0, n] or None (all n). The Triton
     kernel runs where hydra_kernels' Triton path is on for k's device; a switched-off path or
     another device run :func:`kv_prefill_ref_`. No autograd."""
+    if k.dim() != 4:  # unpacked below: a ValueError naming k, not Python's unpacking error
+        raise ValueError(f"kv_prefill_: k must be [B, H, n, d], got k {tuple(k.shape)} {k.dtype}")
     b, heads, n, d = k.shape
     capacity = k_cache.shape[2] if k_cache.dim() == 4 else -1
     bad = (
@@ -151,6 +160,8 @@ def kv_prefill_(
             f"{v_cache.dtype}, bias {tuple(bias.shape)} {bias.dtype}, length {tuple(length.shape)} "
             f"{length.dtype}, count {None if count is None else (tuple(count.shape), count.dtype)}"
         )
+    names = "k v k_cache v_cache bias length count"
+    check_devices("kv_prefill_", names, k, v, k_cache, v_cache, bias, length, count)
     outputs = (k_cache, v_cache, bias, length)
     # inside torch.compile the reference (a raw launch would break the graph)
     kernel = not compiling() and controls.triton_path("kv_prefill", k, v)

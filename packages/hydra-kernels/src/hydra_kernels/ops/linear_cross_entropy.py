@@ -302,6 +302,11 @@ def linear_cross_entropy(
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
     h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, D], a view when the strides allow
     y = targets.reshape(-1)
+    if not y.is_contiguous():
+        # the row kernels read token i's target at offset i: a strided view (a column of a label
+        # tensor, every other label, an expanded constant) gave other tokens' targets, or read past
+        # it. Copying N integers is cheap, and only such views pay it.
+        y = y.contiguous()
     grad_on = torch.is_grad_enabled()
     need_dh, need_dw = grad_on and h2.requires_grad, grad_on and weight.requires_grad
     use_triton = h2.dtype in KERNEL_DTYPES and controls.triton_path(OP, h2, weight)

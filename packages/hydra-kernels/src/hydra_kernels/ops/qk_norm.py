@@ -30,6 +30,7 @@ from hydra_kernels.launch_config import LaunchConfig
 from hydra_kernels.ops._custom_op import (
     WidthTables,
     cdiv,
+    check_devices,
     compiling,
     device_guard,
     eager_apply,
@@ -346,6 +347,7 @@ def qk_norm(x: torch.Tensor, scale: float, temperature: torch.Tensor | None = No
             f"qk_norm: temperature has shape {tuple(temperature.shape)} but x has {x.shape[-2]} heads "
             f"(x is {tuple(x.shape)}); pass a [H] tensor"
         )
+    check_devices("qk_norm", "x temperature", x, temperature)
     scale = constant_scale("qk_norm", scale)
     tensors = (x,) if temperature is None else (x, temperature)
     if x.dtype == torch.float64 or not controls.triton_path("qk_norm", *tensors):

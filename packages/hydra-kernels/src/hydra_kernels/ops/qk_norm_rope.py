@@ -28,6 +28,7 @@ import torch
 from hydra_kernels import controls
 from hydra_kernels.ops._custom_op import (
     KERNEL_DTYPES,
+    check_devices,
     compiling,
     eager_apply,
     eager_autograd_function,
@@ -102,7 +103,7 @@ def _fwd_op(
 ) -> torch.Tensor:
     # a direct call of the op skips the public function's checks; the kernel indexes the tables
     # by x's shape, so bad ones would read out of bounds
-    check_rope_shapes(x, cos, sin)
+    check_rope_shapes(x, cos, sin, "qk_norm_rope")
     return _forward(x, scale, temperature, cos, sin)
 
 
@@ -121,7 +122,7 @@ def _bwd_op(
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Custom ops return tensors only: without a temperature the second output is empty."""
-    check_rope_shapes(x, cos, sin)  # as the forward op
+    check_rope_shapes(x, cos, sin, "qk_norm_rope")  # as the forward op
     dx, dtemp = _backward(dy, x, scale, temperature, cos, sin)
     return dx, dtemp if dtemp is not None else x.new_empty(0)
 
@@ -165,12 +166,13 @@ def qk_norm_rope(
     on the fused path). The result is a new contiguous tensor in x's dtype. fp64 runs the
     references in fp64.
     """
-    check_rope_shapes(x, cos, sin)
+    check_rope_shapes(x, cos, sin, "qk_norm_rope")
     if temperature is not None and tuple(temperature.shape) != (x.shape[-2],):
         raise ValueError(
             f"qk_norm_rope: temperature has shape {tuple(temperature.shape)} but x has {x.shape[-2]} "
             f"heads (x is {tuple(x.shape)}); pass a [H] tensor"
         )
+    check_devices("qk_norm_rope", "x temperature", x, temperature)
     scale = constant_scale("qk_norm_rope", scale)
     if x.dtype == torch.float64:
         return qk_norm_rope_ref(x, scale, temperature, cos, sin)

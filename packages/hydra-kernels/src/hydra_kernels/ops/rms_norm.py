@@ -40,6 +40,7 @@ import torch
 from hydra_kernels import controls
 from hydra_kernels.ops import _rms_norm_launch
 from hydra_kernels.ops._custom_op import (  # noqa: F401 (launch_config_for: tests call it from here)
+    check_devices,
     compiling,
     eager_apply,
     eager_autograd_function,
@@ -257,21 +258,45 @@ _FusedAddRMSNormFunction = eager_autograd_function(
 # --- public functions ----------------------------------------------------------------------------
 
 
-def _checked_args(x: torch.Tensor, weight: torch.Tensor, eps: object) -> float:
-    """``eps`` as a Python float, after checking x and weight. The kernels and the custom ops'
-    schemas take a float: a 0-d tensor made every launch fail (a counted fallback), and None
-    failed inside the reference with a message that did not name eps."""
+def _checked_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: object,
+    op: str = "rms_norm",
+    residual: torch.Tensor | None = None,
+) -> float:
+    """``eps`` as a Python float, after checking x, weight (and the residual). The kernels and the
+    custom ops' schemas take a float: a 0-d tensor made every launch fail (a counted fallback), and
+    None failed inside the reference with a message that did not name eps."""
     if x.dim() == 0:
-        raise ValueError("rms_norm: x must have at least one dim (its last is normalised), got a 0-d tensor")
+        raise ValueError(f"{op}: x must have at least one dim (its last is normalised), got a 0-d tensor")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(
-            f"rms_norm: weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}; "
+            f"{op}: weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}; "
             "pass a 1-D weight of that length"
         )
+    if residual is not None and residual.shape != x.shape:
+        # A broadcast residual takes the reference, but x + residual must still have rows of the
+        # weight's length: an x of one channel plus a wider residual normalised the wider rows
+        # with the one-element weight broadcast over them, and a residual that did not broadcast
+        # failed inside the reference with torch's message, naming neither argument.
+        try:
+            rows = torch.broadcast_shapes(x.shape, residual.shape)[-1]
+        except RuntimeError:
+            rows = None
+        if rows != x.shape[-1]:
+            raise ValueError(
+                f"{op}: residual {tuple(residual.shape)} does not broadcast with x {tuple(x.shape)} to rows "
+                f"of x's last dim {x.shape[-1]} (the weight's length); pass a residual of x's shape"
+            )
+    if residual is None:
+        check_devices(op, "x weight", x, weight)
+    else:
+        check_devices(op, "x residual weight", x, residual, weight)
     if isinstance(eps, torch.Tensor) and eps.numel() == 1:
         return float(eps)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"rms_norm: eps must be a real number (e.g. 1e-6), got {type(eps).__name__} {eps!r}")
+        raise TypeError(f"{op}: eps must be a real number (e.g. 1e-6), got {type(eps).__name__} {eps!r}")
     return float(eps)
 
 
@@ -298,7 +323,7 @@ def fused_add_rms_norm(
     weight. ``residual`` must have x's shape on the fused path (a broadcast residual takes the
     reference, as do fp64 inputs).
     """
-    eps = _checked_args(x, weight, eps)
+    eps = _checked_args(x, weight, eps, "fused_add_rms_norm", residual)
     fused = residual.shape == x.shape and torch.float64 not in (x.dtype, residual.dtype)
     if not (fused and controls.triton_path("rms_norm", x, residual, weight)):
         return fused_add_rms_norm_ref(x, residual, weight, eps)

@@ -21,6 +21,7 @@ from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
 from hydra_kernels.ops._custom_op import (
     KERNEL_DTYPES,
     cdiv,
+    check_devices,
     compiling,
     device_guard,
     eager_apply,
@@ -256,21 +257,22 @@ _RopeEager = eager_autograd_function("RopeEager", _rope_impl, _rope_setup_contex
 # --- public function -------------------------------------------------------------------------
 
 
-def check_rope_shapes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Raise ValueError unless x is [B, S, H, D] and cos/sin are [S, R/2] or [B, S, R/2] with R ≤ D
-    (rope's shapes; qk_norm_rope's too)."""
+def check_rope_shapes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, op: str = "rope") -> None:
+    """Raise ValueError unless x is [B, S, H, D] and cos/sin are [S, R/2] or [B, S, R/2] with R ≤ D,
+    on x's device (rope's shapes; qk_norm_rope's too, which passes its name as ``op``)."""
     if x.dim() != 4:
-        raise ValueError(f"rope: x must be [B, S, H, D], got shape {tuple(x.shape)}")
+        raise ValueError(f"{op}: x must be [B, S, H, D], got shape {tuple(x.shape)}")
     if cos.shape != sin.shape:
-        raise ValueError(f"rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in shape")
+        raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in shape")
     bsz, seq, _, dim = x.shape
     if cos.dim() not in (2, 3) or cos.shape[-2] != seq or (cos.dim() == 3 and cos.shape[0] != bsz):
         raise ValueError(
-            f"rope: cos/sin must be [S, R/2] or [B, S, R/2] with B={bsz}, S={seq} from x "
+            f"{op}: cos/sin must be [S, R/2] or [B, S, R/2] with B={bsz}, S={seq} from x "
             f"{tuple(x.shape)}; got {tuple(cos.shape)} (slice a longer cache to the first S rows)"
         )
     if 2 * cos.shape[-1] > dim:
-        raise ValueError(f"rope: rotary width R = 2·{cos.shape[-1]} exceeds the head dim D={dim} of x")
+        raise ValueError(f"{op}: rotary width R = 2·{cos.shape[-1]} exceeds the head dim D={dim} of x")
+    check_devices(op, "x cos sin", x, cos, sin)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

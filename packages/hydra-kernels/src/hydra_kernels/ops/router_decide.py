@@ -34,7 +34,13 @@ import triton
 import triton.language as tl
 
 from hydra_kernels import controls
-from hydra_kernels.ops._custom_op import KERNEL_DTYPES, device_guard, next_power_of_2, run_with_fallback
+from hydra_kernels.ops._custom_op import (
+    KERNEL_DTYPES,
+    check_devices,
+    device_guard,
+    next_power_of_2,
+    run_with_fallback,
+)
 from hydra_kernels.ops._launch import LaunchPlan, plan_cache
 
 #: Widest tile of E one loop iteration loads per row; wider rows loop over E.
@@ -141,6 +147,8 @@ def _check(h, w, b, tau, pos, count, taken, weight, flag) -> None:
         raise ValueError(f"router_decide: pos and count must be int64, got {pos.dtype}, {count.dtype}")
     if taken.dtype != torch.bool or flag.dtype != torch.bool:
         raise ValueError(f"router_decide: taken and flag must be bool, got {taken.dtype}, {flag.dtype}")
+    names = "h w b tau pos count taken weight flag"
+    check_devices("router_decide", names, h, w, b, tau, pos, count, taken, weight, flag)
 
 
 def router_decide_launch(

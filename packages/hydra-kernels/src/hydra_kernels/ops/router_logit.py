@@ -23,7 +23,14 @@ import triton
 import triton.language as tl
 
 from hydra_kernels import controls
-from hydra_kernels.ops._custom_op import KERNEL_DTYPES, cdiv, device_guard, next_power_of_2, run_with_fallback
+from hydra_kernels.ops._custom_op import (
+    KERNEL_DTYPES,
+    cdiv,
+    check_devices,
+    device_guard,
+    next_power_of_2,
+    run_with_fallback,
+)
 from hydra_kernels.ops._launch import LaunchPlan, plan_cache
 
 #: Widest tile of E one loop iteration loads per row.
@@ -107,6 +114,7 @@ def router_logit(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) 
     if h.dim() != 2 or w.shape != (h.shape[1],) or b.dim() != 0:
         raise ValueError(f"router_logit: h [R, E], w [E], b []; got {tuple(h.shape)}, {tuple(w.shape)}, "
                          f"{tuple(b.shape)}")  # fmt: skip
+    check_devices("router_logit", "h w b", h, w, b)
     if h.shape[1] and h.stride(1) != 1:
         h = h.contiguous()
     if not (h.dtype in KERNEL_DTYPES and controls.triton_path("router_logit", h)):

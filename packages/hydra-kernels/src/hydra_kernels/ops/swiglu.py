@@ -25,6 +25,7 @@ from hydra_kernels.launch_config import LaunchConfig, resolve_launch_config
 from hydra_kernels.ops._custom_op import (
     KERNEL_DTYPES,
     cdiv,
+    check_devices,
     compiling,
     device_guard,
     eager_apply,
@@ -324,6 +325,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
     if gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate is {gate.dtype} and up is {up.dtype}; cast them to one dtype first")
+    check_devices("swiglu", "gate up", gate, up)
     if _kernel_ok(gate, up):
         return _swiglu_fwd_op(gate, up) if compiling() else eager_apply(_SwiGLUEager, gate, up)
     return swiglu_ref(gate, up)

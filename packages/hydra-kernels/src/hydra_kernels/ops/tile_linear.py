@@ -31,7 +31,13 @@ import triton
 import triton.language as tl
 
 from hydra_kernels import controls
-from hydra_kernels.ops._custom_op import KERNEL_DTYPES, device_guard, run_with_fallback, to_output_dtype
+from hydra_kernels.ops._custom_op import (
+    KERNEL_DTYPES,
+    check_devices,
+    device_guard,
+    run_with_fallback,
+    to_output_dtype,
+)
 from hydra_kernels.ops._launch import LaunchPlan, plan_cache
 
 
@@ -200,6 +206,7 @@ def _check(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None) -> N
         )
     if bias is not None and bias.shape != (weight.out_features,):
         raise ValueError(f"tile_linear: bias must be [{weight.out_features}], got {tuple(bias.shape)}")
+    check_devices("tile_linear", "x bias", x, bias)
     tiles, index = weight.tiles, weight.index
     if tiles.dim() != 4 or tiles.device != x.device:
         raise ValueError(
@@ -218,8 +225,9 @@ def tile_linear_launch(
 ) -> torch.Tensor:
     """Launch the kernel (arguments as :func:`tile_linear`). x's rows may be strided (and may
     overlap), each row contiguous; the tiles must be contiguous (:func:`pack_tiles` makes them so)."""
-    if x.stride(-1) != 1 or not (weight.tiles.is_contiguous() and weight.index.is_contiguous()):
-        raise ValueError("tile_linear: x's rows and the packed tiles must be contiguous")
+    contiguous = weight.tiles.is_contiguous() and weight.index.is_contiguous()
+    if x.stride(-1) != 1 or not contiguous or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("tile_linear: x's rows, the packed tiles and the bias must be contiguous")
     y = torch.empty(*x.shape[:-1], weight.out_features, dtype=x.dtype, device=x.device)
     rows = y.numel() // weight.out_features
     if rows == 0:
@@ -256,6 +264,8 @@ def tile_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None 
     _check(x, weight, bias)
     if x.stride(-1) != 1:  # the kernel reads rows with unit stride
         x = x.contiguous()
+    if bias is not None and not bias.is_contiguous():  # and bias[n] at offset n (a strided bias: wrong sums)
+        bias = bias.contiguous()
     if not (weight.tiles.is_contiguous() and weight.index.is_contiguous()):  # the kernel's layout
         weight = TiledWeight(weight.tiles.contiguous(), weight.index.contiguous(), weight.out_features,
                              weight.in_features)  # fmt: skip
