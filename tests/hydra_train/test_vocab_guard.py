@@ -64,11 +64,6 @@ def test_a_recorded_max_id_past_the_models_vocab_is_refused_at_once(tmp_path):
     BatchPlan(ds, 4).batch(0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs run.py's _build to call ds.check_vocab_size(model.config.vocab_size) beside "
-    "ds.check_max_seq_len(model.config.max_seq_len) (run.py is not this change's to edit)",
-)
 def test_run_with_a_smaller_model_vocab_is_one_line_error(tmp_path):
     """Unwired, the CPU forward's own check raises a ValueError with a traceback (on CUDA: the
     device-side assert); wired, the data check refuses before the first step."""

@@ -16,8 +16,9 @@ of ``no_sync``. Checkpoints always hold *full* state dicts (gathered with
 from __future__ import annotations
 
 import contextlib
+import pickle
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hydra_train.errors import short_error
 from hydra_train.options import torchrun_launch
 
 
@@ -82,6 +84,52 @@ def broadcast_object(info: DistInfo, obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+@contextlib.contextmanager
+def fail_together(info: DistInfo) -> Iterator[None]:
+    """Run a block (one with no collective in it) on every rank, then raise on every rank what
+    the lowest failing rank's block raised: its type and message (or go on when none failed).
+
+    A step one rank takes alone (rank 0 checks ``--resume``'s checkpoint and opens the metrics
+    database: run.py) that raised ended that rank with a clear line, while the others, already in
+    the next collective, died with a gloo "Connection closed by peer" traceback that buried the
+    reason (NCCL hangs instead). One all-gather of every rank's outcome ends them all with the
+    same error, so each exits as one process refusing would (cli_errors.py maps the type to the
+    status). A ``KeyboardInterrupt`` is not gathered: torchrun sends it to every rank.
+
+    Use it before DDP or FSDP wraps the model: a refusal raised after that kept the wrapped model
+    alive in its traceback past the process group's end, and freeing it then hung the rank's exit
+    or aborted it (SIGABRT): 7 of 45 two-rank refusals of tests/hydra_train/test_ddp_refusals.py."""
+    if not info.enabled:
+        yield
+        return
+    mine: Exception | None = None
+    try:
+        yield
+    except Exception as exc:  # every failure: one not shared leaves the other ranks waiting
+        mine = exc
+    outcomes: list[Exception | None] = [None] * info.world_size
+    dist.all_gather_object(outcomes, None if mine is None else _portable(mine, info.rank))
+    first = next((r for r, o in enumerate(outcomes) if o is not None), None)
+    if first is None:
+        return
+    if first == info.rank:
+        raise mine  # this rank's own, with its traceback
+    raise outcomes[first] from mine
+
+
+def _portable(exc: Exception, rank: int) -> Exception:
+    """``exc`` when it crosses to another process whole (the errors of errors.py, OSError); else a
+    RuntimeError naming it (one whose arguments do not rebuild it, or that holds what cannot be
+    pickled)."""
+    try:
+        back = pickle.loads(pickle.dumps(exc))
+        if type(back) is type(exc) and str(back) == str(exc):
+            return exc
+    except Exception:
+        pass
+    return RuntimeError(f"rank {rank} failed: {short_error(exc, 400)}")
 
 
 def all_reduce_sum(info: DistInfo, t: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,6 @@ written and the summary (:mod:`hydra_train.summary`) returned.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from rich.console import Console
 from rich.text import Text
 
 from hydra_train.artifacts import ArtifactsCallback, RunArtifacts
+from hydra_train.atomic_files import atomic_write_bytes
 from hydra_train.build import (
     build_model,
     build_optimizer_and_schedule,
@@ -52,6 +51,7 @@ from hydra_train.distributed import (
     DistInfo,
     barrier,
     broadcast_object,
+    fail_together,
     init_distributed,
     shutdown_distributed,
     wrap_model,
@@ -95,13 +95,10 @@ def _keep_tokenizer_beside(tokenizer_path: Path | None, ckpt_dir: Path, log) -> 
     A different tokenizer already there is replaced (the checkpoints written now need this one)."""
     if tokenizer_path is None:
         return
-    target = ckpt_dir / "tokenizer.json"
-    src = Path(tokenizer_path)
-    if target.exists() and target.read_bytes() == src.read_bytes():
+    target, tokenizer = ckpt_dir / "tokenizer.json", Path(tokenizer_path).read_bytes()
+    if target.exists() and target.read_bytes() == tokenizer:
         return
-    tmp = target.with_suffix(".json.tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, target)
+    atomic_write_bytes(target, tokenizer)  # as every tokenizer is written (atomic_files.py)
     log(f"tokenizer copied to {target}")
 
 
@@ -187,16 +184,16 @@ def _run(
 
     check_model_flags(cfg)  # before the data: a bad --model_size must not wait for tokenization
     ckpt_dir = Path(cfg.runtime.checkpoint_dir)
-    if main:  # before the data is read: a second run on this folder stops at once
-        if cfg.runtime.resume:  # before the folder is made: a mistyped one is refused, not created
-            check_resume_dir(ckpt_dir, model_id_for(cfg.model.model_size, cfg.model.arch))
-        held.append(open_checkpoint_dir(ckpt_dir, log))
-
-    # rank 0 builds any cache first; the others then read it
-    data = load_run_data(cfg, log) if main else None
-    barrier(dist_info)
-    if not main:
-        data = load_run_data(cfg, lambda m: None)
+    data = None  # rank 0 builds any cache first; the others then read it
+    # a rank's refusal (rank 0 alone checks the folder) raised on every rank: fail_together says why
+    with fail_together(dist_info):
+        if main:  # before the data is read: a second run on this folder stops at once
+            if cfg.runtime.resume:  # before the folder is made: a mistyped one is refused, not created
+                check_resume_dir(ckpt_dir, model_id_for(cfg.model.model_size, cfg.model.arch))
+            held.append(open_checkpoint_dir(ckpt_dir, log))
+            data = load_run_data(cfg, log)
+    with fail_together(dist_info):
+        data = data if main else load_run_data(cfg, lambda m: None)
     cfg = cfg.replace(seq_len=data.seq_len, vocab_size=data.vocab_size)
     log(f"data: {data.description}")
     run, found = _build(cfg, data, device, dist_info, extra, console, announce_commits, log)
@@ -229,19 +226,36 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
     found and checked here, before anything in the folder changes (a refusal changes nothing)."""
     main = dist_info.is_main
     model = build_model(cfg, data.vocab_size, device)
-    for ds in (data.train, data.val):
+    for ds in (data.train, data.val):  # ids past the model's embedding: refused on the host
         ds.check_max_seq_len(model.config.max_seq_len)
+        ds.check_vocab_size(model.config.vocab_size)
     model_id = model_id_for(cfg.model.model_size, cfg.model.arch)
     n_params, n_params_ne = param_counts(model)
     log(
         f"model: {cfg.model.arch} {cfg.model.model_size} preset, {n_params / 1e6:.2f}M parameters, "
-        f"vocab {data.vocab_size}, device {device}, {cfg.runtime.precision}, "
+        f"vocab {model.config.vocab_size}, device {device}, {cfg.runtime.precision}, "
         f"world size {dist_info.world_size}"
     )
     if cfg.runtime.fsdp and not dist_info.enabled:
         raise HydraTrainError(
             "--fsdp shards across processes: launch with torchrun --nproc_per_node=N (N >= 2)"
         )
+    ckpt_dir = Path(cfg.runtime.checkpoint_dir)
+    run_id = broadcast_object(dist_info, _new_run_id(model_id))
+    found, db, artifacts, loggers = None, None, None, []
+    # a failure raised on every rank, before DDP/FSDP wraps the model: distributed.fail_together says why
+    with fail_together(dist_info):
+        # every rank's own data (each opens it): saved in each checkpoint, compared on --resume
+        fingerprint = data_fingerprint(data.train, data.val)
+        if main:  # in this order: a refusal changes nothing in the folder
+            if cfg.runtime.resume:
+                found = resume_point(
+                    ckpt_dir, model_id, model.config, cfg, dist_info.world_size, log, fingerprint
+                )
+            _keep_tokenizer_beside(data.tokenizer_path, ckpt_dir, log)
+            db, artifacts = TrainingDB(ckpt_dir / DB_NAME), RunArtifacts(ckpt_dir / "runs" / run_id)
+            loggers = build_loggers(cfg, artifacts.folder, run_id)
+    artifacts = artifacts or RunArtifacts(ckpt_dir / "runs" / run_id, rank=dist_info.rank)
     wrapped = wrap_model(
         model,
         dist_info,
@@ -277,19 +291,6 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
         rank=dist_info.rank,
         world_size=dist_info.world_size,
     )
-    ckpt_dir = Path(cfg.runtime.checkpoint_dir)
-    # every rank's own data (each opens it): saved in each checkpoint, compared on --resume
-    fingerprint = data_fingerprint(data.train, data.val)
-    found = None
-    if main:
-        if cfg.runtime.resume:
-            found = resume_point(
-                ckpt_dir, model_id, model.config, cfg, dist_info.world_size, log, fingerprint
-            )
-        _keep_tokenizer_beside(data.tokenizer_path, ckpt_dir, log)
-    run_id = broadcast_object(dist_info, _new_run_id(model_id))
-    artifacts = RunArtifacts(ckpt_dir / "runs" / run_id, rank=dist_info.rank)
-    db = TrainingDB(ckpt_dir / DB_NAME) if main else None
     safe = next((cb for cb in extra if isinstance(cb, SafeOptimizations)), None)
     if safe is None:
         safe = SafeOptimizations(
@@ -305,7 +306,7 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
         cbs.add(db_cb)
         if cfg.runtime.progress:
             cbs.add(ProgressCallback(console, cfg.runtime.max_steps))
-        for logger in build_loggers(cfg, artifacts.folder, run_id):
+        for logger in loggers:
             cbs.add(logger)
     cbs.add(ArtifactsCallback(artifacts))
     trainer = Trainer(
