@@ -61,3 +61,18 @@ def _restore_kernel_switches(request):
     controls.reset_fallback_counts()
     if fell_back and request.node.get_closest_marker("fallback_expected") is None:
         pytest.fail(f"kernel fallbacks counted: {fell_back}; mark the test fallback_expected if meant")
+
+
+@pytest.fixture
+def nine_hours_east(monkeypatch):
+    """Local time 9 hours ahead of UTC (POSIX TZ string: no tz database needed), so that local and
+    UTC stamps differ, as on most machines (the metrics database's and pretest logs' times)."""
+    import time
+
+    if not hasattr(time, "tzset"):
+        pytest.skip("time.tzset is POSIX only")
+    monkeypatch.setenv("TZ", "JST-9")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()

@@ -5,25 +5,10 @@ runs table and in the event log alike; local time here is 9 hours ahead of UTC."
 from __future__ import annotations
 
 import json
-import time
-
-import pytest
 
 from .conftest import synthetic_db
 
 ROW = dict(loss=3.0, lr=1e-3, grad_norm=1.0, ema_short=3.0, ema_medium=3.0, ema_long=3.0)
-
-
-@pytest.fixture
-def nine_hours_east(monkeypatch):
-    """Local time 9 hours ahead of UTC (POSIX TZ string: no tz database needed)."""
-    if not hasattr(time, "tzset"):
-        pytest.skip("time.tzset is POSIX only")
-    monkeypatch.setenv("TZ", "JST-9")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def _event(stamp: str, step: int, event: str, **more) -> str:

@@ -4,27 +4,12 @@ offset) still order and compare with them; ``hydra-train db runs`` shows both.""
 from __future__ import annotations
 
 import json
-import time
 from datetime import datetime, timedelta, timezone
 
-import pytest
 from typer.testing import CliRunner
 
 from hydra_train.cli import app
 from hydra_train.metrics_db import TrainingDB
-
-
-@pytest.fixture
-def nine_hours_east(monkeypatch):
-    """Local time 9 hours ahead of UTC (POSIX TZ string: no tz database needed), so that local and
-    UTC stamps differ, as on most machines."""
-    if not hasattr(time, "tzset"):
-        pytest.skip("time.tzset is POSIX only")
-    monkeypatch.setenv("TZ", "JST-9")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def _utc(stamp: str) -> datetime:

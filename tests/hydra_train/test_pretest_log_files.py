@@ -8,8 +8,6 @@ import math
 import time
 from datetime import datetime, timedelta, timezone
 
-import pytest
-
 from hydra_train.safe_opts.pretest_log import EVENTS, HISTORY, PretestHook
 from hydra_train.safe_opts.report import build_report
 
@@ -75,17 +73,6 @@ def test_older_files_holding_nan_still_read(tmp_path):
         None,
     ]
     assert "| fp8 | FAIL |" in build_report(hook.get_history())  # the report reads both
-
-
-@pytest.fixture
-def nine_hours_east(monkeypatch):
-    if not hasattr(time, "tzset"):
-        pytest.skip("time.tzset is POSIX only")
-    monkeypatch.setenv("TZ", "JST-9")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def test_event_times_are_utc_like_the_runs_table(tmp_path, nine_hours_east):

@@ -4,28 +4,12 @@ is local without an offset or carries one."""
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timedelta, timezone
-
-import pytest
 
 from hydra_train.config import TrainConfig
 from hydra_train.safe_opts.callback import SafeOptimizations
 from hydra_train.safe_opts.pretest_log import PretestHook
 from hydra_train.safe_opts.report import build_report
-
-
-@pytest.fixture
-def nine_hours_east(monkeypatch):
-    """Local time 9 hours ahead of UTC (POSIX TZ string: no tz database needed), so that local and
-    UTC stamps differ, as on most machines."""
-    if not hasattr(time, "tzset"):
-        pytest.skip("time.tzset is POSIX only")
-    monkeypatch.setenv("TZ", "JST-9")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def test_the_callback_keeps_its_events_with_the_logs_utc_time(tmp_path, nine_hours_east):
