@@ -16,7 +16,10 @@ of ``no_sync``. Checkpoints always hold *full* state dicts (gathered with
 from __future__ import annotations
 
 import contextlib
+import gc
 import pickle
+import sys
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -68,8 +71,56 @@ def init_distributed(device_type: str) -> DistInfo:
 
 
 def shutdown_distributed(info: DistInfo) -> None:
+    """Destroy the process group, once what was built on it is freed (:func:`ending_together`).
+
+    The trainer and its callbacks hold each other (SafeOptimizations keeps the trainer), so the
+    DDP/FSDP model of a finished run lived on until the cycle collector ran, after the group's end:
+    collected here, it goes first."""
     if info.enabled and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def ending_together(info: DistInfo) -> Iterator[None]:
+    """Around a run under a process group: on success every rank meets in a barrier; on an
+    exception, the frames it came through let go of what they hold before it goes on.
+
+    The barrier: every rank done with its collectives before the group is destroyed (a rank
+    tearing gloo down while another still talked to it aborted the process: "terminate called
+    without an active exception", seen once in the 2-process FSDP test under load).
+
+    The frames: an exception raised after DDP/FSDP wrapped the model (a refusal, a data error, a
+    diverged run, a callback) kept the trainer and the wrapped model alive in its traceback past
+    :func:`shutdown_distributed`. Freed after the group's end, DDP's reducer held the group's last
+    reference: its destructor joined gloo's worker threads while holding the GIL, which a worker
+    still freeing a collective's Python tensors waited for (gdb), and the rank hung at exit or
+    aborted (SIGABRT): 10 of 40 two-rank runs refused right after wrapping, 0 of 60 with this.
+    Clearing the frames' locals (the traceback still names every line) lets the collector free the
+    run first; tests/hydra_train/test_ddp_failure_exit.py checks the order."""
+    outer = sys.exc_info()[1]  # the caller's own exception, if it called from a handler: left alone
+    try:
+        yield
+    except BaseException as exc:
+        if info.enabled:
+            _clear_frames(exc, outer)
+        raise
+    barrier(info)
+
+
+def _clear_frames(exc: BaseException, outer: BaseException | None) -> None:
+    """Clear the locals of every finished frame in ``exc``'s traceback and in those of the
+    exceptions it chains to (``raise ... from``, one raised while handling another, a group's),
+    up to ``outer``. A frame still running (the caller's) is left as it is."""
+    todo: list[BaseException | None] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if e is None or e is outer or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
 
 
 def barrier(info: DistInfo) -> None:
@@ -98,9 +149,9 @@ def fail_together(info: DistInfo) -> Iterator[None]:
     same error, so each exits as one process refusing would (cli_errors.py maps the type to the
     status). A ``KeyboardInterrupt`` is not gathered: torchrun sends it to every rank.
 
-    Use it before DDP or FSDP wraps the model: a refusal raised after that kept the wrapped model
-    alive in its traceback past the process group's end, and freeing it then hung the rank's exit
-    or aborted it (SIGABRT): 7 of 45 two-rank refusals of tests/hydra_train/test_ddp_refusals.py."""
+    A refusal raised after DDP or FSDP wrapped the model hung or aborted the rank's exit (7 of 45
+    two-rank refusals of tests/hydra_train/test_ddp_refusals.py) until :func:`ending_together`
+    freed the model before the process group's end; run.py still refuses before wrapping."""
     if not info.enabled:
         yield
         return

@@ -49,8 +49,8 @@ from hydra_train.dataset import BatchPlan, eval_batches
 from hydra_train.device_setup import choose_cpu_threads, device_info, pick_device, seed_everything
 from hydra_train.distributed import (
     DistInfo,
-    barrier,
     broadcast_object,
+    ending_together,
     fail_together,
     init_distributed,
     shutdown_distributed,
@@ -119,12 +119,10 @@ def run_training(
     restore_sigterm = install_sigterm()
     held: list = []  # the checkpoint folder's lock, once taken
     try:
-        summary = _run(cfg, device, dist_info, callbacks or [], console, announce_commits, held)
-        # every rank done with its collectives before the group is destroyed: a rank tearing gloo
-        # down while another still talks to it aborted the process ("terminate called without an
-        # active exception", seen once in the 2-process FSDP test under load)
-        barrier(dist_info)
-        return summary
+        # the ranks end together, and a failure's traceback lets go of the wrapped model before the
+        # process group goes (freed after it, it hung or aborted the rank): distributed.py says why
+        with ending_together(dist_info):
+            return _run(cfg, device, dist_info, callbacks or [], console, announce_commits, held)
     finally:
         for lock in held:
             lock.release()
