@@ -18,12 +18,9 @@ yet it kept the model past the group's end all the same."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import time
-import traceback
 import weakref
 from pathlib import Path
 from typing import Any
@@ -31,16 +28,12 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import typer
-from rich.console import Console
 
 from hydra_train.callbacks import TrainerCallback
-from hydra_train.cli_errors import run_guarded
 from hydra_train.distributed import fail_together
 from hydra_train.errors import HydraCheckpointError, HydraDataError
-from hydra_train.run import run_training
 
-from .conftest import tiny_config
+from .test_ddp_refusals import _outcome
 from .test_ddp_runs import _free_port
 
 #: a case takes seconds; a rank hung at exit (or left in a collective) waits far longer
@@ -93,30 +86,18 @@ def _rank(
         RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port), HYDRA_CACHE_DIR=str(Path(out) / "cache"),
     )  # fmt: skip
-    cfg_kw = dict(cfg_kw)
-    cfg = tiny_config(Path(cfg_kw.pop("data")), Path(cfg_kw.pop("ckpt")), cpu_threads=1, **cfg_kw)
     fail = _FailAt(rank, failing if where == "step" else ())
     if where == "wrap":
         _refuse_after_wrapping(fail)
-    record: dict[str, Any] = {"code": None, "escaped": None, "alive_at_destroy": []}
+    alive_at_destroy: list[bool] = []
     destroy = dist.destroy_process_group
 
     def probe(*args, **kwargs):  # this process's own torch: nothing outside it is patched
-        record["alive_at_destroy"].append(fail.wrapped is not None and fail.wrapped() is not None)
+        alive_at_destroy.append(fail.wrapped is not None and fail.wrapped() is not None)
         return destroy(*args, **kwargs)
 
     dist.destroy_process_group = probe
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            run = lambda: run_training(cfg, callbacks=[fail], console=Console(file=io.StringIO()))
-            run_guarded(run, debug=False, resume_hint="")
-            record["code"] = 0
-        except typer.Exit as exc:
-            record["code"] = exc.exit_code
-        except BaseException:
-            record["escaped"] = traceback.format_exc()
-    record["stderr"], record["ended"] = err.getvalue(), time.time()
+    record = {**_outcome(cfg_kw, [fail]), "alive_at_destroy": alive_at_destroy, "ended": time.time()}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
 
 

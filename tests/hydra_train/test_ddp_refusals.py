@@ -34,16 +34,16 @@ from .test_resume_data_change import _add_shard
 DEADLINE_S = 180
 
 
-def _outcome(cfg_kw: dict[str, Any]) -> dict[str, Any]:
-    """Exit status and stderr of ``hydra-train run`` with ``cfg_kw``, or the exception that got
-    past its guard (a traceback, as the CLI would print it)."""
+def _outcome(cfg_kw: dict[str, Any], callbacks: list | None = None) -> dict[str, Any]:
+    """Exit status and stderr of ``hydra-train run`` with ``cfg_kw`` (and ``callbacks``), or the
+    exception that got past its guard (a traceback, as the CLI would print it)."""
     cfg_kw = dict(cfg_kw)
     cfg = tiny_config(Path(cfg_kw.pop("data")), Path(cfg_kw.pop("ckpt")), cpu_threads=1, **cfg_kw)
     err = io.StringIO()
     record: dict[str, Any] = {"code": None, "escaped": None}
     with contextlib.redirect_stderr(err):
         try:
-            run = lambda: run_training(cfg, console=Console(file=io.StringIO()))
+            run = lambda: run_training(cfg, callbacks=callbacks, console=Console(file=io.StringIO()))
             run_guarded(run, debug=False, resume_hint="")
             record["code"] = 0
         except typer.Exit as exc:

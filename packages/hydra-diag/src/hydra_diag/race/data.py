@@ -42,6 +42,7 @@ class RaceData:
         n = self.val.num_windows
         k = min(self.val_windows, n)
         self.val_ids = sorted({int(i) for i in np.linspace(0, n - 1, k).round()})
+        self._val_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def train_windows(self) -> int:
@@ -71,9 +72,12 @@ class RaceData:
     def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The fixed validation windows in batches of at most ``batch_size``, their ids checked
         against the vocabulary on the host as training batches are (BatchPlan.batch): on CUDA an id
-        past the embedding is a device-side assert, which would fail every later entrant too."""
+        past the embedding is a device-side assert, which would fail every later entrant too.
+        Built and checked once (load_race_data asks first); each entrant gets the same batches."""
         from hydra_train.dataset import as_view, check_token_range
 
+        if self._val_batches is not None:
+            return list(self._val_batches)
         view = as_view(self.val)
         out = []
         for i in range(0, len(self.val_ids), self.batch_size):
@@ -82,7 +86,8 @@ class RaceData:
             check_token_range(rows, view, ids)
             t = torch.from_numpy(rows)
             out.append((t[:, :-1], t[:, 1:]))
-        return out
+        self._val_batches = out
+        return list(out)
 
 
 def corpus_tree_roots(paths: list[Path]) -> list[tuple[str, Path]]:
