@@ -98,6 +98,26 @@ def test_full_disk_during_a_save_is_one_line_and_the_run_failed(bin_dataset, tmp
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
 
 
+def test_full_disk_in_a_metrics_write_is_one_line_saying_how_to_go_on(bin_dataset, tmp_path, monkeypatch):
+    """A disk that fills during an SQLite write reaches Python as sqlite3.OperationalError, not an
+    OSError: one line naming the database and how to continue, not a traceback."""
+    from hydra_train.metrics_db import TrainingDB
+
+    real_log_step = TrainingDB.log_step
+
+    def full_disk(self, run_id, step, **values):
+        if step >= 3:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_log_step(self, run_id, step, **values)
+
+    monkeypatch.setattr(TrainingDB, "log_step", full_disk)
+    res = runner.invoke(app, _args(bin_dataset, tmp_path))
+    assert res.exit_code == 1, res.output
+    line = _one_error_line(res.output)
+    assert "database or disk is full" in line and "training.db" in line and "free disk space" in line
+    assert "continue with: hydra-train run" in line
+
+
 @pytest.mark.parametrize("content", [b"", b"this is not a database, just text\n"])
 def test_db_stats_refuses_a_file_that_is_not_sqlite_and_leaves_it_alone(tmp_path, content):
     from hydra_diag.cli import app as diag_app

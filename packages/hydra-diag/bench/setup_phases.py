@@ -31,7 +31,7 @@ PHASES = (
     ("hydra_train.run", "eval_batches"),
     ("hydra_train.run", "_keep_tokenizer_beside"),
     ("hydra_train.run", "TrainingDB"),
-    ("hydra_train.run", "settle_dead_runs"),
+    ("hydra_train.run_start", "settle_dead_runs"),
     ("hydra_train.safe_opts.callback", "SafeOptimizations.apply"),
     ("hydra_train.safe_opts.pretest", "PretestRunner._snapshot"),
     ("hydra_train.safe_opts.pretest", "PretestRunner._reference"),

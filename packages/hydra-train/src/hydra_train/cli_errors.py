@@ -2,7 +2,9 @@
 
 ``hydra-train run`` maps: a flag out of range (:class:`HydraUsageError`) -> exit 2; any other
 :class:`HydraTrainError` or an ``OSError`` (disk full, read-only folder, ...) -> one line naming the
-cause, the file and what to do, exit 1; Ctrl-C -> 130, SIGTERM -> 143 (the run's status is written
+cause, the file and what to do, exit 1; an SQLite error (the metrics database: a disk that filled
+during a write reaches Python as ``sqlite3.OperationalError``, not an OSError) -> one line with
+how to continue, exit 1; Ctrl-C -> 130, SIGTERM -> 143 (the run's status is written
 first). ``--debug`` re-raises instead, for the full traceback. The line itself is printed by
 :func:`hydra_kernels.cli_support.fail`, which prints the text literally (no rich markup, no emoji).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +88,16 @@ def run_guarded(fn: Callable[[], Any], *, debug: bool, resume_hint: str | Callab
         if debug:
             raise
         fail(os_error_line(exc, "I/O error"))
+    except sqlite3.Error as exc:
+        if debug:
+            raise
+        fail(
+            _stopped(
+                f"metrics database error: {exc} (training.db in --checkpoint_dir); free disk space "
+                "or check that the folder is writable",
+                resume_hint,
+            )
+        )
     except Terminated:
         fail(_stopped("terminated (SIGTERM)", resume_hint), code=EXIT_SIGTERM)
     except KeyboardInterrupt:

@@ -151,7 +151,9 @@ def fail_together(info: DistInfo) -> Iterator[None]:
 
     A refusal raised after DDP or FSDP wrapped the model hung or aborted the rank's exit (7 of 45
     two-rank refusals of tests/hydra_train/test_ddp_refusals.py) until :func:`ending_together`
-    freed the model before the process group's end; run.py still refuses before wrapping."""
+    freed the model before the process group's end. The start's checks refuse before wrapping
+    (run.py); the database's first rows and a resume's restore are shared after it (run_start.py:
+    not FSDP's own state loading, whose per-tensor collectives a gather must not cut into)."""
     if not info.enabled:
         yield
         return

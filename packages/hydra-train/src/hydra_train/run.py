@@ -4,7 +4,8 @@
 too). In order: the process (:mod:`hydra_train.device_setup`), the automatic settings resolved for
 the device, the checkpoint folder locked, the data, the model, optimizer and schedule
 (:mod:`hydra_train.build`), the DDP/FSDP wrapper, the database, artifacts and callbacks, the
-trainer, a resume when asked; then the optional optimizations are applied to the built run
+trainer, a resume when asked and the run's rows in the database (:mod:`hydra_train.run_start`);
+then the optional optimizations are applied to the built run
 (``SafeOptimizations.apply``: pretests, activation), the trainer trains, the final checkpoint is
 written and the summary (:mod:`hydra_train.summary`) returned.
 """
@@ -33,10 +34,8 @@ from hydra_train.build import (
 )
 from hydra_train.callbacks import CallbackList, TrainerCallback
 from hydra_train.checkpoint import (
-    ResumePoint,
     check_resume_dir,
     final_name,
-    load_checkpoint,
     prune_checkpoints,
     resume_point,
     save_checkpoint,
@@ -63,7 +62,8 @@ from hydra_train.optim import OptimizerChoice
 from hydra_train.options import torchrun_launch, train_options
 from hydra_train.prefetch import Prefetcher
 from hydra_train.reporting import MetricsDBCallback, ProgressCallback
-from hydra_train.run_guard import check_finite_weights, install_sigterm, open_checkpoint_dir, settle_dead_runs
+from hydra_train.run_guard import check_finite_weights, install_sigterm, open_checkpoint_dir
+from hydra_train.run_start import record_start, resume_run
 from hydra_train.safe_opts import pretest_log
 from hydra_train.safe_opts.callback import SafeOptimizations
 from hydra_train.summary import describe_run, summary_rows, write_summary_json
@@ -195,20 +195,9 @@ def _run(
     cfg = cfg.replace(seq_len=data.seq_len, vocab_size=data.vocab_size)
     log(f"data: {data.description}")
     run, found = _build(cfg, data, device, dist_info, extra, console, announce_commits, log)
-    _resume(run, found, log)
-    if main:
-        settle_dead_runs(run.db, log)
-        model_cfg = run.model.config.to_dict()
-        run.db.upsert_model(run.model_id, cfg.model.model_size, run.n_params, run.n_params_ne, model_cfg)
-        run.db.start_run(
-            run.trainer.run_id,
-            run.model_id,
-            run.trainer.step,
-            cfg.to_dict(),
-            resumed_from=run.resumed_from,
-            device=str(device),
-            world_size=dist_info.world_size,
-        )
+    # each rank's failure in these ends every rank (run_start.py)
+    resume_run(run, found, log)
+    record_start(run, log)
     try:
         return _train(run, log)
     finally:
@@ -342,21 +331,6 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
         ckpt_dir / DB_NAME, choice, trainer, safe, db,
     )  # fmt: skip
     return run, found
-
-
-def _resume(run: TrainingRun, found: ResumePoint | None, log) -> None:
-    """``--resume``: the checkpoint rank 0 found (there is one: see _build), loaded on every rank."""
-    if not run.cfg.runtime.resume:
-        return
-    path = broadcast_object(run.dist, str(found.path) if found else None)
-    if found is None:
-        ck = load_checkpoint(path)
-        found = ResumePoint(Path(path), int(ck["step"]), ck)
-    run.trainer.resume_from(found)
-    run.resumed_from = found.checkpoint.get("run_id")
-    # a new checkpoint: pretests rerun (resolved: the machine's records are shared by folders)
-    run.safe.checkpoint = f"{Path(found.path).resolve()}@{found.step}"
-    log(f"resuming from {found.path} (step {found.step}, run {run.resumed_from})")
 
 
 def _train(run: TrainingRun, log) -> dict[str, Any]:

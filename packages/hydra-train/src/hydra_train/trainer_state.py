@@ -23,7 +23,13 @@ from hydra_train.checkpoint import (
     restore_rng,
     resume_data_position,
 )
-from hydra_train.distributed import full_model_state, full_optimizer_state, load_full_state
+from hydra_train.distributed import (
+    fail_together,
+    full_model_state,
+    full_optimizer_state,
+    is_fsdp,
+    load_full_state,
+)
 from hydra_train.errors import HydraDivergedError
 from hydra_train.safe_opts.adam8bit import adamw_state_dict_from_8bit, is_8bit_state_dict
 
@@ -181,39 +187,59 @@ class TrainerStateMixin:
     def resume_from(self, point: ResumePoint) -> None:
         """Load everything a checkpoint holds; the model config must match and the data settings
         must allow continuing the data stream (else HydraCheckpointError). A weights-only
-        checkpoint (no loop state) loads the weights and leaves the rest fresh."""
-        ck = point.checkpoint
-        check_model_config(ck, self.model.config, point.path)
-        if "trainer" not in ck:
-            # weights only (hydra-model import-hf writes such files): a model to start from, not a
-            # run to continue; optimizer, schedule, data order and loop state start fresh
-            load_full_state(self.model, self.optimizer, ck["model"], None)
+        checkpoint (no loop state) loads the weights and leaves the rest fresh.
+
+        Under torchrun every rank calls it, and what a rank does alone is shared (the lowest
+        failing rank's error raised on every rank: distributed.fail_together says why): the
+        checks (each rank compares its own data with the checkpoint's) and the restoring after the
+        weights (rank 0 alone has the database's and the loggers' callbacks). FSDP's loading
+        stays outside: it scatters every tensor from rank 0 (``distribute_tensor``), and a rank
+        that left its order to share a failure would meet the others' scatter with its
+        all-gather. DDP's and one process's loading are local, so they go with the checks."""
+        ck, fsdp = point.checkpoint, is_fsdp(self.model)
+        loop = "trainer" in ck  # else weights only (hydra-model import-hf writes such files)
+        with fail_together(self.dist):
+            check_model_config(ck, self.model.config, point.path)
+            position, notes, optim_state = 0, [], None
+            if loop:
+                position, notes = resume_data_position(
+                    ck, self.cfg, self.dist.world_size, point.path, self.data_fingerprint
+                )
+                optim_state = self._optimizer_state_of(ck, point.path, notes)
+            if not fsdp:
+                load_full_state(self.model, self.optimizer, ck["model"], optim_state)
+        if fsdp:
+            load_full_state(self.model, self.optimizer, ck["model"], optim_state)
+        if not loop:
+            # a model to start from, not a run to continue; optimizer, schedule, data order and
+            # loop state start fresh
             self.log(f"{point.path.name} holds weights only: training starts from them at step 0")
             return
-        position, notes = resume_data_position(
-            ck, self.cfg, self.dist.world_size, point.path, self.data_fingerprint
-        )
+        with fail_together(self.dist):
+            for g in self.optimizer.param_groups:  # the current --lr wins over the saved one
+                g["initial_lr"] = self.cfg.optim.lr
+            self.reset_graph_state(self.optimizer)
+            if "scheduler" in ck:
+                self.schedule.load_state_dict(ck["scheduler"])
+            self.load_state_dict(ck["trainer"])
+            self.loader.seek(position)
+            for note in notes:
+                self.log(note)
+            self.callbacks.load_state_dict(ck.get("callbacks", {}), log=self.log)
+            restore_rng(ck["rng"])
+
+    def _optimizer_state_of(self, ck: dict[str, Any], path: Path, notes: list[str]) -> dict[str, Any] | None:
+        """The optimizer state to load from ``ck``, an older --8bit_adam one converted (a note added)."""
         optim_state = ck.get("optimizer")
         if optim_state is not None and is_8bit_state_dict(optim_state):
             # run built bitsandbytes' AdamW8bit itself for a while: torch's AdamW took that state
             # and failed at its first step (no exp_avg); converted, it continues from its moments
             optim_state, n = adamw_state_dict_from_8bit(optim_state, self.optimizer)
             notes.append(
-                f"{point.path.name}: bitsandbytes AdamW8bit state (an older --8bit_adam checkpoint) "
+                f"{path.name}: bitsandbytes AdamW8bit state (an older --8bit_adam checkpoint) "
                 f"converted to AdamW's for {n} parameters"
             )
-        load_full_state(self.model, self.optimizer, ck["model"], optim_state)
-        for g in self.optimizer.param_groups:  # the current --lr wins over the saved one
-            g["initial_lr"] = self.cfg.optim.lr
-        self.reset_graph_state(self.optimizer)
-        if "scheduler" in ck:
-            self.schedule.load_state_dict(ck["scheduler"])
-        self.load_state_dict(ck["trainer"])
-        self.loader.seek(position)
-        for note in notes:
-            self.log(note)
-        self.callbacks.load_state_dict(ck.get("callbacks", {}), log=self.log)
-        restore_rng(ck["rng"])
+        return optim_state
 
     def summary(self) -> dict[str, Any]:
         vh = self.state.val_history
