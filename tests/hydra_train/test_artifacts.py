@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import csv
+from datetime import datetime, timedelta, timezone
 
 import torch
 
 import hydra_model
-from hydra_train.artifacts import RunArtifacts, dtypes_report, fallback_counters, optimizer_state_mb
+from hydra_train.artifacts import (
+    RunArtifacts,
+    dtypes_report,
+    environment,
+    fallback_counters,
+    optimizer_state_mb,
+)
 
 
 def test_optimizer_state_and_dtypes():
@@ -55,3 +62,12 @@ def test_failed_routing_compile_is_a_reported_fallback(monkeypatch):
     monkeypatch.setattr(fr, "_counts", counts)
     rows = fallback_counters()
     assert [r for r in rows if r[0] == "routing"] == [("routing", "gated_scatter", 1)]
+
+
+def test_env_json_time_is_utc_with_an_offset(nine_hours_east):
+    """env.json's ``time`` (when the run started) reads next to the runs table's ``started_at``
+    (UTC, metrics_schema.utc_now): UTC with its offset, not a local stamp 9 hours off."""
+    before = datetime.now(timezone.utc)
+    t = datetime.fromisoformat(environment(torch.device("cpu"), 1)["time"])
+    assert t.utcoffset() == timedelta(0)
+    assert before - timedelta(seconds=1) <= t <= before + timedelta(seconds=5)

@@ -11,7 +11,8 @@ from hydra_train.config import TrainConfig
 from hydra_train.safe_opts.pretest_log import HISTORY, PretestHook, environment, fingerprint
 
 
-def rec(size, fp, checkpoint=None, results=None, t="2026-01-10T10:00:00"):
+def rec(size, fp, checkpoint=None, results=None, t="2026-01-10T10:00:00+00:00"):
+    # stamps with the offset: a day file is named by the UTC date whatever the zone the tests run in
     return {
         "model_size": size,
         "fingerprint": fp,
@@ -53,10 +54,10 @@ def test_files_history_and_summary(tmp_path):
     hook = PretestHook(tmp_path)
     ok = {"status": "PASS", "reason": None, "timing": {"speedup": 1.4}}
     bad = {"status": "FAIL", "reason": "slower", "timing": {"speedup": 0.8}}
-    hook.record(rec("100M", "a", results={"compile": ok, "fa3": ok}, t="2026-01-10T10:00:00"))
-    hook.record(rec("100M", "b", results={"compile": bad}, t="2026-01-10T11:00:00"))
+    hook.record(rec("100M", "a", results={"compile": ok, "fa3": ok}, t="2026-01-10T10:00:00+00:00"))
+    hook.record(rec("100M", "b", results={"compile": bad}, t="2026-01-10T11:00:00+00:00"))
     day = hook.record(
-        rec("1B", "c", results={"fa3": {"status": "N/A", "reason": "no"}}, t="2026-01-11T09:00:00")
+        rec("1B", "c", results={"fa3": {"status": "N/A", "reason": "no"}}, t="2026-01-11T09:00:00+00:00")
     )
     assert day.name == "pretest_1B_2026-01-11.json"
     assert len(json.loads((tmp_path / HISTORY).read_text())) == 3

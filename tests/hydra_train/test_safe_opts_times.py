@@ -4,6 +4,7 @@ is local without an offset or carries one."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 
 from hydra_train.config import TrainConfig
@@ -44,3 +45,20 @@ def test_the_report_takes_the_latest_record_by_time_not_by_text(nine_hours_east)
     for records in ([old, new], [new, old]):
         (row,) = [line for line in build_report(records).splitlines() if line.startswith("| 100M |")]
         assert "| 2 + 10 |" in row and row.endswith("| 2026-01-10T12:00:00+00:00 |"), row
+
+
+def test_records_are_utc_and_filed_by_their_utc_date(tmp_path, nine_hours_east):
+    """A record's ``time`` is UTC with its offset and its day file is named by the UTC date: a
+    stamp without an offset is local (as older versions wrote them), and 03:00 in Tokyo is 18:00
+    UTC the day before. A record stamped now carries the offset too."""
+    hook = PretestHook(tmp_path)
+    old_day = hook.record(_record("2026-01-11T03:00:00", "fp8", warmup=1))
+    before = datetime.now(timezone.utc)
+    new_day = hook.record({k: v for k, v in _record("", "compile", warmup=2).items() if k != "time"})
+    old, new = hook.get_history()
+    assert old["time"] == "2026-01-10T18:00:00+00:00" and old_day.name == "pretest_100M_2026-01-10.json"
+    t = datetime.fromisoformat(new["time"])
+    assert t.utcoffset() == timedelta(0)
+    assert before - timedelta(seconds=1) <= t <= before + timedelta(seconds=5)
+    assert new_day.name == f"pretest_100M_{t.date()}.json"
+    assert [r["time"] for r in json.loads(new_day.read_text())][-1] == new["time"]

@@ -1,9 +1,9 @@
 """Per-run artifacts in ``<checkpoint_dir>/runs/<run_id>/`` (the NSA diagnostics report's set).
 
 =========================  =================================================================
-``env.json``               versions (python, torch, triton, CUDA, hydra packages), device, argv,
-                           HYDRA_*/PYTORCH_*/CUDA_*/TORCH_* environment, world size, the kernel
-                           status and the attention backend
+``env.json``               when (UTC with the offset), versions (python, torch, triton, CUDA,
+                           hydra packages), device, argv, HYDRA_*/PYTORCH_*/CUDA_*/TORCH_*
+                           environment, world size, the kernel status and the attention backend
 ``dtypes_report.txt``      parameter and buffer counts per dtype, then every parameter
 ``opt_state_mb.txt``       optimizer state size in MiB after the first step (8-bit Adam shows here)
 ``heartbeat_rank{r}.jsonl`` one JSON line per log interval from every rank: step, time, loss, lr,
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hydra_train.callbacks import StepMetrics, TrainerCallback
+from hydra_train.metrics_schema import utc_now
 from hydra_train.options import recorded_environment, train_options
 
 
@@ -84,7 +85,9 @@ def environment(device: torch.device, world_size: int) -> dict[str, Any]:
             return None
 
     env = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        # UTC with the offset, as training.db's runs.started_at, which a reader holds it against
+        # (the run folder's name, the run id, stays local time: run.py)
+        "time": utc_now("seconds"),
         "host": socket.gethostname(),
         "python": sys.version,
         "platform": platform.platform(),

@@ -8,10 +8,12 @@ Logs (``<checkpoint_dir>/pretest_logs/``)::
 
 The files are standard JSON: a number that is not finite (a failed arm's loss or timing) is null,
 as in the CLIs' ``--json`` (``finite_json``); files written before, holding NaN or Infinity, still
-read. An event's ``time`` is UTC with its offset, to the second, as the runs table's times in
-training.db are (hydra-diag's dashboard gives a run the events stamped between its start and end);
-a record's ``time`` is local, to the second (reports and day files compare records only with
-each other).
+read. An event's and a record's ``time`` are UTC with the offset, to the second, as the runs
+table's times in training.db are (hydra-diag's dashboard gives a run the events stamped between its
+start and end), so that a record says the same moment on every machine; a day file is named by the
+UTC date. Older versions wrote local time without an offset: such a stamp is read as this machine's
+local time (``metrics_schema.utc_time``, as the database reads its older rows), and report.py
+orders records by that time, not by their text.
 
 A record is a dict: ``time``, ``model_size``, ``fingerprint``, ``trigger``, ``checkpoint``,
 ``env`` (device, compute capability, torch/triton versions), ``config`` (batch, sequence length,
@@ -42,7 +44,6 @@ import importlib
 import importlib.metadata
 import json
 import platform
-import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -119,16 +120,16 @@ def _installed_version(name: str) -> str | None:
         return None
 
 
-def timestamp() -> str:
-    """A record's ``time`` (local, to the second)."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S")
-
-
 def event_time(stamp: str | None = None) -> str:
     """An event's ``time`` in the log: ``stamp`` (now when None) in UTC with its offset, to the
     second. A stamp without an offset is local time (an older version's events; SafeOptimizations
     now stamps its events with this function)."""
     return utc_time(stamp, "seconds") if stamp else utc_now("seconds")
+
+
+def timestamp(stamp: str | None = None) -> str:
+    """A record's ``time``: as an event's (:func:`event_time`), UTC with its offset, to the second."""
+    return event_time(stamp)
 
 
 def shared_pretest_dir() -> Path:
@@ -294,9 +295,11 @@ class PretestHook:
         return self.record(copy)
 
     def record(self, rec: dict[str, Any]) -> Path:
-        """Append ``rec`` to the history and to that size's log of the day; returns the latter."""
-        rec = dict(rec)
-        rec.setdefault("time", timestamp())
+        """Append ``rec`` to the history and to that size's log of its UTC day; returns the latter.
+        ``rec``'s ``time`` (now when it has none) is written in UTC (:func:`timestamp`)."""
+        # a caller's stamp without an offset (an older version's) is local: stored, and filed by
+        # day, as the UTC moment it names
+        rec = {**rec, "time": timestamp(rec.get("time"))}
         hist = self._history()
         hist.append(rec)
         _write_json_atomic(self.history_path, hist)

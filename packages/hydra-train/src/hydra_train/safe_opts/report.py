@@ -106,8 +106,9 @@ def reference_of(key: str, res: dict[str, Any]) -> str:
 
 
 def _when(rec: dict[str, Any]) -> str:
-    """A record's ``time`` as UTC, to order records by: a stamp may be local time without an
-    offset (pretest_log.timestamp) or carry one, whose text order is not its time order."""
+    """A record's ``time`` as UTC, to order records by: an older version's stamp is local time
+    without an offset, a newer one's UTC with it (pretest_log.timestamp); their text order is not
+    their time order."""
     return str(utc_time(str(rec.get("time") or "")))
 
 
