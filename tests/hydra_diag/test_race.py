@@ -110,6 +110,7 @@ def test_race_json(raced):
     d = doc["data"]
     assert d["name"] == "pyenv" and d["files"]["train"] > 0 and d["files"]["val"] > 0
     assert d["tokens"]["train"] > d["tokens"]["val"] > 0 and d["vocab_size"] <= 400
+    assert len(d["train_digest"]) == 16 and d["train_digest"] != d["val_digest"]
     runs = {r["name"]: r for r in doc["runs"]}
     assert list(runs) == ["gpt", "hydra"]
     for r in runs.values():

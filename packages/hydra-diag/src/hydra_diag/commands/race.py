@@ -223,11 +223,17 @@ def merge_cmd(
     plots: PlotsDir = None,
 ) -> None:
     """Merge races run separately (e.g. one configuration per process) into one table, JSON and set
-    of plots. Refused, naming the field, when the runs differ in data, sequence length, batch size,
-    budget, evaluation points, schedule or device, or when a configuration appears twice."""
+    of plots. Refused, naming the field, when the runs differ in data (training tokens included),
+    sequence length, batch size, budget, evaluation points, schedule or device, or when a
+    configuration appears twice. A file written before races recorded their training data's digest
+    is merged with a warning that its training data could not be checked."""
     from hydra_diag.race.results import load_document, merge_documents
+    from hydra_kernels.cli_support import err_console
 
-    doc = run_guarded(lambda: merge_documents([(str(f), load_document(f)) for f in files]))
+    def warn(message: str) -> None:
+        err_console.print(message, highlight=False, markup=False)
+
+    doc = run_guarded(lambda: merge_documents([(str(f), load_document(f)) for f in files], warn))
     _finish(doc, json_path, plots)
 
 

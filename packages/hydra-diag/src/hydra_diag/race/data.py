@@ -22,6 +22,8 @@ from hydra_diag.output import DiagError, Progress, no_progress
 
 #: the vocabulary where neither --vocab_size nor the dataset names one (pyenv's BPE size)
 DEFAULT_VOCAB = 32000
+#: tokens converted and hashed at a time by train_digest (memory stays bounded on any split)
+DIGEST_CHUNK = 1 << 24
 
 
 @dataclass
@@ -67,6 +69,37 @@ class RaceData:
         h = hashlib.sha1()
         for j in self.val_ids:
             h.update(np.asarray(self.val.window(j), dtype="<i8").tobytes())
+        return h.hexdigest()[:16]
+
+    def train_digest(self) -> str:
+        """sha1 of every token the training windows cover, in window order: the training stream's
+        identity when runs are merged. val_digest alone is not one: two builds of a corpus can
+        agree on the validation windows and differ in training (pyenv FORMAT_VERSION 3 encodes a
+        literal end-of-text string in a training file as text, which shifts every later window).
+        All tokens, not a sample, since such a change can sit anywhere; ids hashed as uint32 (a
+        shard's width does not matter) with each shard's window count and the window length, so
+        equal digests mean equal windows. About 1 s per 100M tokens on a slow core."""
+        from hydra_train.dataset import as_view
+
+        view = as_view(self.train)
+        t = view.seq_len
+        h = hashlib.sha1(f"T={t}|".encode())
+        i, n = 0, view.num_windows
+        while i < n:
+            shard, j = view.locate(i)  # windows j, j+1, ... of this shard
+            in_shard = shard.tokens.shape[0] if shard.is_rows else (shard.num_tokens - 1) // t
+            count = min(n - i, in_shard - j)
+            if count <= 0:  # locate skips shards without windows; a zero here would loop forever
+                raise DiagError(f"{shard.path}: window {i} is not in its shard")
+            part = shard.tokens[j : j + count] if shard.is_rows else shard.tokens[j * t : (j + count) * t + 1]
+            flat = part.reshape(-1)
+            h.update(f"{count}|".encode())
+            try:
+                for k in range(0, flat.size, DIGEST_CHUNK):
+                    h.update(np.ascontiguousarray(flat[k : k + DIGEST_CHUNK], dtype="<u4"))
+            except OSError as exc:  # a memory-mapped shard that vanished or failed to read
+                raise DiagError(f"{shard.path}: unreadable shard ({exc})") from None
+            i += count
         return h.hexdigest()[:16]
 
     def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -152,11 +185,14 @@ def load_race_data(
         summary = {"name": dataset, "description": bundle.description, "cache_key": None}
     data = RaceData(train, val, vocab, seq_len, batch_size, seed, val_windows)
     data.val_batches()  # bad ids refused here, once, rather than by each entrant the runner starts
+    if data.train_tokens > 1 << 28:  # seconds of reading and hashing: say what the wait is
+        progress(f"hashing the training split ({data.train_tokens / 1e6:.0f}M tokens) for its digest")
     summary.update(
         train_windows=data.train_windows,
         train_tokens_windowed=data.train_tokens,
         val_windows_used=len(data.val_ids),
         val_digest=data.val_digest(),
+        train_digest=data.train_digest(),
         vocab_size=vocab,
     )
     data.summary = summary

@@ -4,6 +4,14 @@ saved documents and merging runs made separately (refused when they were not run
 Merging is how long races are split (``gpt`` in one process, ``hydra`` in another): the runs must
 share every field of :data:`MUST_MATCH` (the data, the sequence and batch shape, the budget, the
 evaluation points, the schedule, the device), and a configuration may appear in only one of them.
+
+The training data is matched on ``data.train_digest`` (every training token, race/data.py): the
+validation digest and the window counts can agree while the training streams differ (a pyenv
+corpus of FORMAT_VERSION 2 against 3). Files written before the digest was recorded lack it: such
+a file is merged (its results stay usable) with a warning that its training data went unchecked,
+and the merged document records no digest, so a later merge with it warns again. Their pyenv
+token counts (``data.tokens``, always recorded) are still compared, which refuses the case that
+made the digest necessary.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import json
 import platform
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +47,20 @@ MUST_MATCH = (
     "data.val_digest",
     "data.vocab_size",
     "data.train_windows",
+    "data.tokens",  # pyenv: tokens per split (None for other data, whose train_digest says more)
     "environment.device_name",
 )
+#: the training stream's identity; checked apart from MUST_MATCH, since older files lack it
+TRAIN_DIGEST = "data.train_digest"
+_RETRY = "race again on one copy of the data (the same corpus build or shards) and merge those runs"
+#: what to do, after "field differs (a vs b)", where the field's name does not say it
+REMEDY = {
+    "data.tokens": "the corpora were tokenized differently (other source files, or pyenv caches of "
+    f"another format, e.g. before and after FORMAT_VERSION 3); {_RETRY}",
+    TRAIN_DIGEST: "the runs trained on different token streams, whatever their validation windows "
+    "(another corpus build, e.g. a pyenv cache before and after FORMAT_VERSION 3, or other "
+    f"shards); {_RETRY}",
+}
 
 
 def environment(device) -> dict[str, Any]:
@@ -97,8 +118,20 @@ def load_document(path: Path) -> dict[str, Any]:
     return doc
 
 
-def merge_documents(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """One document from several runs; DiagError naming the field (or configuration) that clashes."""
+def _differs(name: str, other: str, field: str, b: Any, a: Any) -> DiagError:
+    remedy = f": {REMEDY[field]}" if field in REMEDY else ""
+    return DiagError(f"cannot merge {name} with {other}: {field} differs ({b!r} vs {a!r}){remedy}")
+
+
+def _warn_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def merge_documents(
+    docs: list[tuple[str, dict[str, Any]]], warn: Callable[[str], None] = _warn_stderr
+) -> dict[str, Any]:
+    """One document from several runs; DiagError naming the field (or configuration) that clashes.
+    ``warn`` gets one line when a file records no training digest (written before it existed)."""
     if not docs:
         raise DiagError("race merge needs at least one JSON file")
     first_name, first = docs[0]
@@ -106,8 +139,15 @@ def merge_documents(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         for field in MUST_MATCH:
             a, b = _get(first, field), _get(doc, field)
             if a != b:
-                raise DiagError(f"cannot merge {name} with {first_name}: {field} differs ({b!r} vs {a!r})")
+                raise _differs(name, first_name, field, b, a)
+    known = [(name, _get(doc, TRAIN_DIGEST)) for name, doc in docs if _get(doc, TRAIN_DIGEST) is not None]
+    for name, digest in known[1:]:  # against the first file that has one: it need not be docs[0]
+        if digest != known[0][1]:
+            raise _differs(name, known[0][0], TRAIN_DIGEST, digest, known[0][1])
+    unchecked = [name for name, doc in docs if _get(doc, TRAIN_DIGEST) is None]
     merged = json.loads(json.dumps(first))
+    if unchecked:  # the merge vouches for no digest: a later merge with it must warn again
+        merged.get("data", {}).pop("train_digest", None)
     merged.pop("plots", None)  # the first file's PNGs show its own runs only: not the merge's
     merged["runs"] = []
     merged["merged_from"] = []
@@ -121,7 +161,23 @@ def merge_documents(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             seen[run["name"]] = name
             merged["runs"].append({**run, "source": name})
         env = doc.get("environment", {})
-        merged["merged_from"].append({"file": name, "command": env.get("command"), "date": env.get("date")})
+        merged["merged_from"].append(
+            {
+                "file": name,
+                "command": env.get("command"),
+                "date": env.get("date"),
+                "train_digest": _get(doc, TRAIN_DIGEST),
+            }
+        )
+    if unchecked:  # said once the merge is sure to succeed, not before a refusal
+        warn(
+            f"warning: race merge: {', '.join(unchecked)} record(s) no {TRAIN_DIGEST} (written before "
+            "races recorded it), so their training data could not be checked"
+            + (" against the others'" if known else "")
+            + "; merged on the validation digest and the window (and pyenv token) counts alone. If "
+            "the runs may have read different corpus builds (a pyenv cache before and after "
+            "FORMAT_VERSION 3), race them again"
+        )
     return merged
 
 
