@@ -301,3 +301,23 @@ def test_router_thresholds_commit_once_per_optimizer_step(bigram, monkeypatch):
     result = race_one(cfg, bigram(), settings, torch.device("cpu"), say=str, tick=lambda info: None)
     assert result["steps"] >= 1
     assert calls == ["forward"] * (settings.warmup_steps + result["steps"])
+
+
+def test_race_entry_memory_is_read_after_the_warm_up(bigram, monkeypatch):
+    """The entry's memory fields are hydra_diag.device_memory's (test_device_memory.py), the peaks
+    reset once the warm-up has compiled (and, under the graphs scope, captured) everything and read
+    after the last evaluation. Documents written before have ``peak_memory_gib`` instead."""
+    from hydra_diag.race import loop
+
+    events: list[str] = []
+    figures = {"peak_gib": 8.5, "graph_pool_gib": 7.0, "peak_allocated_gib": 1.2}
+    monkeypatch.setattr(loop, "reset_peak_memory", lambda device, **kw: events.append(("reset", kw)))
+    monkeypatch.setattr(loop, "peak_memory", lambda device: events.append("read") or figures)
+    settings = RaceSettings(model_size="tiny", budget_s=0.3, evals=1, warmup_steps=1, log_every_s=100)
+    cfg = resolve_configs(["gpt"], [("gpt", GPT_TINY)], lr=1e-3, compile_default="model")[0]
+    result = race_one(cfg, bigram(), settings, torch.device("cpu"), say=events.append, tick=lambda i: None)
+    reset = ("reset", {"release_cache": False})  # the clock starts next: the cache stays filled
+    assert events.count(reset) == 1
+    assert events.index("evaluation warm-up") < events.index(reset) < events.index("evaluating at 0 s")
+    assert events[-1] == "read"
+    assert {k: result[k] for k in figures} == figures and "peak_memory_gib" not in result

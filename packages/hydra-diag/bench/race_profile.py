@@ -8,10 +8,18 @@
 Each configuration is built, warmed up and compiled exactly as ``hydra-diag race run`` does
 (hydra_diag/race/loop.py: eager passes first, then the compile scope), on random tokens (routing
 shapes are fixed, so speed does not depend on the text). Then: setup seconds, graphs compiled,
-steady tokens/s over ``--steps`` steps (CUDA-synchronised wall clock), peak memory, and one
-torch.profiler pass over ``--profile_steps`` steps: GPU busy time per step against wall time
-(the gap is the GPU waiting on the host), kernel launches per step, GPU time by kernel kind and
-the top kernels. Everything goes to the JSON at ``--out`` and a summary to stdout.
+steady tokens/s over ``--steps`` steps (CUDA-synchronised wall clock), the steady step's memory
+(below), and one torch.profiler pass over ``--profile_steps`` steps: GPU busy time per step
+against wall time (the gap is the GPU waiting on the host), kernel launches per step, GPU time by
+kernel kind and the top kernels. Everything goes to the JSON at ``--out`` and a summary to stdout.
+
+Memory (:func:`steady_steps`): ``peak_gib``, ``graph_pool_gib`` and ``peak_allocated_gib`` of
+hydra_diag/device_memory.py over the steady steps, rounded to 0.01 GiB. ``peak_gib`` is the most
+the caching allocator held, the CUDA graphs' private pool included. ``peak_allocated_gib`` is the
+figure this script used to call ``peak_gib`` (BENCHMARKS.md's "peak GiB" of 2026-11-27): a replay
+allocates nothing, so under the graphs scope it counts only the memory allocated outside the
+graphs (parameters and AdamW's two moments, 12 bytes a parameter, and the eager parts'
+temporaries), not the step's activations or gradients.
 """
 
 from __future__ import annotations
@@ -25,8 +33,26 @@ from collections import Counter, defaultdict
 
 import torch
 
+from hydra_diag.device_memory import peak_memory, reset_peak_memory
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling profile_model.py
 from profile_model import kernel_events, kind_of
+
+
+def steady_steps(step, steps: int, device: torch.device) -> tuple[float, object, dict]:
+    """``steps`` timed calls of ``step`` after the warm-up: (seconds a step, the last step's output,
+    memory in GiB: the module's docstring)."""
+    reset_peak_memory(device)
+    step()  # untimed: what the reset released from the cache is allocated again outside the timing
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(steps):
+        out = step()
+    torch.cuda.synchronize(device)
+    dt = (time.perf_counter() - t0) / steps
+    memory = {k: None if v is None else round(v, 2) for k, v in peak_memory(device).items()}
+    return dt, out, memory
 
 
 def profile_config(cfg, args, device) -> dict:
@@ -73,16 +99,10 @@ def profile_config(cfg, args, device) -> dict:
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - t0
     graphs = graphs_compiled() - g_before
-    torch.cuda.reset_peak_memory_stats(device)
-    t1 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t1) / args.steps
+    dt, loss, memory = steady_steps(step, args.steps, device)
     graphs_after = graphs_compiled() - g_before - graphs
     tok_s = args.batch_size * args.seq_len / dt
     fpt = float(model.flops_per_token(args.seq_len, executed=True))
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -114,7 +134,7 @@ def profile_config(cfg, args, device) -> dict:
         "tokens_per_s": round(tok_s),
         "gflop_per_token_executed": round(fpt / 1e9, 4),
         "mfu_989": round(fpt * tok_s / 989e12, 4) if fpt else None,  # fpt counts fwd + bwd
-        "peak_gib": round(peak, 2),
+        **memory,
         "last_loss": float(loss),
         "profiled_wall_ms_per_step": round(wall_prof * 1e3, 2),
         "gpu_busy_ms_per_step": round(busy, 2),

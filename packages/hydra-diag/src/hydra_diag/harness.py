@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hydra_diag.device_memory import peak_memory, reset_peak_memory
 from hydra_diag.output import DiagError
 
 #: Dense bf16 tensor-core peaks (datasheets, FLOP/s) by a substring of the device name.
@@ -140,10 +141,16 @@ class StepHarness:
             torch.cuda.synchronize(self.device)
 
     def timed_steps(self, steps: int) -> dict[str, Any]:
-        """Median step time over ``steps`` (CUDA events; wall clock on the CPU), peak memory, last loss."""
+        """Median step time over ``steps`` (CUDA events; wall clock on the CPU), the last loss and
+        the memory of those steps: ``peak_gib`` (the most the caching allocator held, a CUDA
+        graph's private pool included), ``graph_pool_gib`` and ``peak_allocated_gib``, as
+        hydra_diag.device_memory defines them (None on the CPU). ``peak_gib`` was the allocated
+        peak before; that figure is ``peak_allocated_gib`` now. On CUDA one untimed step runs
+        first."""
         cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        reset_peak_memory(self.device)
+        if cuda:  # what the reset released from the cache is allocated again outside the timing
+            self.step()
         marks: list[Any] = []
         losses = []
         for _ in range(steps):
@@ -170,6 +177,6 @@ class StepHarness:
             "step_ms": ms,
             "step_ms_min": min(times),
             "tokens_per_s": self.tokens_per_step / (ms / 1000),
-            "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None,
             "final_loss": float(losses[-1]),
+            **peak_memory(self.device),
         }

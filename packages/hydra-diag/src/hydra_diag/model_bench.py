@@ -4,8 +4,11 @@ length and the longest one that fits).
 
 MFU counts the FLOPs the model actually executes (``model.flops_per_token(T, executed=True)``:
 tokens skipped by MoD and recursions not reached are not counted) against the device's dense
-bf16 peak. Each library function takes ``device``; the default is the current CUDA device (a
-:class:`DiagError` without one). Passing ``"cpu"`` runs the same code slowly, for tests only.
+bf16 peak. Memory: ``peak_gib`` is the most the caching allocator held over the timed steps,
+with ``graph_pool_gib`` and ``peak_allocated_gib`` beside it (hydra_diag/device_memory.py says what
+each counts; results written before it have the allocated peak as ``peak_gib``). Each library
+function takes ``device``; the default is the current CUDA device (a :class:`DiagError` without
+one). Passing ``"cpu"`` runs the same code slowly, for tests only.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hydra_diag.device_memory import MEMORY_FIELDS
 from hydra_diag.harness import StepHarness, free_cuda, is_oom, peak_flops
 from hydra_diag.loading import build_model, parse_overrides, require_cuda_device
 from hydra_diag.output import DiagError, Progress, no_progress
@@ -215,11 +219,11 @@ def vram_sweep(
             h = StepHarness.build(model, batch_size, s, dev, n_batches=1)
             h.step()  # the optimizer states appear at the first step
             r = h.timed_steps(1)
-            row.update(fits=True, peak_gib=r["peak_gib"], step_ms=r["step_ms"])
+            row.update(fits=True, step_ms=r["step_ms"], **{k: r[k] for k in MEMORY_FIELDS})
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            row.update(fits=False, peak_gib=None)
+            row.update(fits=False, **dict.fromkeys(MEMORY_FIELDS))
         finally:
             if h is not None:
                 h.optimizer.zero_grad(set_to_none=True)
@@ -320,7 +324,8 @@ def render_vram(result: dict[str, Any], console) -> None:
             f"peak memory vs sequence length: {result['model_size']}, batch {result['batch_size']}, "
             f"{result['device']} ({result['device_total_gib']} GiB)",
             result["points"],
-            ["seq_len", "fits", "peak_gib", "estimated_gib", "step_ms"],
+            # the estimate counts tensors: the allocated peak is its like
+            ["seq_len", "fits", "peak_gib", "peak_allocated_gib", "estimated_gib", "step_ms"],
         )
     )
     cap = " (the cap: nothing larger was tried)" if result["capped"] else ""

@@ -30,6 +30,12 @@ state that a training-mode forward updates (thresholds, balancing biases) is lef
 
 Recompilations after the warm-up (shapes that change during training) happen on the clock and are
 counted in it: they are a cost of the model. ``graphs_compiled_in_training`` says how many there were.
+
+Memory: ``peak_gib``, ``graph_pool_gib`` and ``peak_allocated_gib`` (:mod:`hydra_diag.device_memory`)
+from the end of setup through training and its evaluations; ``peak_gib`` includes the CUDA graphs'
+private pool and the blocks the warm-up left cached (the cache is not emptied before the clock).
+Entries written before these fields have ``peak_memory_gib``, which was ``max_memory_allocated``
+over the same stretch: ``peak_allocated_gib``, not the step's memory under the graphs scope.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from typing import Any
 
 import torch
 
+from hydra_diag.device_memory import peak_memory, reset_peak_memory
 from hydra_diag.race.configs import RaceConfig
 from hydra_diag.race.data import RaceData
 from hydra_diag.race.schedule import lr_factor
@@ -254,8 +261,9 @@ def race_one(
     del choice, initial
     choice = new_optimizer()
     opt = choice.optimizer
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
+    # the peaks start after the warm-up (compiled, graphs captured); the cache is kept, so the
+    # clock's first step finds its blocks as every later one does (peak_gib counts them too)
+    reset_peak_memory(device, release_cache=False)
     _sync(device)
     setup_s = time.perf_counter() - t_setup
     graphs_at_start, eval_graphs = graphs_compiled(), [0]
@@ -334,7 +342,6 @@ def race_one(
                 tick({"clock": at, "tokens": k * tokens_per_step, "loss": last_train_loss, "lr": lr})
     finally:
         batches.close()
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     result = {
         **cfg.to_dict(),
         "status": status if all(math.isfinite(e["val_loss"]) for e in evals) else "diverged",
@@ -354,7 +361,7 @@ def race_one(
         "tokens": k * tokens_per_step,
         "tokens_per_s": k * tokens_per_step / clock if clock > 0 else None,
         "epochs": data.epochs(k),
-        "peak_memory_gib": peak,
+        **peak_memory(device),  # older entries: peak_memory_gib (the module's docstring, Memory)
         "final_val_loss": evals[-1]["val_loss"],
         "final_val_loss_train_mode": evals[-1]["val_loss_train_mode"],
         "final_train_loss": last_train_loss,
