@@ -8,6 +8,7 @@ Inputs are fresh random each test (the ``seed`` fixture); the seed is in every f
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -328,3 +329,76 @@ def test_log2_powers_match_pow():
         exact = 1 - beta**t
         # 1 − β^t in fp32 (torch's fused AdamW too) is off by up to an ulp of 1 where β^t ≈ 1
         assert float((approx - exact).abs().max()) <= 2 * torch.finfo(torch.float32).eps
+
+
+# --- tensors of the call on other devices ---------------------------------------------------------
+# One launch reads every pointer on the parameters' device. Before the device checks a scalar tensor
+# elsewhere made the first launch fail (a counted fallback) and the reference then failed with
+# torch's unnamed device error, or (a plan already compiled, on a GPU) was read through a pointer
+# of another device; a list's tensor elsewhere took the reference silently.
+
+
+def _call_with(where: str, device: str):
+    """adamw_step_'s arguments with the one named by ``where`` (a scalar, or entry 1 of a list) on
+    ``device``: lr, grad_scale and found_inf tensors on the parameters' device otherwise."""
+    params, m, v, steps = _state([10, 20])
+    lists = {"params": params, "grads": [torch.randn_like(p) for p in params], "exp_avgs": m,
+             "exp_avg_sqs": v, "steps": steps}  # fmt: skip
+    scalars = {"lr": torch.tensor(1e-3, device=DEVICE), "grad_scale": torch.tensor(2.0, device=DEVICE),
+               "found_inf": torch.tensor(0.0, device=DEVICE)}  # fmt: skip
+    if where in scalars:
+        scalars[where] = scalars[where].to(device)
+    else:
+        name = where.split("[")[0]
+        lists[name][1] = torch.empty_like(lists[name][1], device=device)
+    return list(lists.values()), scalars
+
+
+_SCALARS = ["lr", "grad_scale", "found_inf"]
+# adamw_kernel_step_'s caller (hydra-train's step) has asked kernel_takes, which checks the lists
+_ELSEWHERE = [("adamw_step_", w) for w in [*_SCALARS, "grads[1]", "exp_avg_sqs[1]", "steps[1]"]] + [
+    ("adamw_kernel_step_", w) for w in _SCALARS
+]
+
+
+@pytest.mark.parametrize(("entry", "where"), _ELSEWHERE)
+def test_a_tensor_on_another_device_is_named(entry, where):
+    step = getattr(aw, entry)
+    lists, scalars = _call_with(where, DEVICE.type)
+    step(*lists, **scalars, **HP)  # on one device it runs
+    lists, scalars = _call_with(where, "meta")
+    label = re.escape(where)
+    with pytest.raises(
+        ValueError, match=rf"adamw_step_: {label} .* is on meta but params\[0\] is on {DEVICE.type}"
+    ):
+        step(*lists, **scalars, **HP)
+    assert controls.fallback_counts().get("adamw", 0) == 0
+
+
+def test_a_cpu_lr_in_a_capture_is_refused(monkeypatch):
+    """A CPU lr beside parameters elsewhere is read on the host, as torch's fused AdamW reads it:
+    inside a CUDA graph capture that would fix its value into the graph (a schedule's later values
+    never replayed), so it is refused there. Meta-device parameters stand in for a GPU's (their
+    step is the reference's, on no data) and the capture is pretended."""
+    params, m, v, steps = _state([10, 20], "meta")
+    grads = [torch.empty_like(p) for p in params]
+    monkeypatch.setattr(aw._tensor_groups, "capturing", lambda device: True)
+    with pytest.raises(ValueError, match=r"adamw_step_: lr is a CPU tensor .* capture"):
+        adamw_step_(params, grads, m, v, steps, lr=torch.tensor(1e-3), **HP)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CPU lr beside CUDA parameters needs a GPU")
+def test_a_cpu_lr_steps_as_its_value(seed):
+    """lr as a CPU tensor beside CUDA parameters: torch's fused AdamW reads it as a number
+    (torch/optim/adam.py's _fused_adam); so does adamw_step_, by the kernel, with no fallback,
+    at the first call and at later ones (a compiled launch plan)."""
+    a = _state([70, 3000], "cuda")
+    b = [[t.clone() for t in x] for x in a]
+    for _ in range(2):
+        grads = [torch.randn_like(p) for p in a[0]]
+        adamw_step_(*a[:1], grads, *a[1:], lr=torch.tensor(3e-3), **HP)
+        adamw_step_(*b[:1], grads, *b[1:], lr=3e-3, **HP)
+    assert controls.fallback_counts().get("adamw", 0) == 0
+    for x, y in zip(a, b, strict=True):
+        for s, t in zip(x, y, strict=True):
+            assert torch.equal(s, t), f"seed {seed}"

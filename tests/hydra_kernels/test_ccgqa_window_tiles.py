@@ -130,19 +130,56 @@ def test_switched_off_it_runs_the_reference_and_bad_inputs_raise():
             ccgqa_window_tiles(params, index[:1], 16, 16)
 
 
-@pytest.mark.fallback_expected
-def test_a_misplaced_parameter_is_a_counted_fallback():
-    """A non-contiguous parameter is refused by the launcher: counted, answered by the reference."""
-    params = [tuple(t.to(DEVICE) for t in p) for p in _params(1, 32, 16, 2, 2, torch.float32)]
-    strided = torch.randn(32, 32, device=DEVICE).t()  # the q-k mean, transposed: not contiguous
-    params = [(*params[0][:4], strided)]
+def _every_other(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values at every other element of a buffer twice as large: not contiguous."""
+    return torch.stack([t, torch.full_like(t, float("nan"))], -1)[..., 0]
+
+
+def test_non_contiguous_parameters_run_the_kernel(seed):
+    """Non-contiguous parameters (a module's need not be contiguous after a load with assign=True,
+    hydra_model/persistence.py) are copied and the kernel runs: the launcher refused them, a
+    counted fallback to the reference. Module 1's five parameters all strided (the q-k mean
+    transposed), module 0's not; the tiles are the contiguous call's, bitwise: tiles of a
+    head's conv taps and of the q-k mean in each block row, and the bias."""
+    params = [tuple(t.to(DEVICE) for t in p) for p in _params(2, 32, 16, 2, 2, torch.bfloat16)]
+    # [32, 96] at 16: block row 0 is head 0 (columns 0: its taps at s = 0; 5: the mean at s = 2),
+    # block row 1 head 1 (3: its taps at s = 1; 4: the mean)
+    index = torch.tensor([[0, 5], [3, 4]], dtype=torch.int32, device=DEVICE)
+    want = ccgqa_window_tiles(params, index, 16, 16)
+    *convs, mean = params[1]
+    params[1] = (*(_every_other(t) for t in convs), mean.t().contiguous().t())
+    assert not any(t.is_contiguous() for t in params[1])
+    got = ccgqa_window_tiles(params, index, 16, 16)
+    assert controls.fallback_counts().get("ccgqa_window_tiles", 0) == 0, f"seed {seed}: the reference ran"
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), f"seed {seed}"
+
+
+def test_a_parameter_on_another_device_is_named():
+    """Every module's parameters on the first one's device, else a ValueError naming the one that
+    is not (the launcher refused it, a counted fallback, and the reference failed in torch.stack
+    naming nothing). The meta device stands in for another GPU."""
+    params = [tuple(t.to(DEVICE) for t in p) for p in _params(2, 32, 16, 2, 2, torch.float32)]
     index = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
-    falls = controls.fallback_counts().get("ccgqa_window_tiles", 0)
-    with pytest.warns(RuntimeWarning, match="ccgqa_window_tiles"):
-        got = ccgqa_window_tiles(params, index, 16, 16)
-    assert controls.fallback_counts()["ccgqa_window_tiles"] == falls + 1
+    params[1] = (*params[1][:3], params[1][3].to("meta"), params[1][4])
+    for on in (True, False):
+        controls.set_op_enabled("ccgqa_window_tiles", on)
+        with pytest.raises(ValueError, match=rf"ccgqa_window_tiles: module 1's ch_b .* is on meta but module "
+                                             rf"0's seq_w is on {DEVICE.type}"):  # fmt: skip
+            ccgqa_window_tiles(params, index, 16, 16)
+
+
+def test_parameters_of_mixed_dtypes_take_the_reference(seed):
+    """The kernel reads one dtype: parameters of several (a module's biases kept in fp32 beside
+    bf16 weights) take the reference, as fp64 does, rather than a counted fallback from the
+    launcher; the result is the reference's, in the first parameter's dtype."""
+    params = [tuple(t.to(DEVICE) for t in p) for p in _params(2, 32, 16, 2, 2, torch.bfloat16)]
+    params[1] = (*params[1][:3], params[1][3].float(), params[1][4])
+    index = torch.arange(6, dtype=torch.int32).repeat(2, 1).to(DEVICE)
+    got = ccgqa_window_tiles(params, index, 16, 16)
+    assert controls.fallback_counts().get("ccgqa_window_tiles", 0) == 0, f"seed {seed}: a counted fallback"
     want = ccgqa_window_tiles_ref(params, index, 16, 16)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert got[0].dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), f"seed {seed}"
 
 
 def _compile_for_sm90() -> None:

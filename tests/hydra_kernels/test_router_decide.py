@@ -152,6 +152,28 @@ def test_strided_rows_and_positions(batch, dim, seed):
     check(case, seed)
 
 
+def _strided_like(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s values in another layout: ``columns`` (h [B, E] as the transpose of an [E, B]
+    buffer: E strided by B), ``every_other`` (a vector at every other entry of a wider one)."""
+    if layout == "columns":
+        return t.t().contiguous().t()
+    return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+
+
+@pytest.mark.parametrize("layout", ["h columns", "h every_other", "w every_other"])
+def test_strided_h_columns_and_w_run_the_kernel(layout, seed):
+    """h's E and w read at any stride, by the kernel: such a layout was refused by the launcher, a
+    counted fallback to the reference for a layout the kernel reads by passing its strides (a
+    copy instead would allocate inside a captured decode step). E = 2500 loops over E tiles."""
+    name, how = layout.split()
+    for batch, dim in ((3, 40), (2, 2500)):
+        case = make_case(batch, dim, torch.bfloat16, strided=False, binding=True)
+        setattr(case, name, _strided_like(getattr(case, name), how))
+        assert getattr(case, name).stride(-1) != 1
+        check(case, seed)
+    assert controls.fallback_counts().get("router_decide", 0) == 0, f"seed={seed}: the reference ran"
+
+
 def test_the_budget_binds_and_does_not(seed):
     """Every row clears tau (tau = −∞): at their budget none is taken, below it all are."""
     case = make_case(8, 64, torch.float32, strided=False, binding=False)
@@ -244,13 +266,15 @@ def test_bad_arguments_raise():
 
 
 def _compile_for_sm90() -> None:
-    """Runs in a subprocess without TRITON_INTERPRET (see the test below)."""
+    """Runs in a subprocess without TRITON_INTERPRET (see the test below): E's strides at 1, as
+    Triton specialises them for the usual layouts, and at run-time values."""
     sig = {"H": "*bf16", "W": "*bf16", "BIAS": "*bf16", "TAU": "*fp32", "POS": "*i64", "COUNT": "*i64",
            "TAKEN": "*i1", "WEIGHT": "*fp32", "FLAG": "*i1", "stride_h": "i32", "stride_pos": "i32",
            "stride_count": "i32", "stride_taken": "i32", "stride_weight": "i32", "cap_q": "i32",
            "eps": "fp32"}  # fmt: skip
     consts = {"N_ROWS": 3, "DIM": 768, "BLOCK_B": 4, "BLOCK_E": 1024, "CAP_BITS": BITS, "CAP_ONE": ONE}
-    build_sm90(rd_mod._router_decide_kernel, sig, consts, 4, 1)
+    build_sm90(rd_mod._router_decide_kernel, sig, {**consts, "stride_h_e": 1, "stride_w": 1}, 4, 1)
+    build_sm90(rd_mod._router_decide_kernel, {**sig, "stride_h_e": "i32", "stride_w": "i32"}, consts, 4, 1)
 
 
 def test_kernel_compiles_for_hopper_without_a_gpu():

@@ -28,6 +28,12 @@ table of first programs and sizes, ``_tensor_groups.py``; a tuple of pointers pe
 otherwise. It reads nothing on the host, so a step can be captured in a CUDA
 graph (``lr`` and the step counts as device tensors); a new set of sizes inside a capture is an
 error, as its table is built by a host-to-device copy (:func:`launchable` tells beforehand).
+
+Devices: every tensor of a call is on the parameters' device, or the call is a ValueError naming
+the one that is not (:func:`_checked_lr`), with one exception taken from torch's fused AdamW
+(torch/optim/adam.py, ``_fused_adam``: "we prefer treating it as a scalar"): ``lr`` as a CPU
+tensor beside parameters elsewhere is read on the host as a number (not inside a CUDA graph
+capture, where that number would be fixed into the graph).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import triton.language as tl
 
 from hydra_kernels import controls
 from hydra_kernels.ops import _tensor_groups
-from hydra_kernels.ops._custom_op import device_guard
+from hydra_kernels.ops._custom_op import check_devices, device_guard
 from hydra_kernels.ops._tensor_groups import TensorGroups, cached_plan, padded, plain_on_one_device
 
 #: Tensors one launch takes (five pointer tuples of this length; a short last group is padded).
@@ -170,6 +176,52 @@ def _plan(params: Sequence[torch.Tensor]) -> TensorGroups:
     return cached_plan(_PLANS, key, make, "adamw_step_", device, MAX_PLANS)
 
 
+# --- device checks -------------------------------------------------------------------------------
+
+#: adamw_step_'s list arguments, for error messages
+_LIST_NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs", "steps")
+
+
+def _checked_lr(
+    p0: torch.Tensor,
+    lr: float | torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> float | torch.Tensor:
+    """``lr`` as the step reads it, after refusing a scalar tensor on another device than the first
+    parameter ``p0`` (a ValueError naming it). Why: a launch reads every pointer on ``p0``'s
+    device, so one elsewhere failed the first launch (a counted fallback, then torch's unnamed
+    device error in the reference) or, once the launch plan calls the compiled kernel directly,
+    would be read through a pointer of another device. A CPU ``lr`` beside parameters elsewhere is
+    a number, as torch's fused AdamW takes it (no sync: its value is in host memory); inside a
+    capture it is refused, as the graph would replay the value it had then, whatever the
+    schedule sets later."""
+    if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and p0.device.type != "cpu":
+        if _tensor_groups.capturing(p0.device):
+            raise ValueError(
+                f"adamw_step_: lr is a CPU tensor inside a CUDA graph capture: its value would be fixed "
+                f"into the graph; pass lr as a tensor on {p0.device}"
+            )
+        lr = float(lr)
+    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    check_devices("adamw_step_", "params[0] lr grad_scale found_inf", p0, lr_tensor, grad_scale, found_inf)
+    return lr
+
+
+def _check_list_devices(lists: Sequence[Sequence[torch.Tensor]]) -> None:
+    """A ValueError naming the first tensor of the lists off the first parameter's device (the
+    reference's torch ops would fail naming none, or step CPU step counts of GPU parameters on
+    the host, tensor by tensor). Only where :func:`kernel_takes` said no: it checks one device."""
+    device = lists[0][0].device
+    for name, tensors in zip(_LIST_NAMES, lists, strict=True):
+        for i, t in enumerate(tensors):
+            if t.device != device:
+                raise ValueError(
+                    f"adamw_step_: {name}[{i}] {tuple(t.shape)} {t.dtype} is on {t.device} but params[0] is "
+                    f"on {device}; pass every tensor of the call on one device"
+                )
+
+
 # --- public functions ----------------------------------------------------------------------------
 
 
@@ -207,15 +259,19 @@ def adamw_step_(
 ) -> None:
     """One AdamW step in place (the module docstring); ``steps``: each tensor's 0-d step count,
     incremented here. The kernel where :func:`kernel_takes` (:func:`adamw_kernel_step_`), else
-    :func:`adamw_step_ref_`."""
+    :func:`adamw_step_ref_`. Every tensor on the parameters' device (a CPU ``lr`` aside: the
+    module docstring), else a ValueError naming it."""
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
     if len({len(x) for x in lists}) != 1:
         raise ValueError(f"adamw_step_: lists of different lengths {[len(x) for x in lists]}")
     kw = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
-    if kernel_takes(*lists):
+    if kernel_takes(*lists):  # the scalars are checked there
         adamw_kernel_step_(*lists, grad_scale=grad_scale, found_inf=found_inf, **kw)
-    else:
-        adamw_step_ref_(*lists, grad_scale=grad_scale, found_inf=found_inf, **kw)
+        return
+    if params:
+        _check_list_devices(lists)
+        kw["lr"] = _checked_lr(params[0], lr, grad_scale, found_inf)
+    adamw_step_ref_(*lists, grad_scale=grad_scale, found_inf=found_inf, **kw)
 
 
 def adamw_kernel_step_(
@@ -232,8 +288,10 @@ def adamw_kernel_step_(
     """:func:`adamw_step_`'s kernel path (``kw``: its lr, beta1, beta2, eps, weight_decay), for a
     caller that has asked :func:`kernel_takes` already (hydra-train's step asks once per
     optimizer group). A failure of the first launch is counted as a fallback and answered by the
-    reference; of a later one, raised (the launches before it have updated their tensors)."""
+    reference; of a later one, raised (the launches before it have updated their tensors). Its
+    scalar tensors are checked as :func:`adamw_step_`'s (the lists were, by kernel_takes)."""
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    kw = {**kw, "lr": _checked_lr(params[0], kw["lr"], grad_scale, found_inf)}
     lr, beta1, beta2 = kw["lr"], float(kw["beta1"]), float(kw["beta2"])
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         if not p.shape == g.shape == m.shape == v.shape:

@@ -184,8 +184,10 @@ def _address_table(params: Sequence[ConvParams], device: torch.device) -> torch.
 def ccgqa_window_tiles_launch(
     params: Sequence[ConvParams], index: torch.Tensor, block_n: int, block_k: int, shapes: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel (arguments as :func:`ccgqa_window_tiles`, which checked them; ``shapes``
-    its (C, d, k_seq, k_ch)); every parameter contiguous, in one dtype on one device."""
+    """Launch the kernel (arguments as :func:`ccgqa_window_tiles`, which checked them and copied
+    any non-contiguous parameter; ``shapes`` its (C, d, k_seq, k_ch)); every parameter
+    contiguous, in one dtype on one device (else a ValueError: the public function only passes
+    such)."""
     c, d, k_seq, k_ch = shapes
     first = params[0][0]
     dtype, device = first.dtype, first.device
@@ -213,6 +215,32 @@ def ccgqa_window_tiles_launch(
     return tiles, bias
 
 
+#: a module's parameters in ConvParams order, for error messages
+_PARAM_NAMES = ("seq_w", "seq_b", "ch_w", "ch_b", "mean")
+
+
+def _check_devices(params: Sequence[ConvParams]) -> None:
+    """A ValueError naming the first parameter off module 0's ``seq_w``'s device: the kernel reads
+    every module's parameters there (a launcher refusal became a counted fallback, and the
+    reference's torch.stack failed naming none)."""
+    device = params[0][0].device
+    for m, module in enumerate(params):
+        for name, t in zip(_PARAM_NAMES, module, strict=True):
+            if t.device != device:
+                raise ValueError(
+                    f"ccgqa_window_tiles: module {m}'s {name} {tuple(t.shape)} {t.dtype} is on {t.device} "
+                    f"but module 0's seq_w is on {device}; pass every module's parameters on one device"
+                )
+
+
+def _contiguous(params: Sequence[ConvParams]) -> list[ConvParams]:
+    """``params`` with each non-contiguous parameter copied (the kernel reads them at fixed
+    strides). A module's parameters need not be contiguous (a load with ``assign=True`` keeps a
+    checkpoint's strides: hydra_model/persistence.py); the copies are small (the largest is the
+    [C, C] q-k mean) beside the tiles built from them, once per cache."""
+    return [m if all(t.is_contiguous() for t in m) else tuple(t.contiguous() for t in m) for m in params]
+
+
 def _check_index(index: torch.Tensor, c: int, block_n: int, device: torch.device) -> None:
     """A caller's index that no path can use (ValueError on every path, not a kernel fallback)."""
     if index.dtype != torch.int32 or index.dim() != 2 or index.device != device:
@@ -228,7 +256,8 @@ def _check_index(index: torch.Tensor, c: int, block_n: int, device: torch.device
 
 def kernel_path(weight: torch.Tensor) -> bool:
     """Whether :func:`ccgqa_window_tiles` runs its kernel for parameters like ``weight`` (its
-    dtype and device, the op's switch); elsewhere it runs the reference."""
+    dtype and device, the op's switch; parameters of mixed dtypes aside); elsewhere it runs the
+    reference."""
     return weight.dtype in KERNEL_DTYPES and controls.triton_path("ccgqa_window_tiles", weight)
 
 
@@ -239,16 +268,21 @@ def ccgqa_window_tiles(
     ``params`` one (seq_w [C, 1, k_seq], seq_b [C], ch_w [C, d, k_ch], ch_b [C], mean [C, C]) per
     module, all of one shape; ``index`` [NB, NNZ] int32 (hydra_kernels.ops.tile_linear's
     ``TileLayout.index``: each kept tile's block column, −1 for padding). → (tiles [L, NB, NNZ,
-    block_n, block_k], bias [L, C]) in the parameters' dtype. The kernel runs where hydra_kernels'
-    Triton path is on for their device; fp64, a switched-off path or another device run
-    :func:`ccgqa_window_tiles_ref`. No autograd: the parameters' gradients are not tracked."""
+    block_n, block_k], bias [L, C]) in the first parameter's dtype. Parameters of any strides,
+    all on one device (else a ValueError naming the first that is not). The kernel runs where
+    hydra_kernels' Triton path is on for their device; fp64, parameters of mixed dtypes (the
+    kernel reads one), a switched-off path or another device run :func:`ccgqa_window_tiles_ref`.
+    No autograd: the parameters' gradients are not tracked."""
     shapes = _shapes(params)
     for name, size in (("block_n", block_n), ("block_k", block_k)):
         if size < 1 or size & (size - 1):
             raise ValueError(f"ccgqa_window_tiles: {name}={size} must be a power of two")
-    _check_index(index, shapes[0], block_n, params[0][0].device)
-    if not kernel_path(params[0][0]):
+    first = params[0][0]
+    _check_index(index, shapes[0], block_n, first.device)
+    _check_devices(params)
+    if not kernel_path(first) or any(t.dtype != first.dtype for module in params for t in module):
         return ccgqa_window_tiles_ref(params, index, block_n, block_k)
+    params = _contiguous(params)
     with torch.no_grad():
         return run_with_fallback(
             "ccgqa_window_tiles",

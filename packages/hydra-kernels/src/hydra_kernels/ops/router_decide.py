@@ -88,7 +88,7 @@ def router_decide_ref(
 @triton.jit
 def _router_decide_kernel(
     H, W, BIAS, TAU, POS, COUNT, TAKEN, WEIGHT, FLAG,
-    stride_h, stride_pos, stride_count, stride_taken, stride_weight, cap_q, eps,
+    stride_h, stride_h_e, stride_w, stride_pos, stride_count, stride_taken, stride_weight, cap_q, eps,
     N_ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
     CAP_BITS: tl.constexpr, CAP_ONE: tl.constexpr,
 ):  # fmt: skip
@@ -108,8 +108,13 @@ def _router_decide_kernel(
             cols = c0 + tl.arange(0, BLOCK_E)
             col_mask = cols < DIM
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            # E's strides are 1 but for odd layouts; Triton specialises 1 at launch, so unit-stride
+            # calls compile to the same contiguous loads as without them (int64: a strided E can
+            # span more than 2**31 elements too)
+            cols64 = cols.to(tl.int64)
+            x = tl.load(H + rows[:, None] * stride_h + cols64[None, :] * stride_h_e, mask=mask, other=0.0)
+            w = tl.load(W + cols64 * stride_w, mask=col_mask, other=0.0).to(tl.float32)
+            x = x.to(tl.float32)
             dot += tl.sum(x * w[None, :], axis=1)
             sq += tl.sum(x * x, axis=1)
         logit = dot * tl.rsqrt(sq / DIM + eps) + bias  # [BLOCK_B]
@@ -166,16 +171,17 @@ def router_decide_launch(
     weight: torch.Tensor,
     flag: torch.Tensor,
 ) -> None:
-    """Launch the kernel (arguments as :func:`router_decide`). h rows may be strided but each row
-    must be contiguous, as must w: copying them here would allocate inside a captured graph."""
-    if h.stride(1) != 1 or w.stride(0) != 1:
-        raise ValueError("router_decide: h's rows and w must have unit stride along E")
+    """Launch the kernel (arguments as :func:`router_decide`). Every tensor is read at its own
+    strides (h's along both dimensions, w's too): a copy into a contiguous one would allocate
+    inside a captured decode step, and refusing them made a layout the kernel reads at no cost a
+    counted fallback to the reference."""
     n, e = h.shape
     if n == 0:  # nothing decided; the flag still says so
         flag.fill_(False)
         return
     # Triton specialises integer arguments (1, multiples of 16), so the plan is keyed by them all.
-    strides = (h.stride(0), pos.stride(0), count.stride(0), taken.stride(0), weight.stride(0))
+    strides = (h.stride(0), h.stride(1), w.stride(0), pos.stride(0), count.stride(0), taken.stride(0),
+               weight.stride(0))  # fmt: skip
     key = (n, e, strides, cap_q, capacity_bits, capacity_one, h.dtype, w.dtype, b.dtype, tau.dtype,
            weight.dtype, h.get_device())  # fmt: skip
     plan = _PLANS.get(key)
@@ -211,7 +217,7 @@ def router_decide(
 ) -> None:
     """One decoded token per row's routing decision, written in place (see the module docstring).
 
-    h [B, E] (bf16/fp16/fp32; rows may be strided), w [E], b [] and tau [] (any float dtype, read
+    h [B, E] (bf16/fp16/fp32; any strides), w [E] (any stride), b [] and tau [] (any float dtype, read
     as fp32), pos [B] and count [B] int64 (count advances where taken), ``cap_q`` the point's
     fixed-point capacity out of ``capacity_one`` = 2**``capacity_bits``, ``eps`` the norm's.
     Outputs: taken [B] bool, weight [B] = σ(logit) (fp32), flag [] bool = any(taken). The Triton
