@@ -6,7 +6,8 @@ losses many steps later. :func:`payload_digest` hashes each tensor's raw bytes t
 key path, dtype and shape (SHA-256); the saver stores it under ``"checksum"`` and the loader
 recomputes and compares it. Checkpoints written before this existed carry no checksum: they load
 with a note (there is nothing to check them against). It lives in hydra_model because both
-hydra-train's saver and ``hydra-model import-hf`` write checkpoints that hydra-train verifies.
+hydra-train's saver and ``hydra-model import-hf`` write checkpoints, and both hydra-train's resume
+and hydra_model's loader (``persistence.verify_checksum``: generate, export-hf) verify them.
 """
 
 from __future__ import annotations

@@ -1,23 +1,22 @@
-"""The `hydra-model` command line: sizes, info, generate, export-hf, import-hf (cli_hf.py)."""
+"""The `hydra-model` command line: sizes, info, generate (cli_generate.py), export-hf, import-hf
+(cli_hf.py)."""
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
-from rich.text import Text
 
 from hydra_kernels.cli_support import (
     AssignmentError,
     add_version_option,
     console,
     emit_json,
-    err_console,
     fail,
     new_app,
     parse_assignments,
 )
 from hydra_model import __version__
+from hydra_model.cli_generate import register as register_generate_command
 from hydra_model.cli_hf import register as register_hf_commands
 
 app = new_app(
@@ -120,32 +119,33 @@ def sizes(
     table = Table(
         title=f"{arch} presets (training memory: B={batch_size}, T={seq_len}, AdamW, bf16 activations)"
     )
-    for col in (
-        "preset",
-        "params",
-        "dim",
-        "blocks×rec",
-        "q/kv heads×d",
-        "MLP",
-        "GFLOP/tok (dense)",
-        "memory",
-    ):
+    # headers no wider than their cells, so that the eight columns fit 80 columns uncut; the
+    # legend below says what the short ones mean
+    depth = "layers" if arch == "gpt" else "blk×rec"
+    for col in ("preset", "params", "dim", depth, "heads", "MLP", "GFLOP/tok", "memory"):
         table.add_column(col, justify="left" if col == "preset" else "right")
     for r in rows:
         table.add_row(
             r["model_size"],
             f"{r['parameters'] / 1e6:.1f}M",
             str(r["dim"]),
-            f"{r['blocks']}×{r['recursions']}",
+            str(r["blocks"]) if arch == "gpt" else f"{r['blocks']}×{r['recursions']}",
             f"{r['latent_q_heads']}/{r['latent_kv_heads']}×{r['head_dim']}",
             str(r["mlp_hidden"]),
             f"{r['flops_per_token_executed'] / 1e9:.2f} ({r['flops_per_token_dense'] / 1e9:.2f})",
             f"{r['estimated_training_gib']:.1f} GiB",
         )
     console.print(table)
-    console.print(
-        "FLOPs: training (fwd+bwd) per token, executed under routing; memory is an analytic estimate."
-    )
+    if arch == "gpt":
+        legend = (
+            "heads: query/KV heads × head dim. GFLOP/tok: training (fwd+bwd) per token (dense in brackets: "
+        )
+        legend += "the same, nothing is routed). memory: an analytic estimate."
+    else:
+        legend = "blk×rec: MoR blocks × recursions of each. heads: latent query/KV heads × head dim. "
+        legend += "GFLOP/tok: training (fwd+bwd) per token, executed under routing (dense in brackets). "
+        legend += "memory: an analytic estimate."
+    console.print(legend, highlight=False)
 
 
 def _block_param_rows(model) -> list[dict[str, Any]]:
@@ -253,147 +253,5 @@ def info(
     console.print(ft)
 
 
-def _find_tokenizer(checkpoint: Path, tokenizer: Path | None) -> Path:
-    from hydra_model.text_generation import find_tokenizer
-
-    try:
-        return find_tokenizer(checkpoint, tokenizer)
-    except FileNotFoundError as exc:
-        fail(str(exc))
-
-
-def _load_model(checkpoint: Path, device: str, allow_pickle: bool):
-    """The model the checkpoint holds, as the architecture it records (HYDRA when none)."""
-    from hydra_model.persistence import check_finite_weights, load_model
-
-    if not checkpoint.exists():
-        fail(f"--checkpoint {checkpoint} does not exist")
-    try:
-        model = load_model(checkpoint, map_location=device, allow_pickle=allow_pickle)
-        check_finite_weights(model, checkpoint)
-        return model
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        fail(f"could not load {checkpoint}: {exc}")
-
-
-@app.command()
-def generate(
-    checkpoint: Annotated[
-        Path, typer.Option("--checkpoint", help="save_pretrained directory or hydra-train .pt file.")
-    ],
-    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")],
-    tokenizer: Annotated[
-        Path | None,
-        typer.Option(
-            "--tokenizer", help="tokenizers-library tokenizer.json (default: beside the checkpoint)."
-        ),
-    ] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "--max_new_tokens", min=0)] = 64,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
-    top_k: Annotated[int | None, typer.Option("--top-k", "--top_k", min=1)] = None,
-    top_p: Annotated[
-        float | None,
-        typer.Option("--top-p", "--top_p", min=0.0, max=1.0, help="Nucleus sampling: 0 < p ≤ 1."),
-    ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
-    device: Annotated[
-        str, typer.Option("--device", metavar="auto|cpu|cuda", help="cpu, cuda, or auto.")
-    ] = "auto",
-    threads: Annotated[
-        int | None,
-        typer.Option(
-            "--threads", min=1, help="CPU threads (torch.set_num_threads; default: torch's choice)."
-        ),
-    ] = None,
-    allow_pickle: Annotated[
-        bool,
-        typer.Option(
-            "--allow-pickle", "--allow_pickle", help="Trust a .pt checkpoint that holds pickled objects."
-        ),
-    ] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print JSON (prompt, ids, text, tokens/s).")
-    ] = False,
-) -> None:
-    """Continue --prompt with a trained model (greedy by default). Stops at the tokenizer's
-    end-of-text token (<|endoftext|>) or after --max_new_tokens, and reports tokens/s on stderr."""
-    import math
-    import sys
-
-    import torch
-
-    from hydra_model import text_generation as tg
-
-    if top_p is not None and top_p == 0:  # the option's range is closed; a nucleus of 0 is empty
-        fail("--top-p must be > 0 (1 keeps every token)", code=2)
-    if not math.isfinite(temperature):  # the option's minimum lets inf through
-        fail(f"--temperature {temperature}: must be a finite number ≥ 0 (0 = greedy)", code=2)
-    try:
-        device = tg.resolve_device(device)
-    except ValueError as exc:
-        fail(str(exc), code=2)
-    except RuntimeError as exc:
-        fail(str(exc))
-    if threads is not None:
-        torch.set_num_threads(threads)
-
-    if not checkpoint.exists():
-        fail(f"--checkpoint {checkpoint} does not exist")
-    tok_path = _find_tokenizer(checkpoint, tokenizer)
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        fail("the `tokenizers` package is needed to encode the prompt: pip install tokenizers")
-    model = _load_model(checkpoint, device, allow_pickle)
-    try:
-        tok = Tokenizer.from_file(str(tok_path))
-    except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
-        fail(f"{tok_path} is not a readable tokenizer.json ({str(exc)[:120]}); pass one with --tokenizer")
-    ids = tok.encode(prompt).ids
-    if not ids:
-        fail("the prompt encodes to no tokens; give some text", code=2)
-    wrong_tokenizer = tg.prompt_ids_error(ids, model.config.vocab_size, tok_path, tokenizer is not None)
-    if wrong_tokenizer:
-        fail(wrong_tokenizer)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    eos, eos_note = tg.usable_end_of_text(tok, model.config.vocab_size)
-    with err_console.status("generating..."):
-        result = tg.timed_generate(
-            model,
-            ids,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_id=eos,
-            generator=gen,
-            device=device,
-        )
-    text = tok.decode(result.ids)
-    ignored = tg.ignored_sampling_note(temperature, top_k, top_p)  # said on stderr, not silently
-    for note in filter(None, (ignored, eos_note, tg.undecodable_note(tok, result.ids, tok_path))):
-        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False, soft_wrap=True)
-    if as_json:
-        emit_json(
-            {
-                "prompt": prompt,
-                "prompt_ids": ids,
-                "generated_ids": result.ids,
-                "text": text,
-                "stopped_at_eos": result.stopped_at_eos,
-                "eos_token_id": eos,
-                "tokens": result.produced,
-                "seconds": result.seconds,
-                "tokens_per_s": result.tokens_per_s,
-                "threads": torch.get_num_threads() if device == "cpu" else None,
-            }
-        )
-    else:
-        if console.is_terminal:  # soft_wrap: the terminal wraps it; no newlines are added
-            console.print(Text(prompt, style="bold") + Text(text), highlight=False, soft_wrap=True)
-        else:  # a pipe or file gets the text as it is (rich would wrap it and expand its tabs)
-            sys.stdout.write(prompt + text + "\n")
-        err_console.print(result.summary(), style="dim", highlight=False, markup=False)
-
-
+register_generate_command(app)  # cli_generate.py
 register_hf_commands(app)  # export-hf, import-hf (cli_hf.py), listed after generate

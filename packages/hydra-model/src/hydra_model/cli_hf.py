@@ -1,5 +1,9 @@
 """``hydra-model export-hf`` and ``import-hf``: Hugging Face folders out and in (hf_export.py,
-hf_import.py hold the logic; this is the command line around them)."""
+hf_import.py hold the logic; this is the command line around them).
+
+The commands' docstrings are one line per paragraph: Typer's rich help keeps a line break inside
+a paragraph, so a paragraph broken in the source renders ragged at 80 columns.
+"""
 
 from __future__ import annotations
 
@@ -38,9 +42,10 @@ def export_hf_command(
 ) -> None:
     """Write a checkpoint as a Hugging Face model folder.
 
-    The folder holds model.safetensors, config.json (with a model_type), generation_config.json
-    and the tokenizer. The dense GPT becomes a native Llama; HYDRA ships its modeling code (load
-    it with trust_remote_code=True)."""
+    It holds model.safetensors, config.json (with a model_type), generation_config.json and the tokenizer.
+
+    The dense GPT becomes a native Llama; HYDRA ships its modeling code (trust_remote_code=True).
+    """
     from hydra_model.hf_export import export_hf
     from hydra_model.text_generation import find_tokenizer
 
@@ -58,7 +63,7 @@ def export_hf_command(
             fail(f"{exc}; or pass --no_tokenizer to export the model alone")
     try:
         result = export_hf(checkpoint, out, tokenizer=tok_path, dtype=dtype, allow_pickle=allow_pickle)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:  # OSError: OUT unwritable (error_text.py)
         fail(f"could not export {checkpoint}: {exc}")
     if as_json:
         emit_json(result.to_dict())
@@ -81,14 +86,17 @@ def import_hf_command(
 ) -> None:
     """Convert a Hugging Face Llama folder into a dense-GPT checkpoint.
 
-    The checkpoint has hydra-train's layout (step 0) and `hydra-model generate` loads it; the
-    folder's tokenizer.json is copied beside it. Refused: what the GPT cannot compute exactly
-    (biases, an untied LM head, scaled RoPE, other model types)."""
+    The checkpoint has hydra-train's layout (step 0); `hydra-model generate` loads it.
+
+    The folder's tokenizer.json is copied beside it.
+
+    Refused: what the GPT cannot compute exactly (biases, an untied LM head, scaled RoPE, other models).
+    """
     from hydra_model.hf_import import import_hf
 
     try:
         result = import_hf(hf_dir, out)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: OUT unwritable (error_text.py), or unreadable input
         fail(f"could not import {hf_dir}: {exc}")
     if as_json:
         emit_json(result)

@@ -15,6 +15,7 @@ No transformers import here: the files are written directly.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from hydra_model.architectures import arch_of
+from hydra_model.error_text import shortened, writing
 from hydra_model.persistence import check_finite_weights, load_model
 
 #: --dtype choices: the dtype the weights are written in
@@ -84,7 +86,8 @@ def tokenizer_special_ids(tokenizer_path: Path | None) -> tuple[dict[str, int | 
     try:
         tok = Tokenizer.from_file(str(tokenizer_path))
     except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
-        raise ExportError(f"{tokenizer_path} is not a readable tokenizer.json ({str(exc)[:120]})") from None
+        reason = shortened(str(exc), 120)
+        raise ExportError(f"{tokenizer_path} is not a readable tokenizer.json ({reason})") from None
     eos = end_of_text_id(tok)
     ids = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos}
     return ids, (tok.id_to_token(eos) if eos is not None else None)
@@ -109,14 +112,26 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
+#: how safetensors words an OSError: "I/O error: No space left on device (os error 28) at path ..."
+_SAFETENSORS_IO_ERROR = re.compile(r"I/O error: (?P<reason>.+?) \(os error (?P<errno>\d+)\)")
+
+
 def _save_weights(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = {
         k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in state.items()
     }
-    # transformers refuses safetensors files whose metadata does not say "pt"
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    try:
+        # transformers refuses safetensors files whose metadata does not say "pt"
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:
+        # its I/O errors (a full disk) are no OSError: made one, so that they are said as such
+        io = _SAFETENSORS_IO_ERROR.search(str(exc))
+        if io is None:
+            raise
+        raise OSError(int(io["errno"]), io["reason"], str(path)) from exc
 
 
 def export_hf(
@@ -131,9 +146,9 @@ def export_hf(
     Hugging Face folder ``out`` (created; an earlier export there is replaced once the new one is
     complete, other files are left alone). ``tokenizer``:
     a tokenizer.json to ship (None: none is written). Raises ExportError (or the loaders'
-    ValueError / FileNotFoundError) naming what is wrong."""
-    from hydra_model.hf_hydra import MODEL_TYPE, copy_remote_code, hydra_export_state, hydra_hf_config
-    from hydra_model.hf_llama import check_exportable_gpt, gpt_to_llama_state, llama_config
+    ValueError / FileNotFoundError) naming what is wrong, and OutputNotWritable (an OSError,
+    error_text.py) naming ``out`` when it cannot be written."""
+    from hydra_model.hf_llama import check_exportable_gpt
 
     if dtype not in DTYPES:
         raise ExportError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -154,10 +169,39 @@ def export_hf(
             raise ExportError(str(exc)) from None
     tok_path = Path(tokenizer) if tokenizer is not None else None
     special, eos_text = tokenizer_special_ids(tok_path)
+    with writing(out, "the export folder"):  # one line naming OUT, not an OSError's traceback
+        files, model_type = _write_folder(model, arch, special, dtype, tok_path, eos_text, out)
+    return Exported(
+        folder=out,
+        arch=arch,
+        model_type=model_type,
+        parameters=model.num_parameters(),
+        files=sorted(files),
+        eos_token_id=special["eos_token_id"],
+        tokenizer=str(tok_path) if tok_path is not None else None,
+    )
+
+
+def _write_folder(
+    model: torch.nn.Module,
+    arch: str,
+    special: dict[str, int | None],
+    dtype: str,
+    tok_path: Path | None,
+    eos_text: str | None,
+    out: Path,
+) -> tuple[list[str], str]:
+    """Write the export's files into ``out``: (their names, the model_type)."""
+    from hydra_model.hf_hydra import MODEL_TYPE, copy_remote_code, hydra_export_state, hydra_hf_config
+    from hydra_model.hf_llama import gpt_to_llama_state, llama_config
+
+    cfg = model.config
     out.mkdir(parents=True, exist_ok=True)
-    # every file is written into a staging folder beside ``out`` and moved in once all are
-    # complete: an export that fails part-way (full disk, killed) leaves an earlier one whole
-    stage = out.parent / f".{out.name}.export-tmp"
+    # every file is written into a staging folder and moved in once all are complete: an export
+    # that fails part-way (full disk, killed) leaves an earlier one whole. The staging folder is
+    # inside OUT, not beside it: OUT's parent need not be writable, and a rename within one
+    # folder cannot cross file systems
+    stage = out / ".hydra-export-tmp"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
     try:
@@ -184,12 +228,4 @@ def export_hf(
         shutil.rmtree(stage, ignore_errors=True)
     for stale in sorted(set(EXPORT_FILES) - set(files)):  # an earlier export's, e.g. remote code
         (out / stale).unlink(missing_ok=True)
-    return Exported(
-        folder=out,
-        arch=arch,
-        model_type=model_type,
-        parameters=model.num_parameters(),
-        files=sorted(files),
-        eos_token_id=special["eos_token_id"],
-        tokenizer=str(tok_path) if tok_path is not None else None,
-    )
+    return files, model_type

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hydra_model.checkpoint_digest import CHECKSUM_KEY, payload_digest
+from hydra_model.error_text import writing
 from hydra_model.hf_llama import (
     NotALlamaError,
     gpt_config_from_llama,
@@ -73,15 +74,8 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> dict[str, Any]:
         "config": {"model": cfg.to_dict(), "arch": "gpt"},
     }
     payload[CHECKSUM_KEY] = payload_digest(payload)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".pt.tmp")
-    torch.save(payload, tmp)
-    tmp.replace(out)
-    copied = None
-    if tokenizer.is_file():
-        if not beside.is_file():
-            shutil.copyfile(tokenizer, beside)
-        copied = str(beside)
+    with writing(out, "the checkpoint"):  # one line naming OUT, not an OSError's traceback
+        copied = _write_checkpoint(payload, out, tokenizer if tokenizer.is_file() else None)
     return {
         "checkpoint": str(out),
         "arch": "gpt",
@@ -89,6 +83,28 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> dict[str, Any]:
         "parameters": sum(t.numel() for t in payload["model"].values()),
         "tokenizer": copied,
     }
+
+
+def _write_checkpoint(payload: dict[str, Any], out: Path, tokenizer: Path | None) -> str | None:
+    """Write ``payload`` to ``out`` through a temporary file renamed over it once complete, and
+    copy ``tokenizer`` beside it when none is there: (the tokenizer beside it, or None)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".pt.tmp")
+    try:
+        # torch.save given a path writes through its own C++ writer, whose failures are
+        # RuntimeErrors ("Parent directory ... does not exist", "unexpected pos" on a full disk);
+        # through an unbuffered Python file each write's OSError reaches the caller as it is
+        with open(tmp, "wb", buffering=0) as f:
+            torch.save(payload, f)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed save leaves no half-written file beside
+    if tokenizer is None:
+        return None
+    beside = out.parent / "tokenizer.json"
+    if not beside.is_file():
+        shutil.copyfile(tokenizer, beside)
+    return str(beside)
 
 
 __all__ = ["NotALlamaError", "import_hf"]

@@ -17,6 +17,7 @@ from torch import nn
 
 from hydra_model.ccgqa import CCGQAAttention
 from hydra_model.config import HydraConfig
+from hydra_model.error_text import shortened
 
 if TYPE_CHECKING:
     from hydra_model.gpt_config import GPTConfig
@@ -167,7 +168,8 @@ def load_checkpoint_file(
 ) -> nn.Module:
     """Load a hydra-train checkpoint file; ``cls`` None picks the class the file records.
     ``allow_pickle`` permits arbitrary pickled objects (only for files you trust); without it
-    only tensors and plain containers are read."""
+    only tensors and plain containers are read. A file's ``checksum`` entry (hydra-train's saver
+    and import-hf write one) is verified: a mismatch is a ValueError."""
     if not Path(path).is_file():  # else torch.load's error reads as a corrupt file
         raise FileNotFoundError(f"{path} does not exist (expected a checkpoint file or a save folder)")
     try:
@@ -183,7 +185,7 @@ def load_checkpoint_file(
             ) from exc
         if allow_pickle or not _refused_by_weights_only(exc):
             # truncated or corrupt: --allow-pickle would not help, so it is not suggested
-            first = (str(exc).strip().splitlines() or [""])[0][:160]
+            first = shortened(str(exc), 160)  # torch's is four sentences: whole ones kept
             raise ValueError(
                 f"{path} is unreadable, probably truncated or corrupt ({type(exc).__name__}: {first}); "
                 "copy it again or use another checkpoint"
@@ -197,6 +199,7 @@ def load_checkpoint_file(
         raise ValueError(
             f"{path} is not a hydra-train checkpoint: expected keys 'model' and 'config', got {keys}"
         )
+    verify_checksum(blob, path)
     from hydra_model.architectures import config_from_dict, model_class
 
     config_dict = dict(blob["config"])
@@ -214,6 +217,21 @@ def load_checkpoint_file(
         model = cls(config)
     model.load_state_dict(strip_wrapper_prefixes(blob["model"]), strict=True, assign=True)
     return _materialise_buffers(model, torch.device(map_location))
+
+
+def verify_checksum(blob: dict[str, Any], path: str | Path) -> None:
+    """Refuse a checkpoint whose tensors no longer hash to the checksum it was saved with
+    (checkpoint_digest.py), as hydra-train's resume does: torch.load reads changed bytes without
+    complaint, and the model would generate or export from them. A file without a checksum
+    (written by hand, or by an older hydra-train) has nothing to check against and loads."""
+    from hydra_model.checkpoint_digest import CHECKSUM_KEY, payload_digest
+
+    saved = blob.get(CHECKSUM_KEY)
+    if saved is not None and saved != payload_digest(blob):
+        raise ValueError(
+            f"checksum mismatch in {path} (the file's bytes changed after it was written); "
+            "copy it again or use another checkpoint"
+        )
 
 
 def _not_a_torch_file(path: str | Path) -> bytes | None:

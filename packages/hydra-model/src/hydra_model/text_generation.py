@@ -5,7 +5,9 @@ The end-of-text token is looked up by name in the tokenizer (``<|endoftext|>`` f
 hydra-train's tokenizers append after every document); generation stops when the model emits it,
 and it is not part of the printed text. An end-of-text id the model cannot produce (a tokenizer
 larger than its vocabulary) and generated ids the tokenizer has no token for (a model vocabulary
-larger than the tokenizer's) are noted on stderr, not silently dropped.
+larger than the tokenizer's) are noted on stderr, not silently dropped. Two things are warned
+about before the generation rather than refused: a prompt plus the tokens to generate longer than
+the model's ``max_seq_len``, and a ``--tokenizer`` smaller than its vocabulary (the functions say why).
 """
 
 from __future__ import annotations
@@ -94,6 +96,43 @@ def prompt_ids_error(ids: list[int], vocab_size: int, tokenizer_path: Path, expl
     return (
         f"{used} encodes the prompt to id {high}, outside the model's vocabulary 0..{vocab_size - 1}: "
         "it is not the tokenizer the model was trained with; pass that one with --tokenizer PATH"
+    )
+
+
+def past_max_seq_len_warning(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> str | None:
+    """A warning when the prompt and the tokens to generate exceed the model's ``max_seq_len``, else
+    None. Not refused: the rotary table grows with the same formula (RotaryEmbedding.ensure), so
+    the positions past it are computed exactly; but the model was never trained on them, and the
+    text there usually degrades (the more, the further past)."""
+    total = prompt_len + max_new_tokens
+    if total <= max_seq_len:
+        return None
+    room = max_seq_len - prompt_len
+    todo = (
+        f"--max-new-tokens {room} or fewer stays within it"
+        if room > 0
+        else f"shorten the prompt below {max_seq_len} tokens to stay within it"
+    )
+    return (
+        f"the prompt ({prompt_len} tokens) and --max-new-tokens {max_new_tokens} make {total} tokens, "
+        f"past the model's max_seq_len {max_seq_len} (it never trained on positions past it): the "
+        f"text there usually degrades; {todo}"
+    )
+
+
+def small_tokenizer_warning(tokenizer: Any, vocab_size: int, where: Path) -> str | None:
+    """A warning when the tokenizer ``--tokenizer`` names has fewer tokens than the model's
+    vocabulary, else None: ids past it decode to nothing, and ``decode`` leaves them out of the
+    text without a word. Not refused: a vocabulary may be padded past its tokenizer (hydra-train's
+    --vocab_size, a Llama's rounded embedding), and such a model never learns to emit those ids;
+    a tokenizer much smaller than the vocabulary is more likely another model's."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size >= vocab_size:
+        return None
+    return (
+        f"--tokenizer {where} has {size} tokens, the model's vocabulary {vocab_size}: ids "
+        f"{size}..{vocab_size - 1} it may generate have no text and are left out; is it the "
+        "tokenizer the model was trained with? (pass that one with --tokenizer)"
     )
 
 
