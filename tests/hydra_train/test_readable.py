@@ -78,7 +78,7 @@ def test_cli_bad_model_size_is_one_line_without_touching_the_data(monkeypatch, t
     res = runner.invoke(
         app, ["run", "--model_size", "7B", "--device", "cpu", "--checkpoint_dir", str(tmp_path)]
     )
-    assert res.exit_code == 1 and "--model_size '7B' is not a preset" in res.output
+    assert res.exit_code == 2 and "--model_size '7B' is not a preset" in res.output
 
 
 def test_max_steps_help_states_the_cpu_default():
@@ -87,7 +87,7 @@ def test_max_steps_help_states_the_cpu_default():
     prod = resolve_config(TrainConfig(mode="production"), DeviceInfo("cpu"))
     res = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
     flat = " ".join(res.output.replace("│", " ").split())
-    want = f"testing mode {cpu.max_steps} on CPU, {gpu.max_steps} on a GPU; production {prod.max_steps}"
+    want = f"testing mode {cpu.max_steps} on the CPU, {gpu.max_steps} on CUDA; production {prod.max_steps}"
     assert want in flat
 
 
@@ -124,4 +124,4 @@ def test_pretest_checks_the_model_before_the_data(monkeypatch, tmp_path):
     monkeypatch.setattr(run_mod, "load_run_data", lambda *a, **k: pytest.fail("data loaded"))
     args = ["pretest", "--model_size", "7B", "--dataset", str(tmp_path), "--device", "cpu"]
     res = runner.invoke(app, [*args, "--checkpoint_dir", str(tmp_path)])
-    assert res.exit_code == 1 and "--model_size '7B' is not a preset" in res.output
+    assert res.exit_code == 2 and "--model_size '7B' is not a preset" in res.output

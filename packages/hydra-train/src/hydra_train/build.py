@@ -10,23 +10,17 @@ from typing import Any
 import torch
 
 from hydra_train.config import TrainConfig
+from hydra_train.config_model import check_model_flags, model_overrides, preset_vocab_size
 from hydra_train.data_sources import load_data
 from hydra_train.errors import HydraTrainError
 from hydra_train.optim import LRSchedule, OptimizerChoice, build_optimizer
-
-
-def preset_vocab_size(model_size: str) -> int:
-    """The vocabulary the preset defines (HydraConfig's default when it names none): what the data
-    is tokenized to when --vocab_size is not given."""
-    from hydra_model import MODEL_PRESETS, HydraConfig
-
-    return MODEL_PRESETS.get(model_size, {}).get("vocab_size", HydraConfig.vocab_size)
+from hydra_train.options import torchrun_launch
 
 
 def load_run_data(cfg: TrainConfig, log: Callable[[str], None]) -> Any:
     """The data ``cfg`` names (--dataset, --seq_len, --tokenizer), tokenized to --vocab_size or,
-    without one, to the preset's vocabulary."""
-    return load_data(
+    without one, to the preset's vocabulary; a batch bigger than the data is warned about here."""
+    data = load_data(
         cfg.data.dataset,
         seq_len=cfg.data.seq_len,
         vocab_size=cfg.model.vocab_size,
@@ -35,36 +29,27 @@ def load_run_data(cfg: TrainConfig, log: Callable[[str], None]) -> Any:
         text_column=cfg.data.text_column,
         log=log,
     )
+    note = batch_repeats_note(
+        data.train.num_windows, data.seq_len, cfg.data.batch_size, torchrun_launch().world_size
+    )
+    if note:
+        log(note)
+    return data
 
 
-def model_overrides(cfg: TrainConfig, vocab_size: int) -> dict[str, Any]:
-    """The HydraConfig fields the training flags set (``--model_override`` last, so it wins)."""
-    overrides: dict[str, Any] = {"vocab_size": vocab_size}
-    if cfg.model.chunked_ce:
-        overrides["use_chunked_ce"] = True
-    if cfg.model.static_routing_mode:
-        overrides["static_routing_mode"] = True
-    if cfg.model.moe:
-        overrides.update(moe_enabled=True, moe_num_experts=cfg.model.moe_num_experts)
-    overrides.update(cfg.model.model_overrides)
-    return overrides
-
-
-def check_model_flags(cfg: TrainConfig) -> None:
-    """The model flags (--model_size, --model_override, ...) checked before any data is read, so that
-    a typo is reported at once instead of after the corpus is tokenized."""
-    import hydra_model
-
-    sizes = hydra_model.MODEL_PRESETS  # both architectures have these preset names
-    if cfg.model.model_size not in sizes:
-        raise HydraTrainError(
-            f"--model_size {cfg.model.model_size!r} is not a preset; choose from {', '.join(sizes)}"
-        )
-    vocab = cfg.model.vocab_size or preset_vocab_size(cfg.model.model_size)  # the data may change it later
-    try:
-        hydra_model.build_config(cfg.model.arch, cfg.model.model_size, **model_overrides(cfg, vocab))
-    except (ValueError, TypeError) as exc:
-        raise HydraTrainError(f"model config: {exc}") from None
+def batch_repeats_note(windows: int, seq_len: int, batch_size: int, world_size: int = 1) -> str | None:
+    """A warning when one step's batch (every process's) holds more sequences than the training data
+    has windows: the batch order (dataset.BatchPlan) then wraps within a batch, and each batch
+    repeats every window; accepted, since a tiny test set may be meant, but said once."""
+    per_step = batch_size * world_size
+    if per_step <= windows:
+        return None
+    across = f" ({batch_size} per process x {world_size})" if world_size > 1 else ""
+    return (
+        f"warning: the training data has {windows:,} windows of {seq_len} tokens; a batch of "
+        f"{per_step} sequences{across} repeats each window about {per_step / windows:.0f} times "
+        f"(use a --batch_size of {max(1, windows // world_size)} or less, or more data)"
+    )
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
@@ -106,4 +91,20 @@ def build_optimizer_and_schedule(
         eight_bit=False,
         log=log,
     )
+    note = warmup_note(cfg.optim.warmup_steps, cfg.runtime.max_steps)
+    if note and log is not None:
+        log(note)
     return choice, LRSchedule.from_config(choice.optimizer, cfg)
+
+
+def warmup_note(warmup_steps: int, max_steps: int) -> str | None:
+    """A warning when --warmup_steps is longer than the run: the learning rate is still climbing at
+    the last step (``LRSchedule.factor``: (step + 1) / warmup) and never decays. Accepted (a run
+    continued later with a larger --max_steps may want it), but said."""
+    if warmup_steps <= max_steps:
+        return None
+    return (
+        f"warning: --warmup_steps {warmup_steps} is more than --max_steps {max_steps}: the learning rate "
+        f"never reaches its peak --lr (the last step's is {max_steps / warmup_steps:.0%} of it) and "
+        f"never decays; use a --warmup_steps below {max_steps}"
+    )

@@ -13,7 +13,7 @@ from typing import Annotated
 from hydra_kernels.cli_support import add_version_option, console, emit_json, err_console, new_app
 from hydra_kernels.cli_support import opt as _opt
 from hydra_train import __version__
-from hydra_train.cli_options import Debug, config_command
+from hydra_train.cli_options import Debug, config_command, reflowed
 from hydra_train.config import TrainConfig
 
 app = new_app("Train HYDRA models: hydra-train run, pretests, metrics database.")
@@ -28,6 +28,7 @@ H = {
 
 
 @app.command("run")
+@reflowed
 @config_command("run")
 def run(
     cfg: TrainConfig,
@@ -35,9 +36,12 @@ def run(
     debug: Debug = False,
     dry_run: Annotated[bool, _opt("--dry_run", help=H["dry_run"])] = False,
 ) -> None:
-    """Train a HYDRA model. With no options: the tiny preset on the Python standard library's own
-    source (tokenizer built and cached on first use), a few minutes on a laptop CPU; on a GPU a larger
-    preset with bf16 autocast. Checkpoints, training.db and run artifacts go to --checkpoint_dir.
+    """Train a HYDRA model.
+
+    With no options: the tiny preset on the Python standard library's own source (tokenizer built
+    and cached on first use), a few minutes on a laptop CPU; on a GPU a larger preset with bf16
+    autocast. Checkpoints, training.db and run artifacts go to --checkpoint_dir.
+
     Multi-GPU: torchrun --nproc_per_node=N -m hydra_train run ... (DDP; --fsdp for FSDP2)."""
     from hydra_train.cli_errors import resume_hint, run_guarded
     from hydra_train.run import run_training, summary_rows

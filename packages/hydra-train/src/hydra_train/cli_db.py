@@ -9,6 +9,7 @@ from typing import Annotated
 
 from hydra_kernels.cli_support import console, emit_json, fail, new_app
 from hydra_kernels.cli_support import opt as _opt
+from hydra_train.cli_options import reflowed
 
 H = {
     "start": "First step to show.",
@@ -139,24 +140,38 @@ def db_ema(
 
 
 @db_app.command("runs")
+@reflowed
 def db_runs(checkpoint_dir: CkptDir = "checkpoints", model: Model = None, json_out: Json = False) -> None:
-    """Every run: status, steps, best and final validation loss, tokens/s, what it resumed from,
-    when it started and ended."""
+    """Every run: status, steps, best training loss, best and final validation loss, tokens/s, what
+    it resumed from, the device, when it started and ended.
+
+    --json names the best training loss best_loss."""
     with _open_db(checkpoint_dir) as db:
         _check_model(db, model)
         rows = db.runs(model)
     if json_out:
         return emit_json(rows)
+    # best_loss is the training loss: named so beside the validation losses (--json keeps the
+    # stored name). At 80 columns the table becomes one block per run (print_records), never cut.
     _table(
         "runs",
-        [{**r, "started_at": _when(r["started_at"]), "ended_at": _when(r["ended_at"])} for r in rows],
+        [
+            {
+                **r,
+                "best_train_loss": r["best_loss"],
+                "started_at": _when(r["started_at"]),
+                "ended_at": _when(r["ended_at"]),
+            }
+            for r in rows
+        ],
         [
             "run_id",
             "model_id",
             "status",
             "start_step",
             "end_step",
-            "best_loss",
+            "best_train_loss",
+            "best_val_loss",
             "final_val_loss",
             "tokens_per_s",
             "resumed_from",

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-from hydra_kernels.cli_support import console, emit_json, err_console, fail, opt
-from hydra_train.cli_options import config_command
+from hydra_kernels.cli_support import EXIT_USAGE, console, emit_json, err_console, fail, opt
+from hydra_train.cli_options import config_command, reflowed
 from hydra_train.config import TrainConfig
 from hydra_train.safe_opts.report import reference_of
 
@@ -27,48 +27,46 @@ P = {
 
 
 def _show(rec: dict) -> None:
-    from rich.table import Table
+    """The pretest record: a table, or at a narrow width (80 columns) one block per optimization
+    (hydra_kernels' print_records: an optimization's name or a number is never cut)."""
+    from rich.markup import escape
+
+    from hydra_kernels.cli_format import print_records
 
     env = rec.get("env") or {}
     b = rec.get("batch") or ["?", "?"]
-    t = Table(
-        title=f"pretests: {rec['model_size']} on {env.get('device')}, batch {b[0]} × {b[1]}, "
-        f"{rec.get('precision')}",
-        title_justify="left",
-    )
-    for c in (
-        "optimization",
-        "result",
-        "reason",
-        "ms/step",
-        "reference",
-        "ref ms/step",
-        "speedup",
-        "grad err (bound)",
-    ):
-        t.add_column(c)
-    style = {"PASS": "green", "FAIL": "red", "N/A": "dim"}
+
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    rows = []
     for key, r in (rec.get("results") or {}).items():
         tm, nm = r.get("timing") or {}, r.get("numerics") or {}
-
-        def f(x, spec):
-            return "-" if x is None else format(x, spec)
-
         ge = "-" if nm.get("grad_err") is None else f"{nm['grad_err']:.3g} ({nm['grad_bound']:.3g})"
-        t.add_row(
-            key,
-            f"[{style.get(r['status'], '')}]{r['status']}[/]",
-            (r.get("reason") or "")[:90],
-            f(tm.get("median_ms"), ".2f"),
-            reference_of(key, r),
-            f(tm.get("default_median_ms"), ".2f"),
-            f(tm.get("speedup"), ".3f") + ("" if tm.get("judged", True) else " (not judged)"),
-            ge,
+        rows.append(
+            {
+                "optimization": key,
+                "result": r["status"],
+                "reason": (r.get("reason") or "")[:90],
+                "ms/step": f(tm.get("median_ms"), ".2f"),
+                "reference": reference_of(key, r),
+                "ref ms/step": f(tm.get("default_median_ms"), ".2f"),
+                "speedup": f(tm.get("speedup"), ".3f") + ("" if tm.get("judged", True) else " (not judged)"),
+                "grad err (bound)": ge,
+            }
         )
-    console.print(t)
-    console.print(f"log: {rec.get('log_file')}  ({rec.get('wall_s', 0):.0f} s)", highlight=False)
+    title = (
+        f"pretests: {rec['model_size']} on {env.get('device')}, batch {b[0]} × {b[1]}, {rec.get('precision')}"
+    )
+    columns = list(rows[0]) if rows else ["optimization", "result"]
+    # literal cells: a reason's "[...]" is not rich markup
+    print_records(console, title, rows, columns, fmt=lambda v: "-" if v is None else escape(str(v)))
+    console.print(
+        f"log: {rec.get('log_file')}  ({rec.get('wall_s', 0):.0f} s)", highlight=False, markup=False
+    )
 
 
+@reflowed
 @config_command("pretest", defaults={"dataset": "random"}, helps={"dataset": P["dataset"]})
 def pretest(
     cfg: TrainConfig,
@@ -81,12 +79,14 @@ def pretest(
     log_dir: Annotated[str | None, opt("--log_dir", help=P["log_dir"])] = None,
     json_out: Annotated[bool, opt("--json", help=P["json_out"])] = False,
 ) -> None:
-    """Run SafeOptimizations' pretests alone, on the model `hydra-train run` would build with the same
-    flags: each requested optimization against the safe default from the same weights and batches
-    (runs, finite, matches within the stated tolerance, not slower). Prints PASS / FAIL reason / N/A
-    per optimization and appends to the pretest logs. --history summarises the logs; --report writes
-    OPTIMIZATIONS.md from them."""
-    from hydra_train.errors import HydraTrainError
+    """Run SafeOptimizations' pretests alone, on the model `hydra-train run` would build.
+
+    With the same flags as run: each requested optimization against the safe default from the same
+    weights and batches (runs, finite, matches within the stated tolerance, not slower). Prints
+    PASS / FAIL reason / N/A per optimization and appends to the pretest logs.
+
+    --history summarises the logs; --report writes OPTIMIZATIONS.md from them."""
+    from hydra_train.errors import HydraTrainError, HydraUsageError
     from hydra_train.safe_opts.pretest_log import PretestHook
     from hydra_train.safe_opts.registry import NAMES
 
@@ -129,6 +129,8 @@ def pretest(
     )
     try:
         rec = run_standalone(cfg, only=names, log_dir=logs, log=say, arm_timeout_s=arm_timeout)
+    except HydraUsageError as exc:  # a flag's value (--model_size 7B): exit 2, as run does
+        fail(str(exc), code=EXIT_USAGE)
     except HydraTrainError as exc:
         fail(str(exc))
     if json_out:

@@ -22,6 +22,7 @@ import typer
 
 from hydra_kernels.cli_support import console, emit_json, fail, new_app
 from hydra_kernels.cli_support import opt as _opt
+from hydra_train.cli_options import reflowed
 
 tokenizer_app = new_app("Build the tokenizer for your own text data.")
 
@@ -103,6 +104,7 @@ def writable_folder(target: Path) -> None:
 
 
 @tokenizer_app.command("train")
+@reflowed
 def train(
     files: Files,
     vocab_size: Annotated[
@@ -129,12 +131,17 @@ def train(
     json_out: Annotated[bool, _opt("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Train a byte-level BPE tokenizer (Hugging Face tokenizers) on FILES and write tokenizer.json.
+
     Id 0 is <|endoftext|>, the end-of-document token training appends after every document."""
     from hydra_train.atomic_files import atomic_write_bytes
     from hydra_train.errors import HydraTrainError
-    from hydra_train.text_tables import iter_texts
+    from hydra_train.text_tables import iter_texts, text_sources
     from hydra_train.tokenizer import train_bpe
 
+    try:  # the input first: "tokenizer.json exists" must not hide a mistyped data path
+        text_sources(files)
+    except HydraTrainError as exc:
+        fail(str(exc))
     target = out_target(out, files)
     if target.exists() and not force:
         fail(f"{target} exists; pass --force to replace it (data tokenized with it would no longer match)")

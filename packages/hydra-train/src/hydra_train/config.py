@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydra_train.compile_defaults import compile_by_default, compile_reason, compile_scope_for
+from hydra_train.config_defaults import LR_BY_SIZE, PRODUCTION_DEFAULTS, TESTING_DEFAULTS
+from hydra_train.config_model import check_model_flags, check_seq_len
 from hydra_train.config_options import (
     SECTIONS,
     DataOptions,
@@ -147,37 +149,6 @@ def _size_for(dev: DeviceInfo) -> str:
     return "tiny"
 
 
-# Per device kind: (dataset, vocab, seq_len, batch, steps, lr, eval_every, log_every, save_every).
-# The CPU row is sized so that the default run (tiny preset, the stdlib corpus) finishes in a few
-# minutes on a 2-core machine with the validation loss far below its start; see the README.
-_TESTING_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": dict(
-        dataset="stdlib",
-        vocab_size=4096,
-        seq_len=128,
-        batch_size=8,
-        max_steps=120,
-        lr=3e-3,
-        eval_every=40,
-        log_every=5,
-        save_every=60,
-    ),
-    "cuda": dict(
-        dataset="stdlib-full",
-        vocab_size=32000,
-        seq_len=1024,
-        batch_size=16,
-        max_steps=300,
-        lr=1e-3,
-        eval_every=100,
-        log_every=10,
-        save_every=300,
-    ),
-}
-_PRODUCTION_DEFAULTS: dict[str, Any] = dict(max_steps=100_000, eval_every=1000, log_every=50, save_every=1000)
-_LR_BY_SIZE = {"tiny": 3e-3, "debug": 1e-3, "100M": 6e-4, "250M": 5e-4, "500M": 4e-4, "1B": 3e-4}
-
-
 def check_numbers(cfg: TrainConfig) -> None:
     """Every numeric field is a finite number (NaN and inf pass no range check): a usage error."""
     import math
@@ -231,12 +202,12 @@ def _check_safe_opts(cfg: TrainConfig) -> None:
         allow_zero=("pretest_warmup_steps",),
     )
     if cfg.experimental_loss_spike_threshold <= 1.0:
-        raise HydraTrainError(
+        raise HydraUsageError(
             f"--experimental_loss_spike_threshold must be > 1 (a multiple of the loss EMA), "
             f"got {cfg.experimental_loss_spike_threshold}"
         )
     if cfg.experimental_throughput_drop_threshold >= 1.0:
-        raise HydraTrainError(
+        raise HydraUsageError(
             "--experimental_throughput_drop_threshold must be in (0, 1) (a fraction of the tokens/s "
             f"EMA), got {cfg.experimental_throughput_drop_threshold}"
         )
@@ -250,7 +221,7 @@ def _check_arch(cfg: TrainConfig) -> None:
     if cfg.arch != "hydra":
         for flag, value in (("moe", cfg.moe), ("static_routing_mode", cfg.static_routing_mode)):
             if value:
-                raise HydraTrainError(
+                raise HydraUsageError(
                     f"--{flag} applies to --arch hydra only; --arch {cfg.arch} has no routing"
                 )
 
@@ -299,9 +270,9 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
         raise HydraUsageError(f"--wsd_decay_frac must be in (0, 1], got {cfg.wsd_decay_frac}")
 
     kind = "cuda" if dev.type == "cuda" else "cpu"
-    base = dict(_TESTING_DEFAULTS[kind])
+    base = dict(TESTING_DEFAULTS[kind])
     if cfg.mode == "production":
-        base.update(_PRODUCTION_DEFAULTS)
+        base.update(PRODUCTION_DEFAULTS)
     out = cfg.replace()
     if out.model_size == "auto":
         out.model_size = _size_for(dev)
@@ -313,7 +284,7 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
         if getattr(out, name) is None:
             setattr(out, name, base[name])
     if out.lr is None:
-        out.lr = _LR_BY_SIZE.get(out.model_size, base["lr"])
+        out.lr = LR_BY_SIZE.get(out.model_size, base["lr"])
     if out.warmup_steps is None:
         out.warmup_steps = max(1, min(1000, out.max_steps // 20))
     if out.triton_kernels is None:
@@ -331,19 +302,41 @@ def resolve_config(cfg: TrainConfig, dev: DeviceInfo) -> TrainConfig:
         raise HydraTrainError("--precision bf16 needs a CUDA device; use --precision fp32 on the CPU")
     _check_choice("ddp_grad_sync", out.ddp_grad_sync, GRAD_SYNC_MODES)
     if out.ddp_grad_sync == "allreduce" and out.fsdp:
-        raise HydraTrainError(
+        raise HydraUsageError(
             "--ddp_grad_sync allreduce is for DDP; FSDP2 reduces its sharded gradients itself (drop one)"
         )
     if out.ddp_grad_sync == "allreduce" and out.ddp_find_unused_parameters:
         # the hand-rolled all-reduce gives an unused parameter a zero gradient where DDP's reducer,
         # finding it unused on every rank, leaves it without one
-        raise HydraTrainError("--ddp_grad_sync allreduce does not support ddp_find_unused_parameters")
+        raise HydraUsageError("--ddp_grad_sync allreduce does not support ddp_find_unused_parameters")
     if out.fsdp and out.compile and out.compile_scope == "model":
         # FSDP2's gathers run in hooks around each block, which a whole-forward graph would break on
-        raise HydraTrainError(
+        raise HydraUsageError(
             "--fsdp compiles each block: use --compile_scope blocks (or auto) with it, not model"
         )
+    _check_against_model(cfg, out)
     return out
+
+
+def _check_against_model(asked: TrainConfig, out: TrainConfig) -> None:
+    """The refusals the flags' values decide alone, made here so that they come before the data is
+    read or a tokenizer trained (a run logs nothing before this): the vocabulary a BPE is trained
+    to, the model the flags build (config_model.py), the windows it must take."""
+    if out.dataset in EMBEDDED_CORPORA:
+        from hydra_train.tokenizer import MIN_VOCAB
+
+        if out.vocab_size < MIN_VOCAB:
+            raise HydraUsageError(
+                f"--vocab_size {out.vocab_size} is too small for the byte-level BPE trained for "
+                f"--dataset {out.dataset} (min {MIN_VOCAB}: 256 byte symbols, the end-of-document "
+                "token and a few merges)"
+            )
+    model_config = check_model_flags(out)
+    # a stream's windows are --seq_len long: with the embedded corpora, or when --seq_len is given,
+    # the value decides; an automatic one on other data may be replaced by row-shaped data's own
+    # length, checked once the data is read (dataset.check_max_seq_len)
+    if asked.seq_len is not None or out.dataset in EMBEDDED_CORPORA:
+        check_seq_len(out.seq_len, model_config.max_seq_len)
 
 
 def model_id_for(size: str, arch: str = "hydra") -> str:

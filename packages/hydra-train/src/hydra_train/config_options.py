@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from hydra_train.config_defaults import TESTING_DEFAULTS, device_default
 from hydra_train.config_fields import BOTH, PRETEST, RUN, CliSpec, flag  # noqa: F401 (re-exported)
 from hydra_train.config_optimizations import (  # noqa: F401 (re-exported: config.py reads them here)
     COMPILE_TOKENS,
@@ -64,7 +65,8 @@ class ModelOptions:
     vocab_size: int | None = flag(
         None,
         "--vocab_size",
-        help="Vocabulary size (embedded corpus: of the BPE built for it; 4096 on CPU, 32000 on GPU).",
+        help="Vocabulary size (embedded corpus: of the BPE built for it, at least 300; "
+        f"{device_default('vocab_size')}; other data: the tokenizer's, meta.json's or the preset's).",
     )
     model_overrides: dict[str, Any] = flag(  # noqa: RUF009 - flag() is a dataclasses.field
         None,
@@ -134,7 +136,9 @@ class DataOptions:
         "auto",
         "--dataset",
         help="stdlib / stdlib-full / pyenv (embedded), a name under $HYDRA_DATA_ROOT, a path to data (.bin "
-        ".pt .jsonl .txt .parquet .arrow, or a folder of them) or a Hugging Face save_to_disk folder.",
+        ".pt .jsonl .txt .parquet .arrow, or a folder of them) or a Hugging Face save_to_disk folder. "
+        f"auto: {TESTING_DEFAULTS['cpu']['dataset']} on the CPU, {TESTING_DEFAULTS['cuda']['dataset']} "
+        "on CUDA (the Python standard library's source; -full with its tests).",
     )
     tokenizer: str | None = flag(
         None,
@@ -149,9 +153,16 @@ class DataOptions:
         help="The text field of .jsonl lines, .parquet/.arrow tables and HF datasets.",
         commands=(RUN,),
     )
-    batch_size: int | None = flag(None, "--batch_size", help="Sequences per micro-batch per GPU/process.")
+    batch_size: int | None = flag(
+        None,
+        "--batch_size",
+        help=f"Sequences per micro-batch per GPU/process ({device_default('batch_size')}).",
+    )
     seq_len: int | None = flag(
-        None, "--seq_len", help="Tokens per sequence (row-shaped data fixes it itself)."
+        None,
+        "--seq_len",
+        help=f"Tokens per sequence ({device_default('seq_len')}; row-shaped data fixes it itself; at most "
+        "the model's max_seq_len).",
     )
 
 
@@ -178,7 +189,7 @@ class RuntimeOptions(LoggerFlags):
     max_steps: int | None = flag(
         None,
         "--max_steps",
-        help="Optimizer steps to train (default: testing mode 120 on CPU, 300 on a GPU; production 100000).",
+        help=f"Optimizer steps to train ({device_default('max_steps')}).",
         commands=(RUN,),
     )
     precision: str = flag(
@@ -212,7 +223,7 @@ class RuntimeOptions(LoggerFlags):
     eval_every: int | None = flag(
         None,
         "--eval_every",
-        help="Validation every N steps (also at the start and the end).",
+        help=f"Validation every N steps, also at the start and the end ({device_default('eval_every')}).",
         commands=(RUN,),
     )
     eval_batches: int = flag(
@@ -225,11 +236,16 @@ class RuntimeOptions(LoggerFlags):
     log_every: int | None = flag(
         None,
         "--log_every",
-        help="Read losses, write the database and the progress every N steps.",
+        help="Read losses, write the database and the progress every N steps "
+        f"({device_default('log_every')}).",
         commands=(RUN,),
     )
     save_every: int | None = flag(
-        None, "--save_every", help="Write a checkpoint every N steps.", commands=(RUN,)
+        None,
+        "--save_every",
+        help="Write a checkpoint every N steps; 0: only the final checkpoint "
+        f"({device_default('save_every')}).",
+        commands=(RUN,),
     )
     keep_checkpoints: int = flag(
         3,

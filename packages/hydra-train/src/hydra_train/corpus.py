@@ -17,9 +17,12 @@ relative path and file content, so a different Python version gives a different 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,3 +114,35 @@ def cache_dir() -> Path:
     """``$HYDRA_CACHE_DIR`` or ``~/.cache/hydra`` (:mod:`hydra_train.options`): tokenizers and
     tokenized corpora live here."""
     return train_options().cache_dir
+
+
+def _cache_hint(err: int | None) -> str:
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        return "free disk space or set HYDRA_CACHE_DIR to a folder on another disk"
+    return "set HYDRA_CACHE_DIR to a folder you can write to"
+
+
+@contextmanager
+def writing_cache(folder: Path) -> Iterator[None]:
+    """Around a write into the cache: ``folder`` is made and checked writable first (before a
+    tokenizer is trained for minutes only to be lost), and an OSError of the write becomes one line
+    that names HYDRA_CACHE_DIR (the run's generic I/O line named --checkpoint_dir, which does not
+    move the cache). An error on a file outside the cache (a source being read) passes through."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HydraDataError(
+            f"cannot create the cache folder {folder}: {exc.strerror or exc}; {_cache_hint(exc.errno)}"
+        ) from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise HydraDataError(f"the cache folder {folder} is not writable; {_cache_hint(None)}")
+    try:
+        yield
+    except OSError as exc:
+        name = Path(os.fsdecode(exc.filename)) if exc.filename else None
+        if name is not None and not name.is_relative_to(folder):
+            raise
+        where = f"{name}: " if name else f"{folder}: "
+        raise HydraDataError(
+            f"cannot write the cache: {where}{exc.strerror or exc}; {_cache_hint(exc.errno)}"
+        ) from None

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hydra_train.config import EMBEDDED_CORPORA as EMBEDDED_NAMES
-from hydra_train.corpus import cache_dir, load_stdlib_corpus
+from hydra_train.corpus import cache_dir, load_stdlib_corpus, writing_cache
 from hydra_train.dataset import TokenDataset, WindowView
 from hydra_train.errors import HydraDataError, short_error
 from hydra_train.options import train_options
@@ -55,6 +55,14 @@ class DataBundle:
     seq_len: int
     description: str
     tokenizer_path: Path | None = None
+
+
+def token_count(n: int) -> str:
+    """A token count as a person reads it: ``1,452`` below a million (``0.00M`` said nothing about a
+    small test set), then ``12.35M`` and ``1.20B``."""
+    if n < 1_000_000:
+        return f"{n:,}"
+    return f"{n / 1e6:.2f}M" if n < 1_000_000_000 else f"{n / 1e9:.2f}B"
 
 
 def data_files(folder: Path) -> list[Path]:
@@ -117,13 +125,14 @@ def _embedded(name: str, vocab_size: int, seq_len: int, log) -> DataBundle:
             except HydraDataError as exc:
                 log(f"cached corpus shard unusable ({exc}); tokenizing again")
         if shard is None:
-            log(f"tokenizing the {split} split ({len(docs)} files) ...")
-            write_token_shard(path, encode_documents(tok, [d.text for d in docs]))
+            with writing_cache(folder):
+                log(f"tokenizing the {split} split ({len(docs)} files) ...")
+                write_token_shard(path, encode_documents(tok, [d.text for d in docs]))
             shard = open_shard(path)
         datasets[split] = TokenDataset([shard], seq_len, vocab, name=f"{corpus.name}:{split}")
     desc = (
-        f"{corpus.name} (embedded): {datasets['train'].num_tokens / 1e6:.2f}M train / "
-        f"{datasets['val'].num_tokens / 1e6:.2f}M val tokens, vocab {vocab}"
+        f"{corpus.name} (embedded): {token_count(datasets['train'].num_tokens)} train / "
+        f"{token_count(datasets['val'].num_tokens)} val tokens, vocab {vocab}"
     )
     return DataBundle(datasets["train"], datasets["val"], vocab, seq_len, desc, tok_path)
 
@@ -157,7 +166,7 @@ def _hf_dataset(path: Path, tok, tok_path, vocab: int, seq_len: int, column: str
         n_val = max(1, round(train_ds.num_windows * VAL_FRACTION))
         train, val = train_ds.split_tail(n_val)
         how = f"last {n_val} windows held out for validation"
-    desc = f"{path} (Hugging Face dataset): {train_ds.num_tokens / 1e6:.2f}M tokens, {how}, vocab {vocab}"
+    desc = f"{path} (Hugging Face dataset): {token_count(train_ds.num_tokens)} tokens, {how}, vocab {vocab}"
     return DataBundle(train, val, vocab, train_ds.seq_len, desc, tok_path)
 
 
@@ -239,9 +248,8 @@ def load_data(
         n_val = max(1, round(train_ds.num_windows * VAL_FRACTION))
         train, val = train_ds.split_tail(n_val)
         how = f"last {n_val} windows held out for validation"
-    desc = (
-        f"{path}: {len(train_files)} shard(s), {train_ds.num_tokens / 1e6:.2f}M tokens, {how}, vocab {vocab}"
-    )
+    tokens = token_count(train_ds.num_tokens)
+    desc = f"{path}: {len(train_files)} shard(s), {tokens} tokens, {how}, vocab {vocab}"
     for split, ds in opened.items():
         note = ds.short_shards_note()
         if note:  # said when the run starts, and kept in the description the run records

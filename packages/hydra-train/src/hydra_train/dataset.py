@@ -92,9 +92,12 @@ class TokenDataset:
     def check_max_seq_len(self, max_seq_len: int) -> None:
         if self.seq_len > max_seq_len:
             where = self.shards[0].path if self.is_rows else self.name
+            # rows fix their length; a stream's windows are --seq_len long
+            fix = "" if self.is_rows else f"pass --seq_len {max_seq_len} or less, or "
             raise HydraDataError(
                 f"{where}: sequences of {self.seq_len} tokens are longer than the model's max_seq_len "
-                f"{max_seq_len}"
+                f"{max_seq_len}; {fix}give the model more positions with --model_override "
+                f"max_seq_len={self.seq_len}"
             )
 
     def check_vocab_size(self, model_vocab_size: int) -> None:

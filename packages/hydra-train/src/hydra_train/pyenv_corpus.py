@@ -312,7 +312,7 @@ def load_pyenv_corpus(
 
     ``roots`` replaces the interpreter's folders (label "stdlib" or "site", folder): for tests and
     for racing on another source tree."""
-    from hydra_train.corpus import cache_dir
+    from hydra_train.corpus import cache_dir, writing_cache
 
     exts = parse_extensions(extensions)
     roots = dedupe_roots(roots) if roots is not None else environment_roots()
@@ -341,6 +341,13 @@ def load_pyenv_corpus(
                 return PyenvCorpus(**meta)
         except (OSError, ValueError, TypeError, HydraDataError) as exc:
             log(f"cached corpus {folder} is unusable ({exc}); building it again")
+    with writing_cache(folder):  # checked before the tokenizer is trained
+        return _build_pyenv(folder, files, split, roots, exts, key, vocab_size, sample_chars, t0, log)
+
+
+def _build_pyenv(folder, files, split, roots, exts, key, vocab_size, sample_chars, t0, log) -> PyenvCorpus:
+    """Build the corpus into the cache ``folder`` (tokenizer, shards, then meta.json)."""
+    meta_path = folder / "meta.json"
     total_mb = sum(f.size for f in files) / 1e6
     log(f"pyenv corpus: {len(files)} files ({total_mb:.0f} MB) under {len(roots)} folders")
     sample = _tokenizer_sample(split["train"], sample_chars)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import struct
 import time
 import warnings
@@ -228,12 +229,28 @@ def read_texts(path: Path, text_column: str = "text") -> list[str]:
             except json.JSONDecodeError as exc:
                 raise HydraDataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get(text_column), str):
-                keys = f" (keys: {', '.join(map(str, obj))})" if isinstance(obj, dict) else ""
-                raise HydraDataError(
-                    f"{path}:{lineno}: each line must be an object with a {text_column!r} string{keys}"
-                )
+                raise HydraDataError(_jsonl_field_message(path, lineno, obj, text_column))
             texts.append(obj[text_column])
     return texts
+
+
+def _jsonl_field_message(path: Path, lineno: int, obj: object, text_column: str) -> str:
+    """Why a .jsonl line gives no text, and the --text_column that would read it: the line's first
+    string-valued field when it has one (e.g. ``content``)."""
+    where = f"{path}:{lineno}: each line must be an object with a {text_column!r} string"
+    if not isinstance(obj, dict):
+        return f"{where} (this line is a JSON {type(obj).__name__})"
+    if text_column in obj:
+        held = type(obj[text_column]).__name__
+        return f"{where} (its {text_column!r} holds {held}); choose another --text_column"
+    keys = ", ".join(map(str, obj)) or "none"
+    texty = next((str(k) for k, v in obj.items() if isinstance(v, str)), None)
+    fix = (
+        f"pass --text_column {shlex.quote(texty)}"
+        if texty
+        else "pass --text_column <key> naming the text field"
+    )
+    return f"{where} (keys: {keys}); {fix}"
 
 
 def _check_readable(p: Path) -> None:

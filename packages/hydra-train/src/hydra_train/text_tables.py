@@ -117,20 +117,22 @@ def hf_train_val(path: Path, column: str = "text") -> tuple[list[str], list[str]
     return splits["train"], val
 
 
-def iter_texts(paths: list[Path], column: str = "text") -> Iterator[str]:
-    """Every document of ``paths`` (files of any text format, folders of them, HF dataset folders),
-    for training a tokenizer. A folder is read as ``--dataset`` reads it, training part only
-    (validation text must not shape the vocabulary): its ``train/`` subfolder when there is one,
-    else its files in name order less those named like validation shards; a HF dataset's train split."""
+def text_sources(paths: list[Path]) -> list[tuple[str, Path]]:
+    """What :func:`iter_texts` reads, each as ``("hf", folder)`` or ``("file", path)``, in order;
+    a path that does not exist or holds no text is refused here, before anything is read (so that
+    ``hydra-train tokenizer train`` names a wrong input before it looks at its output). A folder is
+    read as ``--dataset`` reads it, training part only (validation text must not shape the
+    vocabulary): its ``train/`` subfolder when there is one, else its files in name order less
+    those named like validation shards; a HF dataset's train split."""
     from hydra_train.data_sources import _VAL_NAME as VAL_NAME
     from hydra_train.data_sources import data_files
-    from hydra_train.shards import read_texts
 
+    out: list[tuple[str, Path]] = []
     for p in paths:
         if not p.exists():
             raise HydraDataError(f"{p}: no such file or folder")
         if is_hf_dataset_dir(p):
-            yield from hf_train_val(p, column)[0]
+            out.append(("hf", p))
             continue
         if p.is_dir():
             folder = p / "train" if (p / "train").is_dir() else p
@@ -140,15 +142,27 @@ def iter_texts(paths: list[Path], column: str = "text") -> Iterator[str]:
         text_files = [f for f in files if f.suffix.lower() in (".txt", ".jsonl", *TABLE_SUFFIXES)]
         if not text_files:
             raise HydraDataError(unsupported_message(p, files, TEXT_SUPPORTED))
-        for f in text_files:
-            try:
-                texts = read_texts(f, column)
-            except UnicodeDecodeError as exc:  # .jsonl is read strictly (.txt replaces bad bytes)
-                raise HydraDataError(
-                    f"{f}: not UTF-8 text (it holds the byte {exc.object[exc.start]:#04x}, which UTF-8 "
-                    "does not allow there); re-encode the file as UTF-8"
-                ) from None
-            yield from texts
+        out += [("file", f) for f in text_files]
+    return out
+
+
+def iter_texts(paths: list[Path], column: str = "text") -> Iterator[str]:
+    """Every document of ``paths`` (files of any text format, folders of them, HF dataset folders,
+    as :func:`text_sources` lists them), for training a tokenizer."""
+    from hydra_train.shards import read_texts
+
+    for kind, f in text_sources(paths):
+        if kind == "hf":
+            yield from hf_train_val(f, column)[0]
+            continue
+        try:
+            texts = read_texts(f, column)
+        except UnicodeDecodeError as exc:  # .jsonl is read strictly (.txt replaces bad bytes)
+            raise HydraDataError(
+                f"{f}: not UTF-8 text (it holds the byte {exc.object[exc.start]:#04x}, which UTF-8 "
+                "does not allow there); re-encode the file as UTF-8"
+            ) from None
+        yield from texts
 
 
 def unsupported_message(path: Path, files: list[Path], supported: str = SUPPORTED) -> str:

@@ -123,7 +123,10 @@ def cached_corpus_tokenizer(corpus, vocab_size: int, cache: Path, log=print):
         n += len(doc.text)
         if n >= TRAIN_SUBSET_CHARS:
             break
-    log(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {n / 1e6:.1f}M characters ...")
-    tok = train_bpe(subset, vocab_size)
-    atomic_write_bytes(path, tok.to_str().encode("utf-8"))
+    from hydra_train.corpus import writing_cache
+
+    with writing_cache(path.parent):  # checked before the training, not only after it
+        log(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {n / 1e6:.1f}M characters ...")
+        tok = train_bpe(subset, vocab_size)
+        atomic_write_bytes(path, tok.to_str().encode("utf-8"))
     return tok, path, False

@@ -348,29 +348,39 @@ class PretestHook:
         return out
 
     def print_summary(self, console=None) -> None:
+        """The summary as a table, or at a narrow width (80 columns) one block per optimization:
+        hydra_kernels' print_records, which never cuts a name or a date."""
         from rich.console import Console
-        from rich.table import Table
+        from rich.markup import escape
+
+        from hydra_kernels.cli_format import print_records
 
         console = console or Console()
         summary = self.get_summary()
         if not summary:
-            console.print(f"no pretest records in {self.history_path}")
+            console.print(f"no pretest records in {self.history_path}", markup=False, highlight=False)
             return
-        t = Table(title=f"pretest history ({self.history_path})", title_justify="left")
-        for c in ("model", "optimization", "latest", "reason", "speedup", "PASS/FAIL/N/A", "when", "device"):
-            t.add_column(c)
+        rows = []
         for size, per in summary.items():
             for name, e in per.items():
-                c = e["counts"]
-                sp = e.get("speedup")
-                t.add_row(
-                    size,
-                    name,
-                    str(e["status"]),
-                    (e.get("reason") or "")[:70],
-                    "-" if sp is None else f"{sp:.2f}x",
-                    f"{c.get('PASS', 0)}/{c.get('FAIL', 0)}/{c.get('N/A', 0)}",
-                    str(e.get("time")),
-                    str(e.get("device")),
+                c, sp = e["counts"], e.get("speedup")
+                rows.append(
+                    {
+                        "model": size,
+                        "optimization": name,
+                        "latest": e["status"],
+                        "reason": (e.get("reason") or "")[:70],
+                        "speedup": "-" if sp is None else f"{sp:.2f}x",
+                        "PASS/FAIL/N/A": f"{c.get('PASS', 0)}/{c.get('FAIL', 0)}/{c.get('N/A', 0)}",
+                        "when": e.get("time"),
+                        "device": e.get("device"),
+                    }
                 )
-        console.print(t)
+        # the cells are literal (a reason's "[...]" is not markup)
+        print_records(
+            console,
+            f"pretest history ({self.history_path})",
+            rows,
+            list(rows[0]),
+            fmt=lambda v: "-" if v is None else escape(str(v)),
+        )

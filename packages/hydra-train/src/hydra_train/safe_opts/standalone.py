@@ -70,9 +70,14 @@ def build_trainer(cfg: TrainConfig, log: Callable[[str], None]) -> tuple[Trainer
 
     device = pick_device(cfg.runtime.device)
     random_data = cfg.data.dataset in (RANDOM, "auto")
+    asked_vocab = cfg.model.vocab_size
+    # random tokens train no BPE: the user's --vocab_size is not held to the tokenizer's minimum
+    # (resolved as for stdlib, then put back)
     cfg = resolve_config(
-        cfg.replace(dataset="stdlib" if random_data else cfg.data.dataset), device_info(device)
+        cfg.replace(dataset="stdlib", vocab_size=None) if random_data else cfg, device_info(device)
     )
+    if random_data and asked_vocab is not None:
+        cfg = cfg.replace(vocab_size=asked_vocab)
     check_model_flags(cfg)  # a bad --model_size is reported before any data is read
     if device.type == "cpu":
         torch.set_num_threads(choose_cpu_threads(cfg.runtime.cpu_threads)[0])
