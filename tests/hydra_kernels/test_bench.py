@@ -39,8 +39,9 @@ def test_perf_md_rows_and_byte_floors():
     assert rope == ["8x2048x6x64 R=32", "8x2048x6x64 R=64", "8x2048x16x128 R=64", "8x2048x16x128 R=128"]
     for w in _workloads("rope"):
         assert set(w.impls) == {"eager", "compile", "hydra"} and "liger" in w.notes
-    ce = _workloads("linear_ce")
+    ce = _workloads("linear_cross_entropy")
     assert [w.shape for w in ce] == ["16384x768 V=50304", "16384x2048 V=128256"]
+    assert [w.shape for w in _workloads("linear_ce")] == [w.shape for w in ce]  # the old spelling
     assert all(
         w.measure_memory
         and w.flops == 6.0 * 16384 * int(w.shape.split("x")[1].split()[0]) * w.inputs[1].shape[0]
@@ -60,7 +61,9 @@ def test_sweep_configs_are_launchable():
 
 
 def _workload(op="swiglu", bytes_floor=200 * 2**20):
-    return bench.Workload(op, "s", [], None, {}, bytes_floor=bytes_floor, measure_memory=op == "linear_ce")
+    return bench.Workload(
+        op, "s", [], None, {}, bytes_floor=bytes_floor, measure_memory=op == "linear_cross_entropy"
+    )
 
 
 def _rows(**ms):
@@ -81,7 +84,9 @@ def test_summary_verdicts():
     ce = _rows(
         hydra=(5.0, {"peak_extra_mib": 200.0}), compile=(7.0, {}), liger=(9.0, {"peak_extra_mib": 100.0})
     )
-    assert "MiB > Liger" in bench.summarize(_workload("linear_ce", 0), ce)["target"]
+    s = bench.summarize(_workload("linear_cross_entropy", 0), [*ce, *_rows(**{"hydra slab": (6.0, {})})])
+    assert "MiB > Liger" in s["target"] and "time of" not in s["target"]  # time: against compile only
+    assert s["modes"]["hydra slab"]["time_ok"] is True  # the other dW schemes, each against both targets
     broken = [{"impl": "hydra", "ms": None, "error": "boom"}, {"impl": "compile", "ms": 1.0}]
     assert "hydra not timed: boom" in bench.summarize(_workload(), broken)["target"]
 

@@ -94,7 +94,7 @@ def test_check_without_a_triton_path_says_it_checks_references(no_cuda):
 
 def test_check_rejects_unknown_op():
     result = runner.invoke(app, ["check", "--op", "nope"])
-    assert result.exit_code == 2 and "unknown op" in result.stderr
+    assert result.exit_code == 2 and "unknown --op nope; choose from rms_norm" in result.stderr
 
 
 def test_bench_without_cuda_is_one_line_and_exit_1(no_cuda):

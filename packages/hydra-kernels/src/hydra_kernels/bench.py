@@ -38,7 +38,7 @@ from hydra_kernels.launch_config import (
     set_launch_overrides,
 )
 from hydra_kernels.ops.linear_cross_entropy import linear_cross_entropy
-from hydra_kernels.registry import OP_SPECS, OPS_BY_NAME
+from hydra_kernels.registry import OP_SPECS, OPS_BY_NAME, canonical_op
 from hydra_kernels.registry import PRESET_HEAD_SHAPES as PRESET_HEAD_SHAPES  # kept importable here
 
 #: Bench ops (``--op`` values) and the controls op each one exercises (hydra_kernels.registry).
@@ -94,7 +94,8 @@ def _randn(*shape: int, dev: torch.device, dt: torch.dtype, grad: bool = True) -
 
 
 def _workloads(op: str, dev: torch.device, dt: torch.dtype, liger, why) -> Iterator[Workload]:
-    """The workloads of bench op ``op`` (its registry entry's generator)."""
+    """The workloads of bench op ``op`` (its registry entry's generator; an alias is taken too)."""
+    op = canonical_op(op)
     if op not in BENCH_OPS:
         raise ValueError(f"unknown bench op {op!r}; expected one of {', '.join(BENCH_OPS)}")
     yield from OPS_BY_NAME[BENCH_OPS[op]].bench[op](dev, dt, liger, why)
@@ -137,7 +138,7 @@ def summarize(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
     elif peers:
         best = min(peers, key=peers.get)
         s["best_peer"], s["vs_best_peer"] = best, peers[best] / hydra
-        if w.op == "linear_ce":
+        if w.op == "linear_cross_entropy":
             if hydra > ms.get("compile", math.inf):
                 misses.append(f"{hydra / ms['compile']:.2f}x torch.compile's time")
         elif hydra >= peers[best]:
@@ -158,7 +159,7 @@ def summarize(w: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
     if w.measure_memory and liger_mib is not None and hyd.get("peak_extra_mib", 0) > liger_mib:
         misses.append(f"+{hyd['peak_extra_mib']:.0f} MiB > Liger's +{liger_mib:.0f} MiB")
     s["target"] = "met" if not misses else "MISS: " + "; ".join(misses)
-    if w.op == "linear_ce":  # the other dW schemes against the same two targets
+    if w.op == "linear_cross_entropy":  # the other dW schemes against the same two targets
         s["modes"] = {}
         for impl, r in by.items():
             if impl.startswith("hydra ") and r.get("ms"):
@@ -213,7 +214,7 @@ def run_bench(
     defaults of their launch tables). Returns a JSON-able report. CUDA only."""
     if not torch.cuda.is_available():
         raise RuntimeError("run_bench needs a CUDA GPU and torch.cuda.is_available() is False")
-    ops = list(ops or BENCH_OPS)
+    ops = [canonical_op(o) for o in ops or BENCH_OPS]
     unknown = [o for o in ops if o not in BENCH_OPS]
     if unknown:
         raise ValueError(f"unknown bench op(s) {unknown}; expected some of {list(BENCH_OPS)}")

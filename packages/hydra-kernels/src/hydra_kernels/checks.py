@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from hydra_kernels import controls
 from hydra_kernels.numerics import check_against_fp64, fp32_noise_atol
-from hydra_kernels.registry import OP_SPECS, Check
+from hydra_kernels.registry import OP_SPECS, Check, canonical_op
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,6 +71,14 @@ CASES: tuple[CheckCase, ...] = tuple(
     for spec in OP_SPECS
     for c in spec.checks
 )
+
+
+#: The names ``hydra-kernels check --op`` takes, in the registry's order.
+CHECK_NAMES: tuple[str, ...] = tuple(c.name for c in CASES)
+#: The largest ``seed``, as large as a fresh one (4 random bytes). The checks take seed, seed + 1,
+#: ...: far inside the 64 bits torch's generator takes, which refused a larger seed with an
+#: "Overflow when unpacking long long" that named no option.
+MAX_SEED = 2**32 - 1
 
 
 class _KeepFloat64(TorchFunctionMode):
@@ -212,11 +220,15 @@ def run_checks(
     seed: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[CheckResult]:
-    """Check each selected op (all by default) in each dtype; fresh inputs unless ``seed``."""
-    known = {c.name for c in CASES}
-    unknown = sorted(set(ops or ()) - known)
+    """Check each selected op (all by default; an alias of registry.OP_ALIASES is taken too) in
+    each dtype; fresh inputs unless ``seed`` (0 to :data:`MAX_SEED`)."""
+    ops = [canonical_op(o) for o in ops or ()]
+    unknown = [o for o in ops if o not in CHECK_NAMES]
     if unknown:
-        raise ValueError(f"unknown op(s) {unknown}; expected some of {sorted(known)}")
+        raise ValueError(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(CHECK_NAMES)}")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        # torch's generator would answer "Overflow when unpacking long long", naming nothing
+        raise ValueError(f"seed {seed} is out of range: choose one from 0 to {MAX_SEED}")
     bad = sorted(set(dtypes) - set(DTYPES))
     if bad:
         raise ValueError(f"unknown dtype(s) {bad}; expected some of {list(DTYPES)}")

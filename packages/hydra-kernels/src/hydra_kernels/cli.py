@@ -11,6 +11,7 @@ import typer
 
 from hydra_kernels import __version__
 from hydra_kernels.cli_format import compact_table
+from hydra_kernels.cli_reports import render_bench_report, render_check_results
 from hydra_kernels.cli_support import (
     EXIT_USAGE,
     add_version_option,
@@ -19,9 +20,10 @@ from hydra_kernels.cli_support import (
     err_console,
     fail,
     new_app,
+    reflowed,
     require_cuda,
 )
-from hydra_kernels.registry import OP_SPECS
+from hydra_kernels.registry import OP_ALIASES, OP_SPECS, canonical_op
 
 app = new_app("Fused Triton kernels for HYDRA: status, numerical checks, benchmarks.")
 add_version_option(app, "hydra-kernels", __version__)
@@ -29,8 +31,14 @@ add_version_option(app, "hydra-kernels", __version__)
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
 
 _OP_MODULES = {spec.name: spec.module for spec in OP_SPECS}
+_CHECK_NAMES = [check.name for spec in OP_SPECS for check in spec.checks]
 _BENCH_NAMES = [name for spec in OP_SPECS for name in spec.bench]
 _SWEEP_NAMES = [spec.name for spec in OP_SPECS if spec.sweep]
+#: checks.MAX_SEED, here because checks imports every op's module, which --help does without
+#: (test_cli_help_80 keeps the two equal, and _CHECK_NAMES equal to checks.CHECK_NAMES)
+_MAX_SEED = 2**32 - 1
+#: "linear_ce for linear_cross_entropy": both commands take the old spellings too
+_ALIASES = ", ".join(f"{alias} for {name}" for alias, name in OP_ALIASES.items())
 
 
 def _either(names: list[str]) -> str:
@@ -99,10 +107,12 @@ def resolved_launch_configs(device: Any) -> dict[str, dict[str, Any]]:
 
 
 @app.command()
+@reflowed
 def status(json_output: JsonFlag = False) -> None:
     """Show Triton availability, the switches, and per op what runs on this machine's device
     (backend, fused backward, fallbacks) with its launch configuration."""
     import torch
+    from rich.text import Text
 
     from hydra_kernels.controls import get_kernel_status
 
@@ -134,7 +144,7 @@ def status(json_output: JsonFlag = False) -> None:
             s["backend"],
             s["backward_backend"],
             str(s["fallbacks"]),
-            s["last_error"] or "",
+            Text(s["last_error"] or ""),  # a Text: an exception's "[...]" is not read as markup
         )
     console.print(ops)
     fields = ("num_warps", "num_stages", "block_rows", "block_q", "block_kv")
@@ -154,17 +164,33 @@ def status(json_output: JsonFlag = False) -> None:
 
 
 @app.command()
+@reflowed
 def check(
     quick: Annotated[
-        bool, typer.Option("--quick", help="Small shapes only (fast, also on the CPU).")
+        bool,
+        typer.Option("--quick", help="Small shapes only (fast, also on the CPU); default: the full shapes."),
     ] = False,
-    op: Annotated[list[str] | None, typer.Option("--op", help="Check only this op (repeatable).")] = None,
+    op: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--op",
+            metavar="OP",
+            help=f"Check only {_either(_CHECK_NAMES)} (repeatable; {_ALIASES} too); default: every op.",
+        ),
+    ] = None,
     dtype: Annotated[
         list[str] | None,
-        typer.Option("--dtype", help="fp32, bf16 or fp16 (repeatable); default fp32 and bf16."),
+        typer.Option(
+            "--dtype", metavar="DTYPE", help="fp32, bf16 or fp16 (repeatable); default: fp32 and bf16."
+        ),
     ] = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Fix the inputs (default: fresh random).")
+        int | None,
+        # the range up front: torch's generator answered a larger seed with "Overflow when
+        # unpacking long long", naming no option
+        typer.Option(
+            "--seed", metavar="N", min=0, max=_MAX_SEED, help="Fix the inputs (default: fresh random)."
+        ),
     ] = None,
     json_output: JsonFlag = False,
 ) -> None:
@@ -174,6 +200,13 @@ def check(
 
     from hydra_kernels import checks
 
+    # before the progress bar, whose stop left a blank line above the error; worded as bench's
+    unknown = [o for o in op or () if canonical_op(o) not in checks.CHECK_NAMES]
+    if unknown:
+        fail(f"unknown --op {', '.join(unknown)}; choose from {', '.join(checks.CHECK_NAMES)}", EXIT_USAGE)
+    bad = [d for d in dtype or () if d not in checks.DTYPES]
+    if bad:
+        fail(f"unknown --dtype {', '.join(bad)}; choose from {', '.join(checks.DTYPES)}", EXIT_USAGE)
     device = checks.default_device()
     mode = checks.check_mode(device)
     try:
@@ -200,111 +233,22 @@ def check(
             }
         )
     else:
-        console.print(f"checking {mode}")
-        title = "|kernel − ref64| ≤ 2·|torch − ref64| + atol (worst ratio ≤ 1 passes)"
-        # the op whole: the ccgqa_conv cases differ only at the end of their names
-        table = compact_table(title, "op", ("dtype", "shape", "backend", "worst\nratio", "at", "result"))
-        for r in results:
-            ratio = f"{r.worst_ratio:.3f}" if r.worst_ratio is not None else "-"
-            verdict = "[green]pass[/]" if r.passed else f"[red]FAIL[/] {r.error or ''}"
-            table.add_row(r.op, r.dtype, r.shape, r.backend, ratio, r.worst_item or "", verdict)
-        console.print(table)
+        render_check_results(results, mode, console)
     if failed:
         err_console.print(f"{len(failed)} of {len(results)} checks failed")
         raise typer.Exit(1)
 
 
-def _ms(v: float | None) -> str:
-    return f"{v:.3f}" if v else "-"
-
-
-def render_bench_report(report: dict[str, Any], console: Any) -> None:
-    """The compact tables ``hydra-kernels bench`` prints: one line per op × shape, then the
-    sweep's best launch configuration per shape (when it ran)."""
-    from rich.table import Table
-
-    title = (
-        f"{report['device']} (sm_{report['compute_capability'].replace('.', '')}), torch "
-        f"{report['torch']}, triton {report['triton']}, liger {report['liger']}, {report['dtype']}; "
-        f"copy {report['copy_tbps']:.2f} TB/s; fwd+bwd median ms"
-    )
-    table = Table(title=title, title_justify="left")
-    cols = (
-        "op",
-        "shape",
-        "hydra",
-        "hydra GPU",
-        "eager",
-        "compile",
-        "compile GPU",
-        "liger",
-        "peer/hydra",
-        "rate",
-        "% copy",
-    )
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("op", "shape") else "right")
-    table.add_column("target")
-    for s in report["summary"]:
-        if "tflops" in s:
-            rate = f"{s['tflops']:.0f} TFLOP/s, +{s.get('peak_extra_mib', 0):.0f} MiB"
-        else:
-            rate = f"{s['gbps']:.0f} GB/s" if "gbps" in s else "-"
-        ratio = f"{s['vs_best_peer']:.2f}x ({s['best_peer']})" if "vs_best_peer" in s else "-"
-        pct = f"{s['pct_copy']:.0f}%" if "pct_copy" in s else "-"
-        gpct = f"{s['graph_pct_copy']:.0f}%" if "graph_pct_copy" in s else "-"
-        style = "green" if s["target"] == "met" else "red"
-        table.add_row(
-            s["op"], s["shape"], _ms(s.get("hydra")), _ms(s.get("hydra_graph_ms")), _ms(s.get("eager")),
-            _ms(s.get("compile")), _ms(s.get("compile_graph_ms")), _ms(s.get("liger")), ratio, rate, pct,
-            gpct, f"[{style}]{s['target']}[/]",
-        )  # fmt: skip
-    if console.width < 200:  # a pipe or a narrow terminal would squeeze the columns into rows
-        from rich.console import Console
-
-        console = Console(width=200, file=console.file)
-    if report["summary"]:
-        console.print(table)
-    for s in report["summary"]:
-        for impl, m in s.get("modes", {}).items():
-            time_cmp, mem_cmp = ("≤" if m["time_ok"] else ">"), ("≤" if m["memory_ok"] else ">")
-            console.print(
-                f"{s['op']} {s['shape']} {impl}: {m['ms']:.2f} ms, +{m['peak_extra_mib']:.0f} MiB "
-                f"(time {time_cmp} compile's, memory {mem_cmp} Liger's)"
-            )
-    mem = [r for r in report["rows"] if "peak_extra_mib" in r and not r["impl"].startswith("hydra")]
-    if mem:
-        console.print(
-            "peak extra memory of peers: "
-            + ", ".join(f"{r['shape']} {r['impl']} +{r['peak_extra_mib']:.0f} MiB" for r in mem)
-        )
-    notes = {(r["impl"], r["note"]) for r in report["rows"] if r.get("note")}
-    errors = [r for r in report["rows"] if r.get("error")]
-    for impl, note in sorted(notes):
-        console.print(f"{impl} skipped: {note}", style="dim", markup=False)
-    for r in errors:
-        console.print(f"{r['op']} {r['shape']} {r['impl']}: {r['error']}", style="yellow", markup=False)
-    if report["sweep"]:
-        sweep = Table(title="launch-config sweep (hydra fwd+bwd ms)", title_justify="left")
-        for col in ("op", "shape", "default", "default ms", "best", "best ms", "gain", "best % copy"):
-            sweep.add_column(col)
-        for s in report["sweep"]:
-            best = s["best"] or {}
-            cfg = ", ".join(f"{k}={v}" for k, v in best.items() if k != "ms")
-            gain = f"{100 * (1 - best['ms'] / s['default_ms']):.1f}%" if best else "-"
-            default = ", ".join(f"{k}={v}" for k, v in s["default"].items())
-            pct = f"{s['best_pct_copy']:.0f}%" if "best_pct_copy" in s else "-"
-            sweep.add_row(
-                s["op"], s["shape"], default, _ms(s["default_ms"]), cfg, _ms(best.get("ms")), gain, pct
-            )
-        console.print(sweep)
-
-
 @app.command()
+@reflowed
 def bench(
     op: Annotated[
         list[str] | None,
-        typer.Option("--op", help=f"{_either(_BENCH_NAMES)} (repeatable); default all."),
+        typer.Option(
+            "--op",
+            metavar="OP",
+            help=f"Time only {_either(_BENCH_NAMES)} (repeatable; {_ALIASES} too); default: every op.",
+        ),
     ] = None,
     sweep: Annotated[
         bool,
@@ -313,15 +257,22 @@ def bench(
             help=f"Instead: time only hydra's {'/'.join(_SWEEP_NAMES)} under a grid of launch configs.",
         ),
     ] = False,
-    out: Annotated[Path | None, typer.Option("--out", help="Write the full JSON report here.")] = None,
-    rep: Annotated[int, typer.Option("--rep", min=10, help="do_bench repetition time per figure, ms.")] = 100,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", metavar="PATH", help="Write the full JSON report here (default: not written)."),
+    ] = None,
+    rep: Annotated[
+        int, typer.Option("--rep", metavar="MS", min=10, help="do_bench repetition time per figure, ms.")
+    ] = 100,
     json_output: JsonFlag = False,
 ) -> None:
     """Time each op × shape, forward+backward, against torch eager, torch.compile and Liger-Kernel
     (when importable): ms, GB/s over the byte floor, % of the measured copy bandwidth. CUDA only.
+
     --out PATH also writes the full JSON report there."""
     from hydra_kernels.bench import BENCH_OPS, SWEEP_CONFIGS
 
+    op = [canonical_op(o) for o in op or ()] or None
     unknown = [o for o in op or () if o not in BENCH_OPS]
     if unknown:
         fail(f"unknown --op {', '.join(unknown)}; choose from {', '.join(BENCH_OPS)}", EXIT_USAGE)

@@ -4,6 +4,7 @@ They live in the lowest package so the other three can use them without pointing
 upward. Nothing here imports torch, so ``--help`` stays fast.
 """
 
+import inspect
 import json
 import math
 import sys
@@ -55,6 +56,16 @@ def add_version_option(app: typer.Typer, dist_name: str, version: str) -> None:
         ] = False,
     ) -> None:
         pass
+
+
+def reflowed(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Join the source lines of each paragraph of ``func``'s docstring (its --help). In rich markup
+    mode Typer keeps a docstring's single newlines in a group's command list and after the first
+    paragraph of a command's own help, so a hard-wrapped docstring rendered ragged at 80 columns.
+    Paragraphs (separated by a blank line) stay apart; the group lists the first one alone."""
+    doc = inspect.cleandoc(func.__doc__ or "")
+    func.__doc__ = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+    return func
 
 
 def opt(*names: str, help: str, **kw: Any) -> Any:
