@@ -10,10 +10,10 @@ Nothing heavy is imported until a command runs.
 
 from typing import Annotated
 
-from hydra_kernels.cli_support import add_version_option, console, emit_json, err_console, new_app
+from hydra_kernels.cli_support import add_version_option, console, emit_json, err_console, new_app, reflowed
 from hydra_kernels.cli_support import opt as _opt
 from hydra_train import __version__
-from hydra_train.cli_options import Debug, config_command, reflowed
+from hydra_train.cli_options import Debug, config_command
 from hydra_train.config import TrainConfig
 
 app = new_app("Train HYDRA models: hydra-train run, pretests, metrics database.")

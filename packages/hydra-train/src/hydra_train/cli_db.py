@@ -7,9 +7,8 @@ No ``from __future__ import annotations`` here: Typer reads these annotations at
 from pathlib import Path
 from typing import Annotated
 
-from hydra_kernels.cli_support import console, emit_json, fail, new_app
+from hydra_kernels.cli_support import console, emit_json, fail, new_app, reflowed
 from hydra_kernels.cli_support import opt as _opt
-from hydra_train.cli_options import reflowed
 
 H = {
     "start": "First step to show.",

@@ -108,14 +108,4 @@ def config_command(
     return decorate
 
 
-def reflowed(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Join the source lines of each paragraph of ``func``'s docstring (its --help). In rich markup
-    mode Typer keeps a docstring's single newlines in a group's command list and after the first
-    paragraph of a command's own help, so hard-wrapped docstrings rendered ragged at 80 columns.
-    Paragraphs (separated by a blank line) stay apart; the group lists the first one alone."""
-    doc = inspect.cleandoc(func.__doc__ or "")
-    func.__doc__ = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
-    return func
-
-
 Debug = Annotated[bool, opt("--debug", help="On an error, show the full traceback, not one line.")]

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-from hydra_kernels.cli_support import EXIT_USAGE, console, emit_json, err_console, fail, opt
-from hydra_train.cli_options import config_command, reflowed
+from hydra_kernels.cli_support import EXIT_USAGE, console, emit_json, err_console, fail, opt, reflowed
+from hydra_train.cli_options import config_command
 from hydra_train.config import TrainConfig
 from hydra_train.safe_opts.report import reference_of
 

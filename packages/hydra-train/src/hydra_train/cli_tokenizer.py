@@ -20,9 +20,8 @@ from typing import Annotated
 
 import typer
 
-from hydra_kernels.cli_support import console, emit_json, fail, new_app
+from hydra_kernels.cli_support import console, emit_json, fail, new_app, reflowed
 from hydra_kernels.cli_support import opt as _opt
-from hydra_train.cli_options import reflowed
 
 tokenizer_app = new_app("Build the tokenizer for your own text data.")
 
