@@ -1,4 +1,5 @@
-"""Issue 17, real processes: SIGTERM ends a run with exit 143 and its status written, a second run
+"""Issue 17, real processes: SIGTERM ends a run with exit 143, its status written and a checkpoint
+of the step it stopped at saved (test_interrupt_save.py: in-process cases), a second run
 on the same folder is refused while the first lives, and a run killed with SIGKILL in the middle of
 a checkpoint write leaves a partial ``*.tmp`` that the next run removes (marking the dead run
 ``killed``). Each case starts one Python process (torch import: a few seconds).
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from hydra_train.checkpoint import load_checkpoint
 from hydra_train.errors import HydraTrainError
 from hydra_train.run import run_training
 from hydra_train.run_lock import LOCK_NAME
@@ -56,7 +58,18 @@ def _running(ckpt: Path) -> bool:
         return False
 
 
-def test_sigterm_exits_143_with_status_and_a_second_run_is_refused(bin_dataset, tmp_path):
+def _training(ckpt: Path) -> bool:
+    """A step logged: the loop runs (a signal before it ends the run at once, with nothing to save)."""
+    if not _running(ckpt):
+        return False
+    try:
+        with sqlite3.connect(ckpt / "training.db") as c:
+            return c.execute("SELECT COUNT(*) FROM steps").fetchone()[0] > 0
+    except sqlite3.Error:
+        return False
+
+
+def test_sigterm_saves_a_checkpoint_exits_143_with_status_and_a_second_run_is_refused(bin_dataset, tmp_path):
     args = [sys.executable, "-m", "hydra_train", "run", "--dataset", str(bin_dataset)]
     args += ["--vocab_size", str(VOCAB), "--seq_len", "32", "--batch_size", "4"]
     args += ["--max_steps", "100000", "--log_every", "1", "--eval_every", "100000", "--eval_batches", "1"]
@@ -69,6 +82,7 @@ def test_sigterm_exits_143_with_status_and_a_second_run_is_refused(bin_dataset, 
         _wait_for(lambda: _running(tmp_path), proc)
         with pytest.raises(HydraTrainError, match=rf"another run \(PID {proc.pid} on "):
             run_training(tiny_config(bin_dataset, tmp_path, max_steps=1))
+        _wait_for(lambda: _training(tmp_path), proc)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -77,9 +91,12 @@ def test_sigterm_exits_143_with_status_and_a_second_run_is_refused(bin_dataset, 
     assert proc.returncode == 143, err[-2000:]
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "SIGTERM" in errors[0], err[-2000:]
-    # --save_every 0: nothing to resume from, so the hint is the same command, not --resume (refused)
-    assert "no checkpoint was saved yet" in errors[0] and "--resume" not in errors[0], err[-2000:]
+    # --save_every 0, yet the step it stopped at is saved: the hint resumes from it
+    saved = sorted(tmp_path.glob("hydra_tiny_step*.pt"))
+    assert len(saved) == 1 and load_checkpoint(saved[0])["step"] >= 1, err[-2000:]
+    assert errors[0].endswith("--resume"), err[-2000:]
     assert f"--checkpoint_dir {tmp_path}" in errors[0] and "--seq_len 32" in errors[0], err[-2000:]
+    assert "stopping after this step and saving a checkpoint" in err, err[-2000:]
     assert "Traceback" not in err
     assert _statuses(tmp_path) == ["interrupted"]
     assert not (tmp_path / LOCK_NAME).exists()

@@ -1,15 +1,10 @@
 """A resume whose --max_steps the checkpoint has already reached trains nothing: it must not run
 the pretests nor add a run row to training.db (each such call added an empty "finished" run).
-
-Marked xfail (strict) until run.py's ``_run`` returns before ``record_start`` and the pretests when
-``run.trainer.step >= cfg.runtime.max_steps`` (run.py is not this change's to edit); strict, so
-that the fix makes this test fail as XPASS and the mark is then removed."""
+(run_start.nothing_to_train)."""
 
 from __future__ import annotations
 
 import sqlite3
-
-import pytest
 
 from hydra_train.run import run_training
 from hydra_train.safe_opts.callback import SafeOptimizations
@@ -17,7 +12,6 @@ from hydra_train.safe_opts.callback import SafeOptimizations
 from .conftest import tiny_config
 
 
-@pytest.mark.xfail(strict=True, reason="needs the early return in run.py's _run (see the module docstring)")
 def test_resume_at_or_past_max_steps_records_nothing(bin_dataset, tmp_path, monkeypatch):
     cfg = tiny_config(bin_dataset, tmp_path, max_steps=2, save_every=2, eval_every=2)
     run_training(cfg)

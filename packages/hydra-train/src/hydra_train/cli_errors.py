@@ -4,8 +4,9 @@
 :class:`HydraTrainError` or an ``OSError`` (disk full, read-only folder, ...) -> one line naming the
 cause, the file and what to do, exit 1; an SQLite error (the metrics database: a disk that filled
 during a write reaches Python as ``sqlite3.OperationalError``, not an OSError) -> one line with
-how to continue, exit 1; Ctrl-C -> 130, SIGTERM -> 143 (the run's status is written
-first). ``--debug`` re-raises instead, for the full traceback. The line itself is printed by
+how to continue, exit 1; Ctrl-C -> 130, SIGTERM -> 143 (the run's status is written first, and
+the step it stopped at saved when it was training: run_guard.RunSignals). ``--debug`` re-raises
+instead, for the full traceback. The line itself is printed by
 :func:`hydra_kernels.cli_support.fail`, which prints the text literally (no rich markup, no emoji).
 """
 
@@ -57,13 +58,35 @@ def run_arguments(cfg: TrainConfig) -> list[str]:
     return args
 
 
+def run_model_id(cfg: TrainConfig) -> str | None:
+    """The model id this run's checkpoints are named by, as the run computes it (run.py:
+    ``model_id_for`` of the size resolved for its device, ``--model_size auto`` included); None
+    when that cannot be worked out (a configuration the run itself refused)."""
+    from hydra_train.config import model_id_for, resolve_config
+    from hydra_train.device_setup import device_info, pick_device
+    from hydra_train.options import torchrun_launch
+
+    try:
+        size = cfg.model.model_size
+        if size == "auto":  # the preset follows the device, as the run resolved it
+            launch = torchrun_launch()
+            device = pick_device(cfg.runtime.device, launch.local_rank, launch.world_size)
+            size = resolve_config(cfg, device_info(device)).model.model_size
+        return model_id_for(size, cfg.model.arch)
+    except Exception:
+        return None
+
+
 def resume_hint(cfg: TrainConfig) -> str:
     """What continues an interrupted ``hydra-train run ...``: its own options and ``--resume``, or,
-    before its first checkpoint, the same command again (``--resume`` would find nothing)."""
+    before its first checkpoint, the same command again (``--resume`` would find nothing). Only
+    this run's model's checkpoints count, as for ``--resume`` (checkpoint.check_resume_dir):
+    another model's in the same folder made it suggest a ``--resume`` that was then refused."""
     from hydra_train.checkpoint import list_checkpoints
 
     again = shlex.join(["hydra-train", "run", *run_arguments(cfg)])
-    if not list_checkpoints(Path(cfg.runtime.checkpoint_dir)):
+    # an id that cannot be worked out (None): any model's checkpoint counts, as it always did
+    if not list_checkpoints(Path(cfg.runtime.checkpoint_dir), run_model_id(cfg)):
         return f"{again} (no checkpoint was saved yet, so it starts over)"
     return f"{again} --resume"
 

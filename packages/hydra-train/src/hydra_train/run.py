@@ -7,7 +7,8 @@ the device, the checkpoint folder locked, the data, the model, optimizer and sch
 trainer, a resume when asked and the run's rows in the database (:mod:`hydra_train.run_start`);
 then the optional optimizations are applied to the built run
 (``SafeOptimizations.apply``: pretests, activation), the trainer trains, the final checkpoint is
-written and the summary (:mod:`hydra_train.summary`) returned.
+written and the summary (:mod:`hydra_train.summary`) returned. A Ctrl-C or SIGTERM while the loop
+runs saves the step it stops at first (:class:`hydra_train.run_guard.RunSignals`, trainer.py).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ from hydra_train.optim import OptimizerChoice
 from hydra_train.options import torchrun_launch, train_options
 from hydra_train.prefetch import Prefetcher
 from hydra_train.reporting import MetricsDBCallback, ProgressCallback
-from hydra_train.run_guard import check_finite_weights, install_sigterm, open_checkpoint_dir
-from hydra_train.run_start import record_start, resume_run
+from hydra_train.run_guard import RunSignals, check_finite_weights, open_checkpoint_dir
+from hydra_train.run_start import nothing_to_train, record_start, resume_run
 from hydra_train.safe_opts import pretest_log
 from hydra_train.safe_opts.callback import SafeOptimizations
 from hydra_train.summary import describe_run, summary_rows, write_summary_json
@@ -116,17 +117,19 @@ def run_training(
     launch = torchrun_launch()
     device = pick_device(cfg.runtime.device, launch.local_rank, launch.world_size)
     dist_info = init_distributed(device.type)
-    restore_sigterm = install_sigterm()
+    # Ctrl-C and SIGTERM: at once until the trainer's loop runs, then a checkpoint first (run_guard)
+    signals = RunSignals(announce=dist_info.is_main)
+    restore_signals = signals.install()
     held: list = []  # the checkpoint folder's lock, once taken
     try:
         # the ranks end together, and a failure's traceback lets go of the wrapped model before the
         # process group goes (freed after it, it hung or aborted the rank): distributed.py says why
         with ending_together(dist_info):
-            return _run(cfg, device, dist_info, callbacks or [], console, announce_commits, held)
+            return _run(cfg, device, dist_info, callbacks or [], console, announce_commits, held, signals)
     finally:
         for lock in held:
             lock.release()
-        restore_sigterm()
+        restore_signals()
         shutdown_distributed(dist_info)
 
 
@@ -160,6 +163,7 @@ def _run(
     console: Console,
     announce_commits: bool,
     held: list,
+    signals: RunSignals,
 ) -> dict[str, Any]:
     main = dist_info.is_main
 
@@ -197,10 +201,16 @@ def _run(
     run, found = _build(cfg, data, device, dist_info, extra, console, announce_commits, log)
     # each rank's failure in these ends every rank (run_start.py)
     resume_run(run, found, log)
+    if (done := nothing_to_train(run, log)) is not None:
+        return done
     record_start(run, log)
+    signals.stop = run.trainer.interrupt  # a signal in its loop: stop, save, then the interrupt
     try:
         return _train(run, log)
     finally:
+        # the handler let go of the trainer: it held the wrapped model past the process group's
+        # end (distributed.ending_together says why that must not be)
+        signals.stop = None
         # a graphed step under DDP holds NCCL collectives: its graph goes before the process group
         # does (destroying the group first left both H100 ranks hanging at exit, 2026-11-25)
         if run.trainer.cuda_graphs is not None and device.type == "cuda":
@@ -313,16 +323,20 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
     )
 
     def saver(tr: Trainer, final: bool) -> Path | None:
-        payload = tr.checkpoint_payload(model.config.to_dict())
-        if not main:
-            return None
+        payload = tr.checkpoint_payload(model.config.to_dict())  # every rank (FSDP gathers)
         path = ckpt_dir / (final_name(model_id) if final else step_name(model_id, tr.step))
-        check_finite_weights(payload["model"], tr.step)
-        save_checkpoint(payload, path)
-        removed = prune_checkpoints(ckpt_dir, model_id, cfg.runtime.keep_checkpoints)
-        db_cb.export()
-        log(f"saved {path}" + (f" (removed {', '.join(p.name for p in removed)})" if removed else ""))
-        return path
+        # rank 0 writes; every rank leaves when it is written, and its failure (a full disk, weights
+        # not finite) is every rank's: the others went on into the next step's collectives, or,
+        # after an interrupt's save, ended while rank 0 still wrote the file
+        with fail_together(dist_info):
+            if main:
+                check_finite_weights(payload["model"], tr.step)
+                save_checkpoint(payload, path)
+                removed = prune_checkpoints(ckpt_dir, model_id, cfg.runtime.keep_checkpoints)
+                db_cb.export()
+                gone = f" (removed {', '.join(p.name for p in removed)})" if removed else ""
+                log(f"saved {path}{gone}")
+        return path if main else None
 
     trainer.saver = saver
     trainer.data_fingerprint = fingerprint
@@ -336,11 +350,6 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
 def _train(run: TrainingRun, log) -> dict[str, Any]:
     """Apply the optimizations, train, write the final checkpoint; the summary in every case."""
     trainer, cfg = run.trainer, run.cfg
-    if trainer.step >= cfg.runtime.max_steps:
-        log(
-            f"the checkpoint is at step {trainer.step} >= --max_steps {cfg.runtime.max_steps}; "
-            "nothing to train"
-        )
     start_step = trainer.step
     summary: dict[str, Any] = {}
     try:

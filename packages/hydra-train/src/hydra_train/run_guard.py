@@ -8,13 +8,18 @@
   continues from are dropped when the resuming run is recorded (``TrainingDB.start_run``, which
   knows the run that saved that checkpoint: only that run's lineage loses rows).
 * :func:`check_finite_weights` refuses to save weights that hold NaN or inf.
+* :class:`RunSignals` turns a first Ctrl-C or SIGTERM during training into a checkpoint at the next
+  step boundary and then the interrupt's exit; before the loop, and on a second signal, the
+  signal raises at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -91,15 +96,63 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl-C (status written, then exit 143)."""
 
 
-def install_sigterm() -> Callable[[], None]:
-    """Turn SIGTERM into :class:`Terminated` in the main thread; returns the function that restores
-    the previous handler (a no-op outside the main thread, where signals cannot be handled)."""
+def interrupt_error(signum: int) -> KeyboardInterrupt:
+    """What a run raises for ``signum``: :class:`Terminated` for SIGTERM, else KeyboardInterrupt."""
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
-    def on_term(signum, frame):
-        raise Terminated()
 
-    try:
-        previous = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread
-        return lambda: None
-    return lambda: signal.signal(signal.SIGTERM, previous)
+#: A SIGTERM this soon after a first one is that one delivered again, not a request to quit at once:
+#: a cluster (Slurm's preemption, its time limit) signals every process of a job, and torchrun,
+#: signalled too, forwards its own to each worker within milliseconds.
+REPEATED_SIGTERM_S = 5.0
+
+_STOPPING = "stopping after this step and saving a checkpoint; Ctrl-C again to quit at once"
+
+
+class RunSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (what a cluster sends before preempting a job) during a run.
+
+    The first one, while the training loop runs, becomes a request to stop at the next step
+    boundary (``stop(signum)``, the trainer's :meth:`~hydra_train.trainer.Trainer.interrupt`,
+    returns True): the loop ends there, the step is saved as any checkpoint is, then the run
+    raises :func:`interrupt_error` (exit 130 or 143, status "interrupted"). A line says so at once.
+    Outside the loop (the setup, the pretests, the first evaluation, the final save) there is no
+    step to save: the signal raises at once, as it always did. A second signal raises at once
+    too (the drain, the save itself: an atomic write leaves no partial file), except a SIGTERM
+    repeated within :data:`REPEATED_SIGTERM_S` (the same one, delivered twice)."""
+
+    def __init__(self, *, announce: bool = True) -> None:
+        #: set once the trainer exists; None until then (a signal raises at once)
+        self.stop: Callable[[int], bool] | None = None
+        self.announce = announce  # the line on the first signal: rank 0 only under torchrun
+        self._first: tuple[int, float] | None = None  # the first signal and when it came
+
+    def install(self) -> Callable[[], None]:
+        """Handle both signals in this (the main) thread; returns what restores the previous
+        handlers (a no-op outside the main thread, where signals cannot be handled)."""
+        try:
+            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread (SIGINT is installed first: nothing to undo)
+            return lambda: None
+
+        def restore() -> None:
+            for s, handler in previous.items():  # None: one set outside Python, not restorable
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+        return restore
+
+    def _on_signal(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        if self._first is not None:
+            first, at = self._first
+            if signum == first == signal.SIGTERM and now - at < REPEATED_SIGTERM_S:
+                return
+            raise interrupt_error(signum)
+        self._first = (signum, now)
+        if self.stop is None or not self.stop(signum):
+            raise interrupt_error(signum)
+        if self.announce:
+            line = _STOPPING if signum != signal.SIGTERM else f"SIGTERM: {_STOPPING}".replace(" again", "")
+            # a raw write: print() here could re-enter a write the main thread is inside
+            with contextlib.suppress(OSError):
+                os.write(2, f"{line}\n".encode())

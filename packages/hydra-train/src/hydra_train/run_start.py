@@ -9,13 +9,15 @@ a gloo error (NCCL hangs). tests/hydra_train/test_ddp_shared_start.py checks eac
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hydra_train.checkpoint import ResumePoint, load_checkpoint
 from hydra_train.distributed import broadcast_object, fail_together
 from hydra_train.run_guard import settle_dead_runs
+from hydra_train.summary import describe_run
 
 if TYPE_CHECKING:
     from hydra_train.run import TrainingRun
@@ -59,3 +61,26 @@ def record_start(run: TrainingRun, log: Callable[[str], None]) -> None:
                 device=str(run.device),
                 world_size=run.dist.world_size,
             )
+
+
+def nothing_to_train(run: TrainingRun, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """The summary of a resume whose checkpoint already reached ``--max_steps``, else None. Such a
+    run trains nothing, so it records nothing: no pretests, no run row in training.db (each call
+    added an empty "finished" run) and no run folder left behind (the one ``_build`` made is
+    removed while empty). Every rank holds the checkpoint's step, so under torchrun all return."""
+    trainer, max_steps = run.trainer, run.cfg.runtime.max_steps
+    if trainer.step < max_steps:
+        return None
+    log(
+        f"the checkpoint is at step {trainer.step} >= --max_steps {max_steps}; nothing to train "
+        "(pass a larger --max_steps to continue it)"
+    )
+    trainer.loader.close()
+    if run.db is not None:
+        run.db.close()
+    with contextlib.suppress(OSError):  # not empty (a logger wrote there): it stays
+        run.artifacts.folder.rmdir()
+    trainer.status = "finished"
+    summary = trainer.summary()
+    describe_run(summary, run)
+    return summary

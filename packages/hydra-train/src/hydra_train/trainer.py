@@ -19,9 +19,19 @@ applied, and switches them off when its monitor says so):
                            (tests wrap it: :mod:`hydra_train.safe_opts.faults`).
 ``trainer.callbacks``      :class:`hydra_train.callbacks.CallbackList` (see that module).
 
+Ctrl-C and SIGTERM (:class:`hydra_train.run_guard.RunSignals`): a first signal while the loop
+runs is a request (:meth:`Trainer.interrupt`); the loop stops at the next step boundary (under
+torchrun: the boundary every rank agreed on, :mod:`hydra_train.trainer_interrupt`), that step is
+saved as a ``--save_every`` checkpoint is, and the signal's exception is raised (status
+"interrupted", exit 130 or 143). Before the loop there is no step to save: the signal raises at
+once. An interrupted step gets no evaluation of its own, so a resume from its checkpoint
+continues as the uninterrupted run (the same validation history, the same losses).
+
 Skipped (non-finite) steps are counted (``skipped_steps``), logged, and still advance the data and
 the LR schedule. Host syncs: none per step in the eager path with fused AdamW; losses, norms and
 EMAs stay on the device and are read at log intervals (``--log_every``), evaluations and saves.
+Under torchrun the ranks' interrupt vote (one one-element all-reduce a step) is read a step later,
+once the previous step's kernels are done: the current step's stay queued.
 """
 
 from __future__ import annotations
@@ -44,7 +54,9 @@ from hydra_train.distributed import DistInfo, all_reduce_sum
 from hydra_train.graphed_step import GraphedStep
 from hydra_train.optim import LRSchedule
 from hydra_train.prefetch import Prefetcher
+from hydra_train.run_guard import interrupt_error
 from hydra_train.step import LossSums, StepMixin, StepResult, loss_only_kwargs, supports_found_inf
+from hydra_train.trainer_interrupt import InterruptVote
 from hydra_train.trainer_state import EMA_ALPHAS, LoopState, TrainerStateMixin
 
 __all__ = [
@@ -101,6 +113,10 @@ class Trainer(StepMixin, TrainerStateMixin):
         self.sync_grad_averager()
         self.graph_failures: list[str] = []  # why each CUDA graph was dropped (callbacks report it)
         self.stop_reason: str | None = None
+        self.interrupt_signal: int | None = None  # a signal this rank took as a stop request
+        self.interrupted_by: int | None = None  # the signal every rank agreed to stop and save for
+        self._looping = False  # whether a signal can become a stop request (interrupt)
+        self._vote = InterruptVote(device) if self.dist.enabled else None
         self.status = "running"
         self._autocast_dtype = torch.bfloat16 if cfg.runtime.precision == "bf16" else None
         self.tokens_per_step = (
@@ -123,6 +139,16 @@ class Trainer(StepMixin, TrainerStateMixin):
         """Stop after the current step (a callback may call this); under torchrun, a request on
         any rank stops every rank after the next log step (``--log_every``: :meth:`_stop_agreed`)."""
         self.stop_reason = reason
+
+    def interrupt(self, signum: int) -> bool:
+        """Take ``signum`` (SIGINT, SIGTERM) as a request to stop at the next step boundary, save
+        that step and raise the signal's exception (the module docstring). Called from the signal
+        handler (:class:`hydra_train.run_guard.RunSignals`), so it only records. False outside
+        the loop: there is no step to save, and the handler raises at once."""
+        if not self._looping:
+            return False
+        self.interrupt_signal = signum
+        return True
 
     @contextlib.contextmanager
     def recording_status(self) -> Iterator[None]:
@@ -151,12 +177,24 @@ class Trainer(StepMixin, TrainerStateMixin):
                 if self.step == 0 and not self.state.val_history and self.val_batches:
                     self.evaluate_and_record()
                 self._loop()
+                if self.interrupted_by is not None:
+                    # a --save_every checkpoint of this step (every rank: FSDP gathers for it), then
+                    # the interrupt, which recording_status turns into the "interrupted" status
+                    self.save_checkpoint()
+                    raise interrupt_error(self.interrupted_by)
                 self.status = "finished" if self.stop_reason is None else "stopped"
         finally:
             self.loader.close()
         return self.summary()
 
     def _loop(self) -> None:
+        self._looping = True  # from here to the loop's end a first signal asks to stop (interrupt)
+        try:
+            self._steps()
+        finally:
+            self._looping = False
+
+    def _steps(self) -> None:
         cfg = self.cfg
         excluded = 0.0  # eval and save time inside the current log interval
         steps_since_log = 0
@@ -190,6 +228,7 @@ class Trainer(StepMixin, TrainerStateMixin):
             stopping = self._stop_agreed(
                 self.step % cfg.runtime.log_every == 0 or self.step >= cfg.runtime.max_steps
             )
+            stopping = self._interrupt_agreed() or stopping
             last = self.step >= cfg.runtime.max_steps or stopping
             saving = bool(cfg.runtime.save_every) and self.step % cfg.runtime.save_every == 0
             if self.step % cfg.runtime.log_every == 0 or last or saving:
@@ -206,7 +245,10 @@ class Trainer(StepMixin, TrainerStateMixin):
                 t_last_log, excluded, steps_since_log = time.perf_counter(), 0.0, 0
                 t_prev_step = t_last_log
             t0 = time.perf_counter()
-            if self.val_batches and (self.step % cfg.runtime.eval_every == 0 or last):
+            # no final evaluation for an interrupt: the resumed run evaluates where the
+            # uninterrupted one does (and the seconds before a preemption's SIGKILL go to the save)
+            final_eval = last and self.interrupted_by is None
+            if self.val_batches and (self.step % cfg.runtime.eval_every == 0 or final_eval):
                 self.evaluate_and_record()
             if cfg.runtime.save_every and self.step % cfg.runtime.save_every == 0 and not last:
                 self.save_checkpoint()
@@ -232,6 +274,17 @@ class Trainer(StepMixin, TrainerStateMixin):
         torch.distributed.all_gather_object(reasons, self.stop_reason)
         self.stop_reason = next(r for r in reasons if r is not None)  # the lowest asking rank's
         return True
+
+    def _interrupt_agreed(self) -> bool:
+        """Whether to stop after this step for a signal (:meth:`interrupt`): one process as soon
+        as it came; under torchrun when every rank agreed, through a vote every step
+        (:mod:`hydra_train.trainer_interrupt` says why not at log steps). At ``--max_steps`` the
+        run ends as it would have: finished, its final checkpoint written."""
+        mine = self.interrupt_signal
+        agreed = mine if self._vote is None else self._vote.agreed_then_vote(mine)
+        if agreed is not None and self.step < self.cfg.runtime.max_steps:
+            self.interrupted_by = agreed
+        return self.interrupted_by is not None
 
     def _mean_over_ranks(self, m: StepMetrics) -> StepMetrics:
         """Loss terms averaged over ranks for logging (``on_step_end`` sees this rank's values)."""
