@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +62,21 @@ def tiny_config(data: Path, ckpt: Path, **kw) -> TrainConfig:
     )
     base.update(kw)
     return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def checkpointed(bin_dataset, tmp_path_factory):
+    """A copy of the dataset and a folder with one process's checkpoint of it, for the two-rank
+    start tests (batch 4: two ranks of 2 read the same windows and continue it exactly)."""
+    root = tmp_path_factory.mktemp("checkpointed")
+    data = Path(shutil.copytree(bin_dataset, root / "data"))
+    mpatch = pytest.MonkeyPatch()
+    mpatch.setenv("HYDRA_CACHE_DIR", str(root / "cache"))
+    try:
+        from hydra_train.run import run_training
+
+        run_training(tiny_config(data, root / "ck", max_steps=2, save_every=2, cpu_threads=1))
+    finally:
+        mpatch.undo()
+    yield data, root / "ck"
+    shutil.rmtree(root, ignore_errors=True)

@@ -79,22 +79,6 @@ def _on_two_ranks(tmp: Path, cfg_kw: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.fixture(scope="module")
-def checkpointed(bin_dataset, tmp_path_factory):
-    """A copy of the dataset and a folder with one process's checkpoint of it (batch 4: two ranks
-    of 2 read the same windows, so a resume on two ranks is refused for the change alone)."""
-    root = tmp_path_factory.mktemp("refusals")
-    data = Path(shutil.copytree(bin_dataset, root / "data"))
-    mpatch = pytest.MonkeyPatch()
-    mpatch.setenv("HYDRA_CACHE_DIR", str(root / "cache"))
-    try:
-        run_training(tiny_config(data, root / "ck", max_steps=2, save_every=2, cpu_threads=1))
-    finally:
-        mpatch.undo()
-    yield data, root / "ck"
-    shutil.rmtree(root, ignore_errors=True)
-
-
 @pytest.mark.parametrize("case", ["changed_data", "other_config", "no_checkpoint", "bad_database"])
 def test_a_refusal_on_rank_0_ends_every_rank_with_its_message(checkpointed, tmp_path, monkeypatch, case):
     data, ckpt = checkpointed

@@ -25,9 +25,7 @@ import torch.multiprocessing as mp
 
 from hydra_train.errors import HydraCheckpointError
 from hydra_train.metrics_db import TrainingDB
-from hydra_train.run import run_training
 
-from .conftest import tiny_config
 from .test_ddp_refusals import _outcome
 from .test_ddp_runs import _free_port
 from .test_resume_data_change import _add_shard
@@ -124,22 +122,6 @@ def test_a_database_write_failing_on_rank_0_ends_every_rank_with_its_error(
     ranks = _on_two_ranks(tmp_path, [kw, kw], {0: write})
     for rank, rec in enumerate(ranks):
         assert rec["code"] == 1 and _last_line(rec["stderr"]) == want, (rank, rec)
-
-
-@pytest.fixture(scope="module")
-def checkpointed(bin_dataset, tmp_path_factory):
-    """A copy of the dataset and a folder with one process's checkpoint of it (batch 4: two ranks
-    of 2 continue it exactly)."""
-    root = tmp_path_factory.mktemp("shared_start")
-    data = Path(shutil.copytree(bin_dataset, root / "data"))
-    mpatch = pytest.MonkeyPatch()
-    mpatch.setenv("HYDRA_CACHE_DIR", str(root / "cache"))
-    try:
-        run_training(tiny_config(data, root / "ck", max_steps=2, save_every=2, cpu_threads=1))
-    finally:
-        mpatch.undo()
-    yield data, root / "ck"
-    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize(
