@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .conftest import invoke, one_line_error, synthetic_db
+from .conftest import invoke, synthetic_db
 from .dashboard_helpers import get_json, serving
 
 ROW = dict(loss=3.0, lr=1e-3, grad_norm=1.0, ema_short=3.0, ema_medium=3.0, ema_long=3.0)
@@ -84,8 +84,9 @@ def test_a_step_number_out_of_range_is_a_bad_request(tmp_path):
 
 def test_port_out_of_range(runner, tmp_path):
     synthetic_db(tmp_path, [dict(step=1, **ROW)])
-    for port in ("70000", "-1"):
-        one_line_error(invoke(runner, ["dashboard", tmp_path, "--port", port]), "--port", "65535")
+    for port in ("70000", "-1"):  # a usage error (exit 2), before the database is even opened
+        res = invoke(runner, ["dashboard", tmp_path / "not-there", "--port", port])
+        assert res.exit_code == 2 and "--port" in res.stderr, res.output
 
 
 def test_an_unexpected_error_is_a_500_naming_it_and_the_server_goes_on(tmp_path, monkeypatch):

@@ -47,7 +47,7 @@ def test_cli_checkpoint_reports_finiteness_not_init(runner, tiny_run):
 
 def test_cli_refuses_set_with_checkpoint(runner, tiny_run):
     res = invoke(runner, ["health", "model", "--checkpoint", tiny_run.final, "--set", "dim=32"])
-    assert res.exit_code == 1
+    assert res.exit_code == 2  # a usage error: the two flags do not go together
     assert "--set" in last_error_line(res)
 
 

@@ -197,9 +197,9 @@ def test_merge_roundtrip_and_refusals(raced, tmp_path, runner):
 def test_race_usage_errors(runner, tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRA_CACHE_DIR", str(tmp_path / "cache"))
     res = invoke(runner, ["race", "run", "--configs", "gpt,nope", "--quiet"])
-    assert res.exit_code == 1 and "unknown configuration(s) ['nope']" in res.stderr
+    assert res.exit_code == 2 and "unknown configuration(s) ['nope']" in res.stderr
     res = invoke(runner, ["race", "run", "--set", "hydra=1", "--quiet"])
-    assert res.exit_code == 1 and "CONFIG.FIELD=VALUE" in res.stderr
+    assert res.exit_code == 2 and "CONFIG.FIELD=VALUE" in res.stderr
     res = invoke(runner, ["race", "run", "--corpus-root", tmp_path / "missing", "--quiet"])
     assert res.exit_code == 1 and "no such folder" in res.stderr
     help_text = invoke(runner, ["race", "--help"]).stdout

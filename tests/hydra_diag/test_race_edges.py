@@ -112,7 +112,7 @@ def test_a_failed_entrants_model_is_gone_before_memory_is_released(monkeypatch):
 
     monkeypatch.setattr(runner_mod, "race_one", oom)
     monkeypatch.setattr(runner_mod, "release", release)
-    monkeypatch.setattr(runner_mod, "check_buildable", lambda *a: None)
+    monkeypatch.setattr(runner_mod, "check_buildable", lambda *a, **kw: None)
     data = type("D", (), {"vocab_size": 256, "seq_len": 16, "batch_size": 4, "summary": {}})()
     cfgs = resolve_configs(["gpt", "hydra"], [], lr=1e-3, compile_default="none")
     settings = RaceSettings(model_size="tiny", budget_s=1.0)

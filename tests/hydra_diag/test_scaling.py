@@ -64,7 +64,7 @@ def test_cli_trains_fits_and_predicts(runner, tmp_path):
 
 def test_one_variant_is_refused(runner):
     res = invoke(runner, ["analyze", "scaling", "--device", "cpu", "--variant", "tiny"])
-    assert res.exit_code == 1 and "at least two variants" in last_error_line(res)
+    assert res.exit_code == 2 and "at least two variants" in last_error_line(res)  # a usage error
 
 
 def _fake_runs(monkeypatch, losses: dict[str, float], params: dict[str, int] | None = None) -> list[str]:
@@ -100,7 +100,7 @@ def test_bad_interval_options_fail_before_any_training(runner, monkeypatch, bad)
     # they were checked only by the fit, after every variant had trained, and raised a traceback
     calls = _fake_runs(monkeypatch, LOSSES)
     res = invoke(runner, ["analyze", "scaling", "--device", "cpu", *VARIANTS, *bad, "--no_plot"])
-    assert res.exit_code == 1 and bad[0] in last_error_line(res)
+    assert res.exit_code == 2 and bad[0] in res.stderr  # a usage error: the value alone is wrong
     assert calls == []
 
 

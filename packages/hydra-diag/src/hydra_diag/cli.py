@@ -7,7 +7,7 @@ runs, so ``hydra-diag --help`` stays fast.
 from typing import Annotated
 
 from hydra_diag import __version__
-from hydra_diag.cliutil import opt
+from hydra_diag.cliutil import opt, reflow_help
 from hydra_diag.commands import analyze, bench, convert, db, evaluate, health, moe, profile, race, sweep
 from hydra_diag.commands.dashboard import dashboard_cmd
 from hydra_kernels.cli_support import add_version_option, console, emit_json, new_app
@@ -39,3 +39,7 @@ def tools_cmd(json_out: Annotated[bool, opt("--json", help="Print JSON.")] = Fal
         emit_json(rows)
     else:
         console.print(rows_table("hydra-diag tools (python -m hydra_diag NAME runs one)", rows))
+
+
+# last: every command is registered by now (Typer reads the docstrings when the app first runs)
+reflow_help(app)

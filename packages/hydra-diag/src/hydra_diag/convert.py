@@ -40,8 +40,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hydra_diag.convert_output import META_FORMAT, earlier_shards, move_into_place, staging_folder
-from hydra_diag.output import DiagError, Progress, no_progress
+from hydra_diag.convert_output import (
+    META_FORMAT,
+    earlier_shards,
+    missing_folders,
+    move_into_place,
+    remove_folders,
+    staging_folder,
+)
+from hydra_diag.output import DiagError, DiagUsageError, Progress, no_progress
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
@@ -138,14 +145,25 @@ def chat_documents(files: list[Path]) -> Iterator[str]:
         yield render_chat(chat_messages(obj, where), where)
 
 
-def resolve_tokenizer(tokenizer: str | None, vocab_size: int, progress: Progress):
-    """(tokenizer, path of its tokenizer.json): the given file, or hydra-train's default one."""
+def load_tokenizer_file(path: str):
+    """The tokenizer of a ``tokenizer.json`` (``--tokenizer``), or a DiagError naming the file when it
+    is missing or no tokenizer (``convert`` and ``eval checkpoint`` refuse it alike)."""
     from hydra_train.errors import HydraDataError
     from hydra_train.tokenizer import load_tokenizer
 
     try:
-        if tokenizer:
-            return load_tokenizer(tokenizer), Path(tokenizer)
+        return load_tokenizer(path)
+    except HydraDataError as exc:
+        raise DiagError(str(exc)) from None
+
+
+def resolve_tokenizer(tokenizer: str | None, vocab_size: int, progress: Progress):
+    """(tokenizer, path of its tokenizer.json): the given file, or hydra-train's default one."""
+    from hydra_train.errors import HydraDataError
+
+    if tokenizer:
+        return load_tokenizer_file(tokenizer), Path(tokenizer)
+    try:
         from hydra_train.corpus import cache_dir, load_stdlib_corpus
         from hydra_train.tokenizer import cached_corpus_tokenizer
 
@@ -230,12 +248,13 @@ def write_shards(
     from hydra_train.tokenizer import encode_documents
 
     if layout not in ("stream", "rows"):
-        raise DiagError(f"--layout {layout!r}: use stream or rows")
+        raise DiagUsageError(f"--layout {layout!r}: use stream or rows")
     if not 0.0 <= val_fraction < 1.0:
-        raise DiagError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+        raise DiagUsageError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     out = Path(out_dir).expanduser()
     earlier = earlier_shards(out)  # before any work: refused data in OUT is one line at once
     tok, tok_path = resolve_tokenizer(tokenizer, vocab_size, progress)
+    made = missing_folders(out)
     stage = staging_folder(out)
     try:
         split_dirs = {"train": "train", "val": "val"} if val_fraction > 0 else {"train": ""}
@@ -296,8 +315,9 @@ def write_shards(
             "splits": splits,
         }
         (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    except BaseException:  # a failed conversion leaves OUT as it was
+    except BaseException:  # a failed conversion leaves OUT as it was: absent, if it was
         shutil.rmtree(stage, ignore_errors=True)
+        remove_folders(made)
         raise
     move_into_place(stage, out, earlier)
     return {"tool": tool, "out_dir": str(out), **meta}

@@ -59,6 +59,27 @@ def earlier_shards(out: Path) -> list[Path]:
     return earlier
 
 
+def missing_folders(out: Path) -> list[Path]:
+    """``out`` and those of its parents that do not exist yet, deepest first: what
+    :func:`staging_folder` creates, and a failed conversion removes again (OUT left as it was)."""
+    missing = []
+    for p in (out, *out.parents):
+        if p.exists():
+            break
+        missing.append(p)
+    return missing
+
+
+def remove_folders(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first) while they are empty: a folder something else wrote into
+    meanwhile stays, and so do its parents."""
+    for f in folders:
+        try:
+            f.rmdir()
+        except OSError:
+            return
+
+
 def staging_folder(out: Path) -> Path:
     """A fresh hidden folder inside ``out`` (same file system: moving out of it is a rename)."""
     try:

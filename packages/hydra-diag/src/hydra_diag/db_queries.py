@@ -34,14 +34,20 @@ def routing_latest(path: str, run_id: str | None = None, step: int | None = None
     with TrainingDB(db_path(path), read_only=True) as db:
         run = pick_run(db, run_id, None)
         rid = run["run_id"]
-        if step is None:
-            row = db.query(
-                "SELECT max(step) AS s FROM (SELECT step FROM routing_mod WHERE run_id=? UNION ALL "
-                "SELECT step FROM routing_mor WHERE run_id=? UNION ALL "
-                "SELECT step FROM routing_moe WHERE run_id=?)",
+        logged = [
+            r["step"]
+            for r in db.query(
+                "SELECT step FROM routing_mod WHERE run_id=? UNION SELECT step FROM routing_mor WHERE "
+                "run_id=? UNION SELECT step FROM routing_moe WHERE run_id=? ORDER BY step",
                 [rid, rid, rid],
             )
-            step = row[0]["s"] if row else None
+        ]
+        if not logged:
+            raise DiagError(f"run {rid} logged no routing rows (a model without routers, or none logged yet)")
+        if step is None:
+            step = logged[-1]
+        elif step not in logged:  # a header and empty lists, exit 0, said nothing about why
+            raise DiagError(f"no routing rows at step {step}; logged steps: {step_list(logged)}")
         out: dict[str, Any] = {"run_id": rid, "step": step}
         for table in ("routing_mod", "routing_mor", "routing_moe"):
             rows = db.query(f"SELECT * FROM {table} WHERE run_id=? AND step=? ORDER BY layer", [rid, step])
@@ -52,6 +58,15 @@ def routing_latest(path: str, run_id: str | None = None, step: int | None = None
                         r[key] = json.loads(r[key])
             out[table.removeprefix("routing_")] = rows
     return out
+
+
+def step_list(steps: list[int], most: int = 12) -> str:
+    """``4, 8, 12, 16``; a long list as its first and last few steps with the count between."""
+    if len(steps) <= most:
+        return ", ".join(map(str, steps))
+    half = most // 2
+    head, tail = ", ".join(map(str, steps[:half])), ", ".join(map(str, steps[-half:]))
+    return f"{head}, ... ({len(steps) - most} more), {tail}"
 
 
 def evals(path: str, run_id: str | None = None) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from hydra_diag.loading import (
     pick_device,
     random_batches,
 )
-from hydra_diag.output import DiagError, Progress, no_progress
+from hydra_diag.output import DiagError, DiagUsageError, Progress, no_progress
 
 
 @torch.no_grad()
@@ -64,9 +64,13 @@ def eval_checkpoint(
 ) -> dict[str, Any]:
     """Validation loss, perplexity and bits per token of ``checkpoint`` (see the module docstring)."""
     if routing not in ("eval", "train"):
-        raise DiagError(f"--routing {routing!r}: use eval (causal thresholds) or train (top-k)")
+        raise DiagUsageError(f"--routing {routing!r}: use eval (causal thresholds) or train (top-k)")
     if split not in ("val", "train"):
-        raise DiagError(f"--split {split!r}: use val or train")
+        raise DiagUsageError(f"--split {split!r}: use val or train")
+    if tokenizer is not None:  # refused now, as convert refuses it: shards would never read it
+        from hydra_diag.convert import load_tokenizer_file
+
+        load_tokenizer_file(tokenizer)
     dev = pick_device(device)
     progress("loading the checkpoint")
     loaded = load_model(checkpoint, dev)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hydra_diag.output import DiagError, Progress, no_progress
+from hydra_diag.output import DiagError, DiagUsageError, Progress, no_progress
 
 DEFAULT_KNOBS = ("lr=0.001,0.003,0.01", "mod_capacity=0.5,0.75,1.0")
 
@@ -28,7 +28,7 @@ def parse_knob(spec: str) -> tuple[str, list[Any]]:
     name, sep, raw = spec.partition("=")
     values = [v.strip() for v in raw.split(",") if v.strip()]
     if not sep or not name.strip() or not values:
-        raise DiagError(f"--knob {spec!r}: expected NAME=V1,V2,... e.g. lr=1e-3,3e-3")
+        raise DiagUsageError(f"--knob {spec!r}: expected NAME=V1,V2,... e.g. lr=1e-3,3e-3")
     parsed = []
     for v in values:
         try:
@@ -49,6 +49,10 @@ def plan_runs(knobs: list[tuple[str, list[Any]]], grid: bool) -> list[dict[str, 
     return runs
 
 
+def _label(setting: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in setting.items())
+
+
 def sweep_knobs(
     knobs: list[str] | None = None,
     model_size: str | None = None,
@@ -63,39 +67,44 @@ def sweep_knobs(
     seed: int = 1337,
     progress: Progress = no_progress,
 ) -> dict[str, Any]:
-    """Run the sweep (see the module docstring); ``base`` settings apply to every run."""
-    from hydra_diag.short_runs import run_short_training, split_settings
+    """Run the sweep (see the module docstring); ``base`` settings apply to every run. Every run's
+    settings are checked before the first trains (a bad value is a DiagUsageError); a run that
+    fails anyway (the device, the data) is a row with its error."""
+    from hydra_diag.short_runs import check_short_run, check_value_types, run_short_training
 
     cuda = torch.cuda.is_available() and device != "cpu"
     parsed = [parse_knob(k) for k in (knobs or DEFAULT_KNOBS)]
     names = [n for n, _ in parsed]
     if len(set(names)) != len(names):
-        raise DiagError(f"a knob is named twice: {names}")
-    for n, vals in parsed:  # fail on a bad name before any run starts
-        split_settings({n: vals[0]})
+        raise DiagUsageError(f"a knob is named twice: {names}")
     model_size = model_size or ("debug" if cuda else "tiny")
     base = dict(base or ({} if cuda else {"dim": 64, "n_mor_blocks": 3}))
     steps = steps or (100 if cuda else 12)
+    shape = dict(
+        model_size=model_size,
+        steps=steps,
+        dataset=dataset,
+        vocab_size=vocab_size or (32000 if cuda else 512),
+        seq_len=seq_len or (512 if cuda else 32),
+        batch_size=batch_size or (8 if cuda else 4),
+        device=device,
+        seed=seed,
+    )
+    check_value_types(base, "--set")
+    for name, values in parsed:
+        for v in values:
+            check_value_types({name: v}, "--knob")
     plan = plan_runs(parsed, grid)
+    for setting in plan:  # the baseline ({}: the preset and --set alone) first, unprefixed
+        what = f"--knob {_label(setting)}" if setting else ""
+        check_short_run(what, settings={**base, **setting}, **shape)
     results = []
     for i, setting in enumerate(plan):
-        label = ", ".join(f"{k}={v}" for k, v in setting.items()) or "baseline"
+        label = _label(setting) or "baseline"
         progress(f"run {i + 1}/{len(plan)}: {label}")
         t0 = time.perf_counter()
         try:
-            s = run_short_training(
-                model_size=model_size,
-                steps=steps,
-                settings={**base, **setting},
-                dataset=dataset,
-                vocab_size=vocab_size or (32000 if cuda else 512),
-                seq_len=seq_len or (512 if cuda else 32),
-                batch_size=batch_size or (8 if cuda else 4),
-                device=device,
-                seed=seed,
-                label=label,
-                progress=progress,
-            )
+            s = run_short_training(settings={**base, **setting}, label=label, progress=progress, **shape)
             row = {
                 "run": label,
                 **setting,

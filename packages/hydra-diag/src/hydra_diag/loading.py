@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hydra_diag.output import DiagError
+from hydra_diag.output import DiagError, DiagUsageError
 from hydra_kernels.cli_support import AssignmentError, parse_assignments
 
 
@@ -25,7 +25,7 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     try:
         return parse_assignments(items)
     except AssignmentError as exc:
-        raise DiagError(f"--set {exc.item!r}: expected FIELD=VALUE, e.g. dim=128") from None
+        raise DiagUsageError(f"--set {exc.item!r}: expected FIELD=VALUE, e.g. dim=128") from None
 
 
 def pick_device(pref: str = "auto") -> torch.device:
@@ -49,13 +49,14 @@ def require_cuda_device(tool: str) -> torch.device:
 
 
 def build_model(model_size: str, overrides: dict[str, Any] | None = None, device: torch.device | str = "cpu"):
-    """A freshly initialised preset with ``overrides``; a bad preset or field is a DiagError."""
+    """A freshly initialised preset with ``overrides``; a preset that does not exist, an unknown
+    field or a value the config refuses is a DiagUsageError (exit 2: the values alone decide)."""
     from hydra_model import create_ccgqa_mod_mor_model
 
     try:
         model = create_ccgqa_mod_mor_model(model_size, **(overrides or {}))
-    except ValueError as exc:
-        raise DiagError(f"model config: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise DiagUsageError(f"model config: {exc}") from None
     return model.to(device)
 
 
@@ -158,7 +159,7 @@ def model_from_options(
     ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
     if checkpoint:
         if ov:
-            raise DiagError("--set changes a fresh model's config; it cannot apply to --checkpoint")
+            raise DiagUsageError("--set changes a fresh model's config; it cannot apply to --checkpoint")
         return load_model(checkpoint, device)
     model = build_model(model_size, ov, device)
     desc = f"fresh {model_size} preset" + (f" with {ov}" if ov else "")

@@ -17,6 +17,11 @@ class DiagError(RuntimeError):
     line on stderr and exits 1."""
 
 
+class DiagUsageError(DiagError):
+    """A value that is wrong by itself (an unknown preset or field, a number out of range), found
+    before any work: the CLI prints it as one line and exits 2, as for a bad option."""
+
+
 def jsonable(obj: Any) -> Any:
     """``obj`` with tensors, numpy values, paths and tuples turned into JSON types; NaN/inf → None."""
     if obj is None or isinstance(obj, (bool, str, int)):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hydra_diag.loading import parse_overrides
-from hydra_diag.output import DiagError, Progress, no_progress
+from hydra_diag.output import DiagError, DiagUsageError, Progress, no_progress
 from hydra_diag.powerlaw import fit_power_law
 
 GPU_VARIANTS = ("debug", "100M", "250M")
@@ -34,7 +34,7 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     """``"tiny:dim=64,n_heads=1"`` → ``("tiny", {"dim": 64, "n_heads": 1})``."""
     preset, _, rest = spec.partition(":")
     if not preset:
-        raise DiagError(f"variant {spec!r}: expected PRESET[:FIELD=VALUE,...]")
+        raise DiagUsageError(f"variant {spec!r}: expected PRESET[:FIELD=VALUE,...]")
     items = [s for s in rest.split(",") if s.strip()] if rest else []
     return preset.strip(), parse_overrides(items)
 
@@ -55,42 +55,44 @@ def scaling_analysis(
     progress: Progress = no_progress,
 ) -> dict[str, Any]:
     """Train every variant, fit, predict (see the module docstring)."""
-    from hydra_diag.short_runs import run_short_training
+    from hydra_diag.short_runs import check_short_run, check_value_types, run_short_training
 
     cuda = torch.cuda.is_available() and device != "cpu"
     variants = list(variants or (GPU_VARIANTS if cuda else CPU_VARIANTS))
     if len(variants) < 2:
-        raise DiagError("a scaling fit needs at least two variants (--variant, repeatable)")
+        raise DiagUsageError("a scaling fit needs at least two variants (--variant, repeatable)")
     # checked before any variant trains: the fit would refuse them only after all the training
     if uncertainty not in ("covariance", "bootstrap"):
-        raise DiagError(f"--uncertainty {uncertainty!r}: use covariance or bootstrap")
+        raise DiagUsageError(f"--uncertainty {uncertainty!r}: use covariance or bootstrap")
     if not 0.0 < level < 1.0:
-        raise DiagError(f"--level {level}: an interval level is a fraction in (0, 1), e.g. 0.9")
+        raise DiagUsageError(f"--level {level}: an interval level is a fraction in (0, 1), e.g. 0.9")
+    if not target_params > 0:  # a power law has no value at x <= 0 (math.log would raise)
+        raise DiagUsageError(f"--target-params {target_params}: a model size is a positive number")
     steps = steps or (60 if cuda else 12)
     batch_size = batch_size or (8 if cuda else 4)
     seq_len = seq_len or (512 if cuda else 32)
-    vocab = vocab_size or (32000 if cuda else 512)
-    runs = []
-    for i, spec in enumerate(variants):
+    vocab = vocab_size if vocab_size is not None else (32000 if cuda else 512)
+    shape = dict(
+        steps=steps,
+        dataset=dataset,
+        vocab_size=vocab,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        device=device,
+        seed=seed,
+    )
+    plan = []
+    for spec in variants:  # every variant checked before the first trains
         preset, ov = parse_variant(spec)
+        settings = {**ov, **({"lr": lr} if lr is not None else {})}
+        check_value_types(ov, f"--variant {spec}:")
+        check_short_run(f"--variant {spec}", model_size=preset, settings=settings, **shape)
+        plan.append((spec, preset, settings))
+    runs = []
+    for i, (spec, preset, settings) in enumerate(plan):
         progress(f"variant {i + 1}/{len(variants)}: {spec}")
-        settings = dict(ov)
-        if lr is not None:
-            settings["lr"] = lr
         t0 = time.perf_counter()
-        s = run_short_training(
-            model_size=preset,
-            steps=steps,
-            settings=settings,
-            dataset=dataset,
-            vocab_size=vocab,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            device=device,
-            seed=seed,
-            label=spec,
-            progress=progress,
-        )
+        s = run_short_training(model_size=preset, settings=settings, label=spec, progress=progress, **shape)
         runs.append(
             {
                 "variant": spec,

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hydra_diag.output import DiagError, Progress, no_progress
+from hydra_diag.output import DiagError, DiagUsageError, Progress, no_progress
 from hydra_train.callbacks import TrainerCallback
 
 if TYPE_CHECKING:
     from hydra_model import GPTConfig, HydraConfig
+    from hydra_train.config import TrainConfig
 
 
 def train_fields() -> set[str]:
@@ -36,7 +37,7 @@ def model_fields() -> set[str]:
 
 
 def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(TrainConfig fields, HydraConfig overrides); a name in neither is a DiagError listing both."""
+    """(TrainConfig fields, HydraConfig overrides); a name in neither is a DiagUsageError listing both."""
     tf, mf = train_fields(), model_fields()
     train, model = {}, {}
     for k, v in settings.items():
@@ -45,11 +46,43 @@ def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
         elif k in mf:
             model[k] = v
         else:
-            raise DiagError(
+            raise DiagUsageError(
                 f"unknown setting {k!r}: not a hydra-train TrainConfig field ({', '.join(sorted(tf))}) "
                 f"nor a HydraConfig field ({', '.join(sorted(mf))})"
             )
     return train, model
+
+
+def _field_kinds() -> dict[str, set[str]]:
+    """Field name → the type names its annotation allows besides None (``"int | None"`` → {"int"}),
+    for HydraConfig's and TrainConfig's fields (a name in both: TrainConfig's, where split_settings
+    sends it)."""
+    import dataclasses
+
+    from hydra_model import HydraConfig
+    from hydra_train.config import SECTIONS
+
+    out: dict[str, set[str]] = {}
+    for cls in (HydraConfig, *SECTIONS.values()):
+        for f in dataclasses.fields(cls):
+            text = getattr(f.type, "__name__", str(f.type))
+            out[f.name] = {part.strip() for part in text.split("|")} - {"None"}
+    return out
+
+
+def check_value_types(settings: dict[str, Any], what: str) -> None:
+    """A DiagUsageError when a value cannot be of its field's type (``lr=abc``): hydra-train's range
+    checks would compare the text with a number and raise TypeError deep in a run."""
+    kinds = _field_kinds()
+    for name, value in settings.items():
+        allowed = kinds.get(name, set())
+        if allowed and allowed <= {"int", "float"}:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise DiagUsageError(f"{what} {name}: {value!r} is not a number")
+            if allowed == {"int"} and not float(value).is_integer():
+                raise DiagUsageError(f"{what} {name}: {value!r} is not a whole number")
+        elif allowed == {"bool"} and not isinstance(value, bool):
+            raise DiagUsageError(f"{what} {name}: {value!r} is not true or false")
 
 
 class ProgressForward(TrainerCallback):
@@ -62,6 +95,68 @@ class ProgressForward(TrainerCallback):
 
     def on_log(self, step: int, row: dict[str, Any]) -> None:
         self.progress(f"{self.label}: step {step}/{self.total}, loss {row['loss']:.4f}")
+
+
+def short_run_config(
+    *,
+    model_size: str,
+    steps: int,
+    settings: dict[str, Any] | None,
+    dataset: str,
+    data_path: str,
+    vocab_size: int,
+    seq_len: int,
+    batch_size: int,
+    device: str,
+    seed: int,
+    root: Path,
+) -> TrainConfig:
+    """The TrainConfig of a short run: ``data_path`` holds the data (the synthetic stream written
+    there, or ``dataset`` itself), ``root`` the run's checkpoints and database."""
+    from hydra_train.config import TrainConfig
+
+    train_set, model_set = split_settings(dict(settings or {}))
+    vocab = vocab_size if dataset == "synthetic" else train_set.pop("vocab_size", None)
+    base: dict[str, Any] = dict(
+        model_size=model_size,
+        dataset=data_path,
+        vocab_size=vocab,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        max_steps=steps,
+        log_every=max(1, min(10, steps // 5)),
+        eval_every=steps,
+        eval_batches=4,
+        save_every=0,
+        checkpoint_dir=str(root / "checkpoints"),
+        device=device,
+        seed=seed,
+        experimental_prefetch_threads=0,
+        progress=False,
+        cpu_threads=torch.get_num_threads(),  # keep the caller's thread count (hydra-train would pick)
+        warmup_steps=max(1, steps // 10),
+        model_overrides={"max_seq_len": max(seq_len, 64), **model_set},
+    )
+    base.update(train_set)
+    return TrainConfig(**base)
+
+
+def check_short_run(what: str, **run: Any) -> None:
+    """Refuse, before any run trains, settings whose values alone are wrong (a preset that does not
+    exist, ``lr=-1``, a model field the config refuses): the checks hydra-train makes when a run
+    starts (:func:`hydra_train.config.resolve_config`), as a DiagUsageError whose message begins
+    with ``what`` (the flag that gave them, when given). Call :func:`check_value_types` first: those
+    checks compare values with numbers. ``run``: :func:`short_run_config`'s arguments but
+    ``data_path`` and ``root``. What the device or the data decide is left to the run itself."""
+    from hydra_train.config import DeviceInfo, resolve_config
+    from hydra_train.errors import HydraUsageError
+
+    cfg = short_run_config(data_path="unused", root=Path("unused"), **run)
+    cuda = torch.cuda.is_available() and run.get("device") != "cpu"
+    try:
+        resolve_config(cfg, DeviceInfo("cuda", 80.0, True) if cuda else DeviceInfo("cpu"))
+    except HydraUsageError as exc:
+        raise DiagUsageError(f"{what}: {exc}" if what else str(exc)) from None
 
 
 def run_short_training(
@@ -83,11 +178,10 @@ def run_short_training(
     model's executed FLOPs per token and the folder the run wrote (None when it was temporary)."""
     from hydra_diag.synthetic import write_bigram_dataset
     from hydra_model import flops_per_token
-    from hydra_train.config import TrainConfig
     from hydra_train.errors import HydraTrainError
     from hydra_train.run import run_training
 
-    train_set, model_set = split_settings(dict(settings or {}))
+    split_settings(dict(settings or {}))  # an unknown name before any file is written
     keep = out_dir is not None
     tmp = None if keep else tempfile.TemporaryDirectory(prefix="hydra_diag_run_")
     root = Path(out_dir) if keep else Path(tmp.name)
@@ -97,31 +191,21 @@ def run_short_training(
             data_path = str(
                 write_bigram_dataset(root / "data", vocab_size, n_train, max(4000, n_train // 10))
             )
-            vocab = vocab_size
         else:
-            data_path, vocab = dataset, train_set.pop("vocab_size", None)
-        base: dict[str, Any] = dict(
+            data_path = dataset
+        cfg = short_run_config(
             model_size=model_size,
-            dataset=data_path,
-            vocab_size=vocab,
+            steps=steps,
+            settings=settings,
+            dataset=dataset,
+            data_path=data_path,
+            vocab_size=vocab_size,
             seq_len=seq_len,
             batch_size=batch_size,
-            max_steps=steps,
-            log_every=max(1, min(10, steps // 5)),
-            eval_every=steps,
-            eval_batches=4,
-            save_every=0,
-            checkpoint_dir=str(root / "checkpoints"),
             device=device,
             seed=seed,
-            experimental_prefetch_threads=0,
-            progress=False,
-            cpu_threads=torch.get_num_threads(),  # keep the caller's thread count (hydra-train would pick)
-            warmup_steps=max(1, steps // 10),
-            model_overrides={"max_seq_len": max(seq_len, 64), **model_set},
+            root=root,
         )
-        base.update(train_set)
-        cfg = TrainConfig(**base)
         quiet = _quiet_console()
         cb = ProgressForward(progress, label, steps)
         try:

@@ -14,7 +14,9 @@ from hydra_diag.cliutil import (
     Seed,
     default_plot,
     execute,
+    one_of,
     opt,
+    within,
 )
 from hydra_kernels.cli_support import new_app
 
@@ -44,10 +46,15 @@ def deep_diagnosis_cmd(
     n_batches: Annotated[int, opt("--batches", help="Micro-batches accumulated into the step.", min=1)] = 1,
     seed: Seed = 0,
     explode_ratio: Annotated[
-        float, opt("--explode_ratio", help="Gradient norm above this × the median: exploding.")
+        float,
+        opt(
+            "--explode_ratio",
+            **within("Gradient norm above this × the median: exploding.", 1, lo_open=True),
+        ),
     ] = 100.0,
     dead_ratio: Annotated[
-        float, opt("--dead_ratio", help="Gradient norm below this × the median: dead.")
+        float,
+        opt("--dead_ratio", **within("Gradient norm below this × the median: dead.", 0, 1, hi_open=True)),
     ] = 1e-6,
     plot: PlotPath = None,
     no_plot: NoPlot = False,
@@ -116,13 +123,19 @@ def learning_cmd(
     run: RunId = None,
     model: ModelId = None,
     spike_factor: Annotated[
-        float, opt("--spike_factor", help="Loss above this × its recent EMA is a spike.")
+        float,
+        opt("--spike_factor", **within("Loss above this × its recent EMA is a spike.", 1, lo_open=True)),
     ] = 1.3,
     plateau_frac: Annotated[
-        float, opt("--plateau_frac", help="Shortest plateau, as a share of the logged steps.")
+        float,
+        opt(
+            "--plateau_frac",
+            **within("Shortest plateau, as a share of the logged steps.", 0, 1, lo_open=True),
+        ),
     ] = 0.15,
     plateau_tol: Annotated[
-        float, opt("--plateau_tol", help="Relative EMA improvement below which it is flat.")
+        float,
+        opt("--plateau_tol", **within("Relative EMA improvement below which it is flat.", 0, 1)),
     ] = 0.01,
     plot: PlotPath = None,
     no_plot: NoPlot = False,
@@ -159,21 +172,38 @@ def scaling_cmd(
     steps: Annotated[
         int | None, opt("--steps", help="Training steps per variant (default 60 CUDA / 12 CPU).", min=2)
     ] = None,
-    batch_size: Annotated[int | None, opt("--batch_size", help="Default 8 CUDA / 4 CPU.", min=1)] = None,
-    seq_len: Annotated[int | None, opt("--seq_len", help="Default 512 CUDA / 32 CPU.", min=2)] = None,
+    batch_size: Annotated[
+        int | None, opt("--batch_size", help="Sequences per step (default 8 CUDA / 4 CPU).", min=1)
+    ] = None,
+    seq_len: Annotated[
+        int | None, opt("--seq_len", help="Tokens per sequence (default 512 CUDA / 32 CPU).", min=2)
+    ] = None,
     lr: Annotated[
-        float | None, opt("--lr", help="Learning rate of every variant (default: hydra-train's per preset).")
+        float | None,
+        opt(
+            "--lr",
+            **within("Learning rate of every variant (default: hydra-train's per preset).", 0, lo_open=True),
+        ),
     ] = None,
     dataset: Annotated[str, opt("--dataset", help="synthetic, or a hydra-train dataset.")] = "synthetic",
     vocab_size: Annotated[
-        int | None, opt("--vocab_size", help="Synthetic vocabulary (default 32000 CUDA / 512 CPU).")
+        int | None,
+        opt("--vocab_size", help="Synthetic vocabulary (default 32000 CUDA / 512 CPU).", min=2),
     ] = None,
     device: Device = "auto",
-    target_params: Annotated[float, opt("--target_params", help="Model size to predict.")] = 4e9,
-    level: Annotated[float, opt("--level", help="Interval level, e.g. 0.9.")] = 0.9,
+    target_params: Annotated[
+        float, opt("--target_params", **within("Model size to predict (parameters).", 0, lo_open=True))
+    ] = 4e9,
+    level: Annotated[
+        float, opt("--level", **within("Interval level, e.g. 0.9.", 0, 1, lo_open=True, hi_open=True))
+    ] = 0.9,
     uncertainty: Annotated[
         str,
-        opt("--uncertainty", metavar="covariance|bootstrap", help="covariance (t intervals) or bootstrap."),
+        opt(
+            "--uncertainty",
+            help="covariance (t intervals) or bootstrap.",
+            **one_of("covariance", "bootstrap"),
+        ),
     ] = "covariance",
     seed: Seed = 1337,
     plot: PlotPath = None,

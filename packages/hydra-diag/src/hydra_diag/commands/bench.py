@@ -84,9 +84,17 @@ def backward_kernels_cmd(
 
 @app.command("swiglu-backward")
 def swiglu_backward_cmd(
-    tokens: Annotated[list[int] | None, opt("--tokens", help="Row counts (repeatable).")] = None,
-    widths: Annotated[list[int] | None, opt("--width", help="Hidden widths (repeatable).")] = None,
-    dtypes: Annotated[list[str] | None, opt("--dtype", help="bf16, fp16, fp32 (repeatable).")] = None,
+    tokens: Annotated[
+        list[int] | None,
+        opt("--tokens", help="Row counts (repeatable; default 2048, 8192, 16384, 32768).", min=1),
+    ] = None,
+    widths: Annotated[
+        list[int] | None,
+        opt("--width", help="Hidden widths (repeatable; default 1408, 2048, 2730, 5440, 10880).", min=1),
+    ] = None,
+    dtypes: Annotated[
+        list[str] | None, opt("--dtype", help="bf16, fp16 or fp32 (repeatable; default bf16).")
+    ] = None,
     rep: Rep = 30,
     plot: PlotPath = None,
     no_plot: NoPlot = False,
@@ -119,8 +127,13 @@ def swiglu_backward_cmd(
 @app.command("model")
 def model_cmd(
     model_size: ModelSize = "100M",
-    configs: Annotated[list[str] | None, opt("--config", help="dynamic, static, dense (repeatable).")] = None,
-    modes: Annotated[list[str] | None, opt("--mode", help="eager, compile (repeatable).")] = None,
+    configs: Annotated[
+        list[str] | None,
+        opt("--config", help="dynamic, static or dense (repeatable; default: all three)."),
+    ] = None,
+    modes: Annotated[
+        list[str] | None, opt("--mode", help="eager or compile (repeatable; default eager).")
+    ] = None,
     batch_size: BatchSize = 8,
     seq_len: SeqLen = 2048,
     steps: Steps = 10,
@@ -128,7 +141,7 @@ def model_cmd(
         int, opt("--warmup", help="Untimed steps first (compilation happens here).", min=1)
     ] = 3,
     chunked_ce: Annotated[
-        bool, opt("--chunked_ce/--no_chunked_ce", help="Loss without [tokens, vocab] logits.")
+        bool, opt("--chunked_ce/--no_chunked_ce", help="Loss without \\[tokens, vocab] logits.")
     ] = True,
     checkpoint_every: Annotated[
         int, opt("--checkpoint_every", help="Activation checkpointing every N blocks.")
@@ -205,7 +218,15 @@ def inference_cmd(
     count only the rows they gather), and greedy generation tokens/s (median of --repeats after
     a warm-up). Runs on CPU too (tiny sizes; timings then say little)."""
     if device.startswith("cuda"):
-        require_cuda("hydra-diag bench inference")
+        import torch
+
+        from hydra_kernels.cli_support import fail
+
+        if not torch.cuda.is_available():  # the CPU works too: say how to get there
+            fail(
+                f"hydra-diag bench inference --device {device} needs a CUDA GPU and none is visible here; "
+                "pass --device cpu (fp32; a small --model-size such as tiny)"
+            )
     from hydra_diag.inference_bench import bench_inference, render_inference
 
     execute(
@@ -253,9 +274,16 @@ def performance_cmd(
 
 @app.command("tall-skinny")
 def tall_skinny_cmd(
-    m: Annotated[list[int] | None, opt("--m", help="Rows M (repeatable).")] = None,
-    k: Annotated[list[int] | None, opt("--k", help="Inner size K (repeatable).")] = None,
-    n: Annotated[list[int] | None, opt("--n", help="Output columns N (repeatable).")] = None,
+    m: Annotated[
+        list[int] | None, opt("--m", help="Rows M (repeatable; default 4096, 16384, 65536).", min=1)
+    ] = None,
+    k: Annotated[
+        list[int] | None, opt("--k", help="Inner size K (repeatable; default 768, 2048).", min=1)
+    ] = None,
+    n: Annotated[
+        list[int] | None,
+        opt("--n", help="Output columns N (repeatable; default 1, 4, 16, 64, 128, 256, 512, 1024).", min=1),
+    ] = None,
     dtype: Dtype = "bf16",
     rep: Rep = 30,
     plot: PlotPath = None,

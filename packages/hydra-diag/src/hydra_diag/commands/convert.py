@@ -4,12 +4,12 @@ from typing import Annotated
 
 import typer
 
-from hydra_diag.cliutil import JsonOut, execute, opt
+from hydra_diag.cliutil import JsonOut, execute, one_of, opt, within
 from hydra_kernels.cli_support import new_app
 
 app = new_app("Data converters: JSONL text or chat → .pt token shards; shards grouped by sequence length.")
 
-Inputs = Annotated[list[str], typer.Argument(help="JSONL files, or folders of them.")]
+Inputs = Annotated[list[str], typer.Argument(metavar="INPUT", help="JSONL files, or folders of them.")]
 OutDir = Annotated[str, opt("--out_dir", "--out", help="Folder to write the shards into.")]
 Tokenizer = Annotated[
     str | None, opt("--tokenizer", help="A tokenizer.json (default: hydra-train's BPE, built on first use).")
@@ -21,13 +21,16 @@ Layout = Annotated[
     str,
     opt(
         "--layout",
-        metavar="stream|rows",
         help="stream ({'tokens': 1-D}) or rows ({'input_ids': [N, seq_len+1]}).",
+        **one_of("stream", "rows"),
     ),
 ]
 SeqLen = Annotated[int, opt("--seq_len", help="Row length − 1 for --layout rows.", min=1)]
 PerShard = Annotated[int, opt("--tokens_per_shard", help="Tokens per output shard.", min=1)]
-ValFraction = Annotated[float, opt("--val_fraction", help="Share of documents for val/ (by content hash).")]
+ValFraction = Annotated[
+    float,
+    opt("--val_fraction", **within("Share of documents for val/ (by content hash).", 0, 1, hi_open=True)),
+]
 
 
 @app.command("jsonl-to-pt")
@@ -107,7 +110,7 @@ def chat_to_pt_cmd(
 
 @app.command("collect-by-seq")
 def collect_by_seq_cmd(
-    inputs: Annotated[list[str], typer.Argument(help=".pt shards, or folders of them.")],
+    inputs: Annotated[list[str], typer.Argument(metavar="SHARD", help=".pt shards, or folders of them.")],
     out_dir: OutDir,
     rows_per_shard: Annotated[int, opt("--rows_per_shard", help="Rows per output shard.", min=1)] = 8192,
     json_out: JsonOut = False,

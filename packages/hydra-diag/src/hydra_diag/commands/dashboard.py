@@ -16,7 +16,9 @@ def dashboard_cmd(
             help="The run's --checkpoint_dir (it holds training.db), or the database file.",
         ),
     ] = "checkpoints",
-    port: Annotated[int, opt("--port", help="TCP port to serve on.")] = 8050,
+    port: Annotated[
+        int, opt("--port", help="TCP port to serve on (0: any free one).", min=0, max=65535)
+    ] = 8050,
     host: Annotated[
         str,
         opt(

@@ -2,7 +2,18 @@
 
 from typing import Annotated
 
-from hydra_diag.cliutil import DatasetOpt, Device, JsonOut, ModelSize, Overrides, Seed, execute, opt
+from hydra_diag.cliutil import (
+    DatasetOpt,
+    Device,
+    JsonOut,
+    ModelSize,
+    Overrides,
+    Seed,
+    execute,
+    one_of,
+    opt,
+    within,
+)
 from hydra_kernels.cli_support import new_app
 
 app = new_app("Evaluate checkpoints; check that a configuration can learn.")
@@ -15,14 +26,22 @@ def eval_checkpoint_cmd(
     ],
     dataset: DatasetOpt = None,
     tokenizer: Annotated[str | None, opt("--tokenizer", help="tokenizer.json for text data.")] = None,
-    batch_size: Annotated[int | None, opt("--batch_size", help="Default: the run's.", min=1)] = None,
-    seq_len: Annotated[int | None, opt("--seq_len", help="Default: the run's.", min=2)] = None,
-    n_batches: Annotated[
-        int | None, opt("--batches", help="Default: the run's --eval_batches.", min=1)
+    batch_size: Annotated[
+        int | None, opt("--batch_size", help="Sequences per batch (default: the run's).", min=1)
     ] = None,
-    split: Annotated[str, opt("--split", metavar="val|train", help="val or train.")] = "val",
+    seq_len: Annotated[
+        int | None, opt("--seq_len", help="Tokens per sequence (default: the run's).", min=2)
+    ] = None,
+    n_batches: Annotated[
+        int | None,
+        opt("--batches", help="Batches to evaluate (default: the run's --eval_batches).", min=1),
+    ] = None,
+    split: Annotated[
+        str, opt("--split", help="The data split: val or train.", **one_of("val", "train"))
+    ] = "val",
     routing: Annotated[
-        str, opt("--routing", metavar="eval|train", help="eval (causal thresholds) or train (top-k).")
+        str,
+        opt("--routing", help="eval (causal thresholds) or train (top-k).", **one_of("eval", "train")),
     ] = "eval",
     device: Device = "auto",
     json_out: JsonOut = False,
@@ -60,11 +79,13 @@ def eval_sanity_cmd(
     seq_len: Annotated[int, opt("--seq_len", help="Tokens per sequence.", min=2)] = 64,
     overfit_steps: Annotated[int, opt("--overfit_steps", help="Steps on the single batch.", min=2)] = 60,
     overfit_ratio: Annotated[
-        float, opt("--overfit_ratio", help="Final loss must be ≤ this × the first.")
+        float,
+        opt("--overfit_ratio", **within("Final loss must be ≤ this × the first.", 0, 1, lo_open=True)),
     ] = 0.5,
     run_steps: Annotated[int, opt("--run_steps", help="Steps of the short hydra-train run.", min=2)] = 30,
     min_drop: Annotated[
-        float, opt("--min_drop", help="Relative drop of the validation loss required.")
+        float,
+        opt("--min_drop", **within("Relative drop of the validation loss required.", 0, 1, hi_open=True)),
     ] = 0.05,
     dataset: Annotated[
         str, opt("--dataset", help="Data of the short run (synthetic, or a hydra-train dataset).")

@@ -15,6 +15,7 @@ from hydra_diag.cliutil import (
     default_plot,
     execute,
     opt,
+    within,
 )
 from hydra_kernels.cli_support import new_app
 
@@ -36,7 +37,8 @@ def health_model(
     seq_len: SeqLen = 64,
     seed: Seed = 0,
     loss_tolerance: Annotated[
-        float, opt("--loss_tolerance", help="Allowed |initial CE − ln V| in nats.")
+        float,
+        opt("--loss_tolerance", **within("Allowed |initial CE − ln V| in nats.", 0, lo_open=True)),
     ] = 0.5,
     json_out: JsonOut = False,
 ) -> None:

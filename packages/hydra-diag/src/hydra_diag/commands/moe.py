@@ -2,7 +2,17 @@
 
 from typing import Annotated
 
-from hydra_diag.cliutil import DatasetOpt, Device, JsonOut, NoPlot, PlotPath, default_plot, execute, opt
+from hydra_diag.cliutil import (
+    DatasetOpt,
+    Device,
+    JsonOut,
+    NoPlot,
+    PlotPath,
+    default_plot,
+    execute,
+    opt,
+    within,
+)
 from hydra_kernels.cli_support import console, new_app
 
 app = new_app("Mixture-of-Experts diagnostics.")
@@ -93,10 +103,15 @@ def watchdog_cmd(
         int, opt("--window", help="Logged steps an expert must stay dead to be flagged.", min=1)
     ] = 3,
     dead_share: Annotated[
-        float, opt("--dead_share", help="Dead below this fraction of the fair share.")
+        float,
+        opt("--dead_share", **within("Dead below this fraction of the fair share.", 0, 1, hi_open=True)),
     ] = 0.1,
     collapse_share: Annotated[
-        float, opt("--collapse_share", help="Collapsed when one expert takes this share.")
+        float,
+        opt(
+            "--collapse_share",
+            **within("Collapsed when one expert takes this share of the tokens.", 0, 1, lo_open=True),
+        ),
     ] = 0.9,
     fail_on_alert: Annotated[
         bool, opt("--fail_on_alert", help="Exit 1 when an error-level alert was raised.")

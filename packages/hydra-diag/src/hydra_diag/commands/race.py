@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from hydra_diag.cliutil import opt, run_guarded
+from hydra_diag.cliutil import Device, opt, run_guarded
 from hydra_kernels.cli_support import console, new_app
 
 app = new_app(
@@ -153,7 +153,7 @@ def run_cmd(
             min=2,
         ),
     ] = None,
-    device: Annotated[str, opt("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")] = "auto",
+    device: Device = "auto",
     seed: Annotated[int, opt("--seed", help="Data order and initialisation seed.")] = 1337,
     log_every: Annotated[float, opt("--log_every", help="Seconds between progress lines.", min=0.1)] = 10.0,
     json_path: JsonPath = None,
@@ -164,8 +164,14 @@ def run_cmd(
     writes --json (after each configuration too, so a killed race keeps those that finished) and
     --plots. Exit 1 when a configuration failed or diverged (the others still ran).
     Exit 130 when the race was interrupted (Ctrl-C: the configurations that finished are still written)."""
-    from hydra_diag.race.configs import COMPILE_CHOICES, parse_config_names, parse_sets, resolve_configs
-    from hydra_diag.race.data import load_race_data
+    from hydra_diag.race.configs import (
+        COMPILE_CHOICES,
+        check_buildable,
+        parse_config_names,
+        parse_sets,
+        resolve_configs,
+    )
+    from hydra_diag.race.data import check_vocab_size, load_race_data
     from hydra_diag.race.loop import RaceSettings
     from hydra_diag.race.progress import RaceProgress
     from hydra_diag.race.runner import resolve_device, run_race
@@ -179,6 +185,10 @@ def run_cmd(
         dev = resolve_device(device)
         names = parse_config_names(configs)
         cfgs = resolve_configs(names, parse_sets(sets), lr=lr, compile_default=compile_scope)
+        # what the flags' values alone decide, before the corpus (minutes to build the first time):
+        # the vocabulary, the preset and every --set (run_race checks again with the data's vocabulary)
+        vocab = check_vocab_size(dataset, vocab_size)
+        check_buildable(cfgs, model_size, {"vocab_size": vocab} if vocab else {})
         settings = RaceSettings(
             model_size=model_size,
             budget_s=budget,
@@ -218,7 +228,9 @@ def run_cmd(
 
 @app.command("merge")
 def merge_cmd(
-    files: Annotated[list[Path], typer.Argument(help="Race JSON files (hydra-diag race run --json).")],
+    files: Annotated[
+        list[Path], typer.Argument(metavar="FILE", help="Race JSON files (hydra-diag race run --json).")
+    ],
     json_path: JsonPath = None,
     plots: PlotsDir = None,
 ) -> None:

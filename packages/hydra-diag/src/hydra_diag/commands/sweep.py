@@ -137,4 +137,9 @@ def knobs_cmd(
         render_knobs,
         plot=plot_knobs,
         plot_path=default_plot(plot, no_plot, "knob_sweep"),
+        failed=lambda r: (
+            False
+            if r["best"]
+            else "sweep knobs: no run finished with a validation loss (see the error column)"
+        ),
     )

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra_diag.output import DiagError, jsonable
+from hydra_diag.run_db import check_hydra_tables
 from hydra_train.errors import HydraDataError
+from hydra_train.metrics_db import DB_NAME
 from hydra_train.metrics_schema import connect
 
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -72,8 +74,6 @@ def schema_columns() -> dict[str, list[str]]:
 
 def resolve_db(path: str | Path) -> Path:
     """The database file: ``path`` itself, or ``path/training.db`` for a checkpoint folder."""
-    from hydra_train.metrics_db import DB_NAME
-
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / DB_NAME
@@ -108,7 +108,8 @@ def check_database(path: str | Path) -> Path:
         )
     if header != SQLITE_HEADER:
         raise DiagError(
-            f"{p} is not an SQLite database (no SQLite header): pass the {p.name} a hydra-train run wrote"
+            f"{p} is not an SQLite database (no SQLite header): pass the {DB_NAME} a hydra-train run "
+            "wrote (in its --checkpoint_dir)"
         )
     try:
         conn = connect_ro(p)
@@ -124,6 +125,7 @@ def check_database(path: str | Path) -> Path:
         raise DiagError(f"{p} cannot be read as an SQLite database: {exc}") from None
     if not tables:
         raise DiagError(f"{p} is an empty database (no tables): start a hydra-train run that writes it")
+    check_hydra_tables(p, set(tables))  # another program's database: no rebuild would help
     gaps = []
     for table, cols in schema_columns().items():
         if table not in tables:

@@ -18,7 +18,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra_diag.output import DiagError
+from hydra_diag.output import DiagError, DiagUsageError
 from hydra_model.config import HYDRA_V1_100M, HYDRA_V2_100M
 
 #: name -> (arch, model overrides, description)
@@ -79,18 +79,18 @@ class RaceConfig:
 
 
 def parse_config_names(spec: str | None) -> list[str]:
-    """``"gpt,hydra"`` (or ``all``) → names; an unknown name is a DiagError listing the table."""
+    """``"gpt,hydra"`` (or ``all``) → names; an unknown name is a DiagUsageError listing the table."""
     if not spec:
         return list(DEFAULT_CONFIGS)
     names = list(RACE_CONFIGS) if spec.strip() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in RACE_CONFIGS]
     if unknown or not names:
         choices = ", ".join(RACE_CONFIGS)
-        raise DiagError(
+        raise DiagUsageError(
             f"--configs: unknown configuration(s) {unknown or spec!r}; choose from all, {choices}"
         )
     if len(set(names)) != len(names):
-        raise DiagError(f"--configs {spec!r} names a configuration twice")
+        raise DiagUsageError(f"--configs {spec!r} names a configuration twice")
     return names
 
 
@@ -104,18 +104,18 @@ def parse_sets(items: list[str] | None) -> list[tuple[str, dict[str, Any]]]:
     for item in items or []:
         target, dot, _ = item.partition(".")
         if not dot or "=" not in item or "=" in target:
-            raise DiagError(
+            raise DiagUsageError(
                 f"--set {item!r}: write CONFIG.FIELD=VALUE (e.g. hydra.mod_capacity=0.125) or *.FIELD=VALUE"
             )
         if not fnmatch.filter(RACE_CONFIGS, target):
-            raise DiagError(
+            raise DiagUsageError(
                 f"--set {item!r}: no configuration {target!r}; choose from *, {', '.join(RACE_CONFIGS)} "
                 "(wildcards such as hydra* allowed)"
             )
         try:
             out.append((target, parse_assignments([item[len(target) + 1 :]])))
         except AssignmentError:
-            raise DiagError(f"--set {item!r}: write CONFIG.FIELD=VALUE") from None
+            raise DiagUsageError(f"--set {item!r}: write CONFIG.FIELD=VALUE") from None
     return out
 
 
@@ -135,11 +135,15 @@ def resolve_configs(
         for k, v in merged.items():
             if k == "lr":
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                    raise DiagError(f"--set {name}.lr={v!r}: the learning rate must be a positive number")
+                    raise DiagUsageError(
+                        f"--set {name}.lr={v!r}: the learning rate must be a positive number"
+                    )
                 cfg.lr = float(v)
             elif k == "compile":
                 if v not in COMPILE_CHOICES:
-                    raise DiagError(f"--set {name}.compile={v!r}: choose one of {', '.join(COMPILE_CHOICES)}")
+                    raise DiagUsageError(
+                        f"--set {name}.compile={v!r}: choose one of {', '.join(COMPILE_CHOICES)}"
+                    )
                 cfg.compile = v
             else:
                 cfg.overrides[k] = v
@@ -147,13 +151,17 @@ def resolve_configs(
     return out
 
 
-def check_buildable(cfgs: list[RaceConfig], model_size: str, extra: dict[str, Any]) -> None:
-    """Validate every entrant's model config up front (cheap; no weights), so a bad ``--set`` fails
-    before the first configuration spends its budget."""
+def check_buildable(
+    cfgs: list[RaceConfig], model_size: str, extra: dict[str, Any], *, usage: bool = True
+) -> None:
+    """Validate every entrant's model config up front (cheap; no weights), so a bad --model-size or
+    ``--set`` fails (DiagUsageError: exit 2) before the corpus is read and the first configuration
+    spends its budget. ``usage=False`` once the data decided ``extra`` (its vocabulary): a DiagError."""
     from hydra_model.architectures import build_config
 
+    error = DiagUsageError if usage else DiagError
     for c in cfgs:
         try:
             build_config(c.arch, model_size, **{**extra, **c.overrides})
         except (ValueError, TypeError) as exc:
-            raise DiagError(f"configuration {c.name} ({c.arch} {model_size}, {c.overrides}): {exc}") from None
+            raise error(f"configuration {c.name} ({c.arch} {model_size}, {c.overrides}): {exc}") from None

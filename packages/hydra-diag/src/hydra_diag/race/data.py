@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hydra_diag.output import DiagError, Progress, no_progress
+from hydra_diag.output import DiagError, DiagUsageError, Progress, no_progress
 
 #: the vocabulary where neither --vocab_size nor the dataset names one (pyenv's BPE size)
 DEFAULT_VOCAB = 32000
@@ -137,6 +137,23 @@ def corpus_tree_roots(paths: list[Path]) -> list[tuple[str, Path]]:
         else:
             roots.append((Path(p).resolve().name or "root", Path(p)))
     return roots
+
+
+def check_vocab_size(dataset: str, vocab_size: int | None) -> int | None:
+    """The vocabulary the flags decide before any data is read: pyenv's (--vocab-size, else 32000),
+    refused (DiagUsageError) below what its byte-level BPE needs; another dataset's --vocab-size, or
+    None when its own is only known once read."""
+    if dataset != "pyenv":
+        return vocab_size
+    from hydra_train.tokenizer import MIN_VOCAB
+
+    vocab = vocab_size or DEFAULT_VOCAB
+    if vocab < MIN_VOCAB:
+        raise DiagUsageError(
+            f"--vocab-size {vocab} is too small for the pyenv corpus's byte-level BPE (min {MIN_VOCAB}: "
+            "256 byte symbols, the end-of-document token and a few merges)"
+        )
+    return vocab
 
 
 def load_race_data(

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from hydra_diag.output import DiagError
+from hydra_diag.output import DiagError, DiagUsageError
 from hydra_diag.race.configs import RaceConfig, check_buildable
 from hydra_diag.race.data import RaceData
 from hydra_diag.race.loop import RaceSettings, race_one, release
@@ -24,11 +24,11 @@ def resolve_device(spec: str) -> torch.device:
     try:
         dev = torch.device(spec)
     except RuntimeError:
-        raise DiagError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N") from None
+        raise DiagUsageError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DiagError(f"--device {spec}: no CUDA GPU is visible here")
     if dev.type not in ("cpu", "cuda"):
-        raise DiagError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N")
+        raise DiagUsageError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N")
     return dev
 
 
@@ -43,7 +43,7 @@ def run_race(
 ) -> dict[str, Any]:
     """The race's document; ``on_entrant(doc)`` after each entrant (the CLI writes the JSON then,
     so a killed process keeps the entrants that finished)."""
-    check_buildable(cfgs, settings.model_size, {"vocab_size": data.vocab_size})
+    check_buildable(cfgs, settings.model_size, {"vocab_size": data.vocab_size}, usage=False)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # the same TF32 matmuls for every entrant
     doc = new_document(
