@@ -90,6 +90,18 @@ def test_truncated_newest_checkpoint_is_skipped_with_a_message(tmp_path):
     assert find_resume_checkpoint(tmp_path / "nothing-here", log=msgs.append) is None
 
 
+def test_an_unreadable_checkpoints_reason_is_whole(tmp_path):
+    """torch's reason for a truncated file is four sentences: the line keeps whole ones and closes
+    its parenthesis (it was cut at 400 characters, mid-word)."""
+    p = save_checkpoint(_payload(1), tmp_path / step_name("tiny", 1))
+    p.write_bytes(p.read_bytes()[:100])  # no zip directory left: torch's long reason
+    with pytest.raises(HydraCheckpointError) as err:
+        load_checkpoint(p)
+    line = str(err.value)
+    assert "unreadable checkpoint (" in line and "central directory" in line, line
+    assert line.endswith(".)") and "\n" not in line, line
+
+
 def test_newest_is_by_save_time_not_name(tmp_path):
     save_checkpoint(_payload(900, time=1.0), tmp_path / step_name("tiny", 900))
     save_checkpoint(_payload(100, time=2.0), tmp_path / "hydra_tiny_final.pt")

@@ -46,11 +46,26 @@ def test_a_read_only_open_writes_no_schema_into_another_sqlite_file(tmp_path):
     with sqlite3.connect(path) as c:
         c.execute("CREATE TABLE notes (text TEXT)")
     c.close()
-    with TrainingDB(path, read_only=True) as db:
-        assert db.runs() == [] and db.stats() == [] and db.ema() == []  # empty, as before
+    # refused by name (it read as a database with no runs: empty tables, exit 0)
+    with pytest.raises(HydraDataError, match=r"not a hydra-train metrics database .*it holds notes"):
+        TrainingDB(path, read_only=True)
     with sqlite3.connect(path) as c:
         assert [r[0] for r in c.execute("SELECT name FROM sqlite_master")] == ["notes"]
     c.close()
+
+
+def test_hydra_train_db_commands_refuse_another_programs_database(tmp_path):
+    with sqlite3.connect(tmp_path / "training.db") as c:
+        c.execute("CREATE TABLE notes (text TEXT)")
+    c.close()
+    from typer.testing import CliRunner
+
+    from hydra_train.cli import app
+
+    for command in ("stats", "runs", "ema", "milestones"):
+        res = CliRunner().invoke(app, ["db", command, "--checkpoint_dir", str(tmp_path)])
+        assert res.exit_code == 1, (command, res.output)
+        assert "not a hydra-train metrics database" in res.output and "Traceback" not in res.output
 
 
 def test_a_read_only_open_of_a_missing_file_creates_nothing(tmp_path):

@@ -35,37 +35,27 @@ def db_path(path: str | Path) -> Path:
 
 
 def check_metrics_file(p: Path) -> None:
-    """A DiagError unless ``p`` is an SQLite file with hydra-train's tables. hydra-train's read-only
-    connection reads a table the file lacks as an empty one (an older database still opens), so
-    another program's SQLite file read as a database with no runs: some commands printed empty
-    tables and exit 0, others "holds no runs"."""
+    """A DiagError unless ``p`` is an SQLite file with hydra-train's tables: hydra-train's
+    read-only connection refuses another program's SQLite file (metrics_schema.foreign_database),
+    and reads an older one's missing tables as empty ones."""
     from hydra_train.errors import HydraDataError
     from hydra_train.metrics_schema import check_sqlite_file, connect
 
     try:
         check_sqlite_file(p, allow_empty=False)
-        conn = connect(p, read_only=True)
+        connect(p, read_only=True).close()
     except HydraDataError as exc:
         raise DiagError(str(exc)) from None
-    try:  # main.sqlite_master: the file's own tables, not the TEMP stand-ins connect added
-        tables = {r[0] for r in conn.execute("SELECT name FROM main.sqlite_master WHERE type='table'")}
-    finally:
-        conn.close()
-    check_hydra_tables(p, tables)
 
 
 def check_hydra_tables(p: Path, tables: set[str]) -> None:
     """A DiagError when the database ``p`` holds tables but none of hydra-train's (an empty one is
     a run that has not written yet: its callers say so)."""
-    from hydra_train.metrics_db import DB_NAME
-    from hydra_train.metrics_schema import SCHEMA
+    from hydra_train.metrics_schema import foreign_database
 
-    if tables and not tables & set(SCHEMA):
-        listed = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
-        raise DiagError(
-            f"{p} is not a hydra-train metrics database (no HYDRA tables; it holds {listed}): pass the "
-            f"{DB_NAME} a hydra-train run wrote (in its --checkpoint_dir)"
-        )
+    foreign = foreign_database(p, tables)
+    if foreign is not None:
+        raise DiagError(foreign)
 
 
 @dataclass

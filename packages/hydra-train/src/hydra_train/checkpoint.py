@@ -66,6 +66,7 @@ import numpy as np
 import torch
 
 from hydra_model.checkpoint_digest import CHECKSUM_KEY, payload_digest
+from hydra_model.error_text import shortened
 from hydra_train.atomic_files import atomic_write, fsync_dir
 from hydra_train.data_fingerprint import check_resume_data
 from hydra_train.errors import HydraCheckpointError, short_error
@@ -102,8 +103,9 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False, log=None) -> dict[s
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:
+        # torch's reason is several sentences: whole ones kept, the parenthesis closed
         raise HydraCheckpointError(
-            f"{path}: unreadable checkpoint ({type(exc).__name__}: {exc})"[:400]
+            f"{path}: unreadable checkpoint ({type(exc).__name__}: {shortened(str(exc), 240)})"
         ) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise HydraCheckpointError(f"{path}: not a hydra-train checkpoint")

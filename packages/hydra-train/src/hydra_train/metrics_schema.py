@@ -121,10 +121,11 @@ def _open_read_only(path: Path) -> sqlite3.Connection:
     """``mode=ro``: SQLite changes neither the file nor its journal mode, creates no file where
     there is none, and still reads what a live writer has committed to its write-ahead log. (In a
     folder it may write, a WAL database gets the empty -wal and -shm files every WAL reader needs.)
-    A table the file lacks (another program's SQLite file) is an empty TEMP table, so that the
-    queries answer nothing rather than fail. A WAL database in a folder where SQLite can create no
-    -shm file (a run copied read-only, chmod -w, a read-only mount) and with no write-ahead log
-    beside it is opened ``immutable``: no WAL writer has it open (one keeps its -wal there)."""
+    A table the file lacks (an older schema) is an empty TEMP table, so that the queries answer
+    nothing rather than fail; a file with none of them (another program's) is refused. A WAL
+    database in a folder where SQLite can create no -shm file (a run copied read-only, chmod -w, a
+    read-only mount) and with no write-ahead log beside it is opened ``immutable``: no WAL writer
+    has it open (one keeps its -wal there)."""
     if not path.is_file():
         raise HydraDataError(f"no metrics database at {path}")
     uri = f"file:{quote(str(path.resolve()))}?mode=ro"
@@ -143,7 +144,25 @@ def _open_read_only(path: Path) -> sqlite3.Connection:
             ) from None
         conn = sqlite3.connect(uri + "&immutable=1", uri=True)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    foreign = foreign_database(path, tables)
+    if foreign is not None:  # stand-ins would read it as a database with no runs: exit 0, empty
+        conn.close()
+        raise HydraDataError(foreign)
     for table, cols in SCHEMA.items():
         if table not in tables:
             conn.execute(f"CREATE TEMP TABLE {table} ({cols})")
     return conn
+
+
+def foreign_database(path: Path, tables: set[str]) -> str | None:
+    """The refusal of an SQLite file that holds tables but none of hydra-train's (another
+    program's), else None. An empty file, or one with some of the tables (an older schema), is
+    not foreign: it reads as a database with fewer rows."""
+    own = {t for t in tables if not t.startswith("sqlite_")}
+    if not own or own & SCHEMA.keys():
+        return None
+    listed = ", ".join(sorted(own)[:5]) + (", ..." if len(own) > 5 else "")
+    return (
+        f"{path} is not a hydra-train metrics database (no HYDRA tables; it holds {listed}): pass "
+        f"the {DB_NAME} a hydra-train run wrote (in its --checkpoint_dir)"
+    )

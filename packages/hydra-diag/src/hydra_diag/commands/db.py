@@ -1,15 +1,11 @@
 """``hydra-diag db``: hydra-train's ``db`` commands (stats, milestones, ema, runs, rebuild), re-exported
 as they are, plus routing, evals, steps and a read-only SQL query."""
 
-import copy
-import functools
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from typer.models import CommandInfo
 
-from hydra_diag.cliutil import JsonOut, execute, opt, run_guarded
+from hydra_diag.cliutil import JsonOut, execute, opt
 from hydra_kernels.cli_support import new_app
 from hydra_train.cli import db_app as _train_db_app
 
@@ -18,32 +14,9 @@ app = new_app(
 )
 
 
-def _hydra_db_first(info: CommandInfo) -> CommandInfo:
-    """hydra-train's read-only db command ``info``, checking first that the database is hydra-train's
-    (run_db.check_metrics_file). hydra-train reads another program's SQLite file as one with no runs
-    and printed empty tables, exit 0, where hydra-diag's own db commands refuse it: one answer here."""
-    callback = info.callback
-
-    @functools.wraps(callback)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        from hydra_diag.run_db import check_metrics_file
-        from hydra_train.metrics_db import DB_NAME
-
-        path = Path(kwargs.get("checkpoint_dir") or ".") / DB_NAME
-        if path.is_file():  # a missing one is hydra-train's to report
-            run_guarded(lambda: check_metrics_file(path))
-        return callback(*args, **kwargs)
-
-    out = copy.copy(info)
-    out.callback = checked
-    return out
-
-
-# the same command implementations hydra-train registers: one implementation, two entry points
-# (rebuild writes the database, from the run's exports: nothing to check first)
-app.registered_commands.extend(
-    info if info.name == "rebuild" else _hydra_db_first(info) for info in _train_db_app.registered_commands
-)
+# the same command objects hydra-train registers: one implementation, two entry points (another
+# program's SQLite file is refused by hydra-train's read-only connection, for both)
+app.registered_commands.extend(_train_db_app.registered_commands)
 
 Folder = Annotated[str, opt("--checkpoint_dir", help="Folder holding training.db (or the database file).")]
 RunId = Annotated[str | None, opt("--run", help="Run id (default: the most recently started run).")]
