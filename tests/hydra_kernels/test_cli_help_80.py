@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from hydra_kernels import checks, controls
 from hydra_kernels.checks import CASES, CheckResult
 from hydra_kernels.cli import app
+from tests.help_rows import command_entry
 
 runner = CliRunner()
 W80 = {"COLUMNS": "80", "TERMINAL_WIDTH": "80"}
@@ -133,21 +134,9 @@ def test_a_worst_ratio_takes_at_most_its_headers_width(ratio, cell):
 # --- --help at 80 columns -------------------------------------------------------------------------
 
 
-def _entry(out: str, command: str) -> list[str]:
-    """The rows of ``command``'s entry in the Commands panel of ``hydra-kernels --help``."""
-    rows = [r for r in out[out.index("Commands") :].splitlines() if r.startswith("│")]
-    start = next(i for i, r in enumerate(rows) if r.startswith(f"│ {command} "))
-    entry = [rows[start]]
-    for r in rows[start + 1 :]:
-        if re.match(r"^│ \S", r):  # the next command
-            break
-        entry.append(r)
-    return [r.rstrip(" │") for r in entry]
-
-
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_command_list_is_not_broken_at_source_line_ends(command):
-    rows = _entry(runner.invoke(app, ["--help"], env=W80).output, command)
+    rows = command_entry(runner.invoke(app, ["--help"], env=W80).output, command)
     # a source line break ended a line early: every line but the entry's last is filled
     assert all(len(r) >= 60 for r in rows[:-1]), "\n".join(rows)
 

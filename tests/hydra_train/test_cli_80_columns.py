@@ -5,7 +5,6 @@ line breaks), `db runs` showing the losses its help names, pretest tables that n
 from __future__ import annotations
 
 import itertools
-import re
 
 import pytest
 from rich.console import Console
@@ -13,6 +12,7 @@ from typer.testing import CliRunner
 
 from hydra_train.cli import app
 from hydra_train.metrics_db import TrainingDB
+from tests.help_rows import command_entry
 
 runner = CliRunner()
 W80 = {"COLUMNS": "80"}
@@ -36,24 +36,12 @@ def test_run_help_says_the_automatic_defaults():
     assert f"auto: {cpu['dataset']} on the CPU, {cuda['dataset']} on CUDA" in flat
 
 
-def _entry(out: str, command: str) -> list[str]:
-    """The rows of ``command``'s entry in the Commands panel of a group's --help."""
-    rows = [r for r in out[out.index("Commands") :].splitlines() if r.startswith("│")]
-    start = next(i for i, r in enumerate(rows) if r.startswith(f"│ {command} "))
-    entry = [rows[start]]
-    for r in rows[start + 1 :]:
-        if re.match(r"^│ \S", r):  # the next command
-            break
-        entry.append(r)
-    return [r.rstrip(" │") for r in entry]
-
-
 @pytest.mark.parametrize(
     ("args", "command"),
     [([], "run"), ([], "pretest"), (["db"], "runs"), (["tokenizer"], "train")],
 )
 def test_command_lists_are_not_broken_at_source_line_ends(args, command):
-    rows = _entry(runner.invoke(app, [*args, "--help"], env=W80).output, command)
+    rows = command_entry(runner.invoke(app, [*args, "--help"], env=W80).output, command)
     # a source line break ended a line early: every line but the entry's last is filled
     assert all(len(r) >= 55 for r in rows[:-1]), "\n".join(rows)
 

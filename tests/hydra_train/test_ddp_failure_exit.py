@@ -27,7 +27,6 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hydra_train.callbacks import TrainerCallback
 from hydra_train.distributed import fail_together
@@ -35,6 +34,7 @@ from hydra_train.errors import HydraCheckpointError, HydraDataError
 
 from .test_ddp_refusals import _outcome
 from .test_ddp_runs import _free_port
+from .two_ranks import records_of_ranks
 
 #: a case takes seconds; a rank hung at exit (or left in a collective) waits far longer
 DEADLINE_S = 120
@@ -108,15 +108,7 @@ def _on_two_ranks(
     out = tmp / "records"
     out.mkdir()
     args = (_free_port(), str(out), failing, where, cfg_kw)
-    ctx = mp.start_processes(_rank, args=args, nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1):  # raises ProcessExitedException for a rank aborted (SIGABRT)
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            done = sorted(p.name for p in out.glob("rank*.json"))
-            pytest.fail(f"a rank was still running after {DEADLINE_S} s; records written: {done}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return records_of_ranks(_rank, args, out, DEADLINE_S)
 
 
 def _cfg(bin_dataset: Path, tmp_path: Path, fsdp: bool) -> dict[str, Any]:

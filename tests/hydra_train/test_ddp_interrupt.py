@@ -11,19 +11,18 @@ import json
 import os
 import signal
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from hydra_train.callbacks import TrainerCallback
 from hydra_train.checkpoint import list_checkpoints, load_checkpoint
 
 from .test_ddp_refusals import DEADLINE_S, _outcome
 from .test_ddp_runs import _free_port
+from .two_ranks import records_of_ranks
 
 
 class _SignalOnRank(TrainerCallback):
@@ -55,16 +54,7 @@ def _rank(rank: int, world: int, port: int, out: str, cfg_kw: dict[str, Any], si
 def _on_two_ranks(tmp: Path, cfg_kw: dict[str, Any], sig: list[int]) -> list[dict[str, Any]]:
     out = tmp / f"records_{_free_port()}"
     out.mkdir(parents=True)
-    ctx = mp.start_processes(
-        _rank, args=(2, _free_port(), str(out), cfg_kw, sig), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"a rank was still running after {DEADLINE_S} s")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return records_of_ranks(_rank, (2, _free_port(), str(out), cfg_kw, sig), out, DEADLINE_S)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import shutil
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from hydra_train.run import run_training
 from .conftest import TINY_OVERRIDES, tiny_config
 from .test_ddp_runs import _free_port
 from .test_resume_data_change import _add_shard
+from .two_ranks import records_of_ranks
 
 #: a case takes seconds; a rank left in a collective (or hung at exit) waits for far longer
 DEADLINE_S = 180
@@ -66,17 +66,7 @@ def _on_two_ranks(tmp: Path, cfg_kw: dict[str, Any]) -> list[dict[str, Any]]:
     """Each rank's outcome; a rank still running at the deadline (left in a collective) fails."""
     out = tmp / f"records_{_free_port()}"
     out.mkdir(parents=True)
-    ctx = mp.start_processes(
-        _rank, args=(2, _free_port(), str(out), cfg_kw), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            done = sorted(p.name for p in out.glob("rank*.json"))
-            pytest.fail(f"a rank was still running after {DEADLINE_S} s; records written: {done}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return records_of_ranks(_rank, (2, _free_port(), str(out), cfg_kw), out, DEADLINE_S)
 
 
 @pytest.mark.parametrize("case", ["changed_data", "other_config", "no_checkpoint", "bad_database"])

@@ -16,12 +16,10 @@ import json
 import os
 import shutil
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
 
 from hydra_train.errors import HydraCheckpointError
 from hydra_train.metrics_db import TrainingDB
@@ -29,6 +27,7 @@ from hydra_train.metrics_db import TrainingDB
 from .test_ddp_refusals import _outcome
 from .test_ddp_runs import _free_port
 from .test_resume_data_change import _add_shard
+from .two_ranks import records_of_ranks
 
 #: a case takes seconds; a rank left in a collective (or hung at exit) waits far longer
 DEADLINE_S = 120
@@ -80,17 +79,7 @@ def _on_two_ranks(tmp: Path, cfg_kw: list[dict[str, Any]], faults: dict[int, str
     """Each rank's outcome (``cfg_kw``: each rank's own); a rank still running at the deadline fails."""
     out = tmp / "records"
     out.mkdir()
-    ctx = mp.start_processes(
-        _rank, args=(_free_port(), str(out), cfg_kw, faults), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            done = sorted(p.name for p in out.glob("rank*.json"))
-            pytest.fail(f"a rank was still running after {DEADLINE_S} s; records written: {done}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return records_of_ranks(_rank, (_free_port(), str(out), cfg_kw, faults), out, DEADLINE_S)
 
 
 def _last_line(text: str | None) -> str:
