@@ -16,6 +16,16 @@ def test_unknown_op_is_a_diag_error():
         bench_kernels_forward(ops=["attention"], device="cpu")
 
 
+@pytest.mark.parametrize("name", ["linear_ce", "linear_cross_entropy"])
+def test_linear_ce_is_taken_under_both_of_hydra_kernels_names(monkeypatch, name):
+    from hydra_kernels import bench_passes
+
+    seen = []
+    monkeypatch.setattr(bench_passes, "bench_pass", lambda backward, ops, **kw: seen.append(ops) or {})
+    bench_kernels_forward(ops=[name], device="cpu")
+    assert seen == [["linear_ce"]]
+
+
 @pytest.mark.parametrize(
     ("call", "command"),
     [

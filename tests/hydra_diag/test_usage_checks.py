@@ -57,6 +57,12 @@ def test_sweep_knobs_checks_every_value_before_the_first_run(runner, no_training
     assert no_training == []
 
 
+def test_sweep_knobs_on_a_named_corpus_checks_its_vocabulary_first(runner, no_training):
+    # the corpus's BPE needs at least 300 ids: checked against stdlib, not the synthetic stream
+    usage_error(invoke(runner, [*KNOBS, "--dataset", "stdlib", "--knob", "vocab_size=100,4096"]), "300")
+    assert no_training == []
+
+
 def test_sweep_knobs_exits_1_when_no_run_finished(runner, monkeypatch):
     from hydra_diag import short_runs
     from hydra_diag.output import DiagError

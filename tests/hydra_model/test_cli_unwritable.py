@@ -85,3 +85,28 @@ def test_import_into_a_read_only_folder_names_it(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert str(out) in line and "Permission denied" in line
     assert list(out.parent.iterdir()) == []  # no temporary file left
+
+
+def test_import_whose_tokenizer_cannot_be_read_does_not_blame_the_output(tmp_path, monkeypatch):
+    """A read of the source folder's tokenizer that fails is that file's error, not "cannot write
+    the checkpoint ... choose a folder you can write to" (the output is fine)."""
+    import shutil
+
+    from .test_hf_llama import tiny_llama
+
+    tiny_llama(tmp_path / "llama")
+    source = tmp_path / "llama" / "tokenizer.json"
+    if not source.is_file():
+        source.write_text("{}")
+    real_copy = shutil.copyfile
+
+    def unreadable(src, dst, *args, **kwargs):
+        if pathlib.Path(src) == source:
+            raise PermissionError(errno.EACCES, "Permission denied", str(src))
+        return real_copy(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfile", unreadable)
+    args = ["import-hf", str(tmp_path / "llama"), str(tmp_path / "gpt.pt")]
+    line = one_error_line(runner.invoke(app, args))
+    monkeypatch.undo()
+    assert str(source) in line and "cannot write" not in line, line

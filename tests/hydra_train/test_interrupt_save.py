@@ -204,3 +204,21 @@ def test_run_signals_repeats_and_escalation(monkeypatch, capfd):
     assert _handlers() != before
     restore()
     assert _handlers() == before
+
+
+def test_a_signal_the_process_ignores_stays_ignored():
+    """A run started with `&` from a script inherits SIGINT as ignored: installing the run's
+    handlers must not make a Ctrl-C meant for the shell stop it; SIGTERM is still handled."""
+    from hydra_train import run_guard
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        restore = run_guard.RunSignals().install()
+        try:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        finally:
+            restore()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

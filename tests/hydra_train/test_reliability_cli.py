@@ -184,3 +184,29 @@ def test_generate_with_a_garbage_tokenizer_is_one_line(small_checkpoint, tmp_pat
     res = _generate(small_checkpoint / "good.pt", "--tokenizer", str(bad))
     assert res.exit_code == 1, res.output
     assert str(bad) in _one_error_line(res.output)
+
+
+@pytest.mark.parametrize(
+    ("code", "hint"),
+    [
+        ("SQLITE_FULL", "free disk space"),
+        ("SQLITE_BUSY", "another process holds the database"),
+        ("SQLITE_CORRUPT", "hydra-train db rebuild"),
+    ],
+)
+def test_an_sqlite_errors_line_says_what_to_do_for_its_kind(code, hint, capsys):
+    """A locked or damaged database is not cured by freeing disk space: the line says what is."""
+    import typer
+
+    from hydra_train.cli_errors import run_guarded
+
+    exc = sqlite3.OperationalError("the database failed")
+    exc.sqlite_errorname = code  # what sqlite3 sets on errors it raises (Python 3.11+)
+
+    def fails():
+        raise exc
+
+    with pytest.raises(typer.Exit) as out:
+        run_guarded(fails, debug=False, resume_hint="")
+    assert out.value.exit_code == 1
+    assert hint in capsys.readouterr().err

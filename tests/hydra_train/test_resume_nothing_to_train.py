@@ -24,8 +24,10 @@ def test_resume_at_or_past_max_steps_records_nothing(bin_dataset, tmp_path, monk
 
     monkeypatch.setattr(SafeOptimizations, "apply", counting_apply)
     for max_steps in (2, 1):
-        summary = run_training(cfg.replace(resume=True, max_steps=max_steps))
+        summaries = tmp_path / f"summaries{max_steps}"
+        summary = run_training(cfg.replace(resume=True, max_steps=max_steps, summary_dir=str(summaries)))
         assert summary["steps"] == 2
+        assert len(list(summaries.glob("train_summary_*.json"))) == 1  # --summary_dir still written
     with sqlite3.connect(tmp_path / "training.db") as c:
         runs = c.execute("SELECT status, start_step, end_step FROM runs").fetchall()
     assert runs == [("finished", 0, 2)], runs  # the first run's row alone

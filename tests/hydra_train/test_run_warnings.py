@@ -38,11 +38,12 @@ def test_batch_bigger_than_the_data_is_noted():
     assert batch_repeats_note(10, 128, 10) is None  # one batch takes every window once
     note = batch_repeats_note(10, 128, 64)
     assert note == (
-        "warning: the training data has 10 windows of 128 tokens; a batch of 64 sequences repeats each "
-        "window about 6 times (use a --batch_size of 10 or less, or more data)"
+        "warning: the training data has 10 windows of 128 tokens; a batch of 64 sequences holds each "
+        "window 6.4 times on average (use a --batch_size of 10 or less, or more data)"
     )
     # under torchrun a step takes every process's batch
-    assert "a batch of 8 sequences (4 per process x 2) repeats" in batch_repeats_note(6, 16, 4, 2)
+    assert "a batch of 8 sequences (4 per process x 2) holds" in batch_repeats_note(6, 16, 4, 2)
+    assert "1.1 times on average" in batch_repeats_note(8, 16, 9)  # not "about 1 times"
 
 
 def test_warmup_longer_than_the_run_is_noted():

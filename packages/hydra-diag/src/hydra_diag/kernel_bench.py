@@ -21,10 +21,20 @@ def _device(device: str | None, tool: str) -> torch.device:
 
 
 def _known(ops: list[str] | None) -> list[str] | None:
-    unknown = [op for op in ops or () if op not in bench_passes.PASS_OPS]
-    if unknown:
-        raise DiagError(f"unknown op {unknown[0]!r}; choose from {', '.join(bench_passes.PASS_OPS)}")
-    return ops
+    """``ops`` as bench_passes names them; hydra-kernels' canonical names and aliases are taken too
+    (its check and bench call linear+CE linear_cross_entropy, bench_passes linear_ce)."""
+    if ops is None:
+        return None
+    from hydra_kernels.registry import canonical_op
+
+    by_canonical = {canonical_op(p): p for p in bench_passes.PASS_OPS}
+    out = []
+    for op in ops:
+        name = op if op in bench_passes.PASS_OPS else by_canonical.get(canonical_op(op))
+        if name is None:
+            raise DiagError(f"unknown op {op!r}; choose from {', '.join(bench_passes.PASS_OPS)}")
+        out.append(name)
+    return out
 
 
 def bench_kernels_forward(

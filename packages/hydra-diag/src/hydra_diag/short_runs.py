@@ -151,7 +151,11 @@ def check_short_run(what: str, **run: Any) -> None:
     from hydra_train.config import DeviceInfo, resolve_config
     from hydra_train.errors import HydraUsageError
 
-    cfg = short_run_config(data_path="unused", root=Path("unused"), **run)
+    # a named corpus (stdlib, pyenv) stays named: resolve_config holds its vocabulary to the BPE
+    # minimum; the synthetic stream's folder does not exist yet and decides nothing here
+    dataset = run.get("dataset", "synthetic")
+    data_path = "unused" if dataset == "synthetic" else dataset
+    cfg = short_run_config(data_path=data_path, root=Path("unused"), **run)
     cuda = torch.cuda.is_available() and run.get("device") != "cpu"
     try:
         resolve_config(cfg, DeviceInfo("cuda", 80.0, True) if cuda else DeviceInfo("cpu"))

@@ -68,11 +68,16 @@ def unwritable(exc: OSError, target: Path, what: str) -> str:
 
 
 @contextmanager
-def writing(target: Path, what: str) -> Iterator[None]:
-    """Raise an OSError met in the block as :class:`OutputNotWritable` (see :func:`unwritable`)."""
+def writing(target: Path, what: str, reading: tuple[Path | None, ...] = ()) -> Iterator[None]:
+    """Raise an OSError met in the block as :class:`OutputNotWritable` (see :func:`unwritable`),
+    but one about a file of ``reading`` (an input the block copies, e.g. a tokenizer) as it is: a
+    read that failed is not the output's fault, and "choose a folder you can write to" would
+    mislead."""
     try:
         yield
     except OutputNotWritable:
         raise
     except OSError as exc:
+        if exc.filename and any(p is not None and Path(exc.filename) == Path(p) for p in reading):
+            raise
         raise OutputNotWritable(unwritable(exc, target, what)) from exc

@@ -169,7 +169,8 @@ def export_hf(
             raise ExportError(str(exc)) from None
     tok_path = Path(tokenizer) if tokenizer is not None else None
     special, eos_text = tokenizer_special_ids(tok_path)
-    with writing(out, "the export folder"):  # one line naming OUT, not an OSError's traceback
+    # one line naming OUT, not an OSError's traceback (the tokenizer's own read errors stay its own)
+    with writing(out, "the export folder", reading=(tok_path,)):
         files, model_type = _write_folder(model, arch, special, dtype, tok_path, eos_text, out)
     return Exported(
         folder=out,

@@ -74,7 +74,8 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> dict[str, Any]:
         "config": {"model": cfg.to_dict(), "arch": "gpt"},
     }
     payload[CHECKSUM_KEY] = payload_digest(payload)
-    with writing(out, "the checkpoint"):  # one line naming OUT, not an OSError's traceback
+    # one line naming OUT, not an OSError's traceback (the tokenizer's own read errors stay its own)
+    with writing(out, "the checkpoint", reading=(tokenizer,)):
         copied = _write_checkpoint(payload, out, tokenizer if tokenizer.is_file() else None)
     return {
         "checkpoint": str(out),

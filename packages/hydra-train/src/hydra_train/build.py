@@ -47,7 +47,7 @@ def batch_repeats_note(windows: int, seq_len: int, batch_size: int, world_size: 
     across = f" ({batch_size} per process x {world_size})" if world_size > 1 else ""
     return (
         f"warning: the training data has {windows:,} windows of {seq_len} tokens; a batch of "
-        f"{per_step} sequences{across} repeats each window about {per_step / windows:.0f} times "
+        f"{per_step} sequences{across} holds each window {per_step / windows:.1f} times on average "
         f"(use a --batch_size of {max(1, windows // world_size)} or less, or more data)"
     )
 

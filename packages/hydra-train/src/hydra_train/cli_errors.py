@@ -116,8 +116,7 @@ def run_guarded(fn: Callable[[], Any], *, debug: bool, resume_hint: str | Callab
             raise
         fail(
             _stopped(
-                f"metrics database error: {exc} (training.db in --checkpoint_dir); free disk space "
-                "or check that the folder is writable",
+                f"metrics database error: {exc} (training.db in --checkpoint_dir); {_sqlite_hint(exc)}",
                 resume_hint,
             )
         )
@@ -125,6 +124,16 @@ def run_guarded(fn: Callable[[], Any], *, debug: bool, resume_hint: str | Callab
         fail(_stopped("terminated (SIGTERM)", resume_hint), code=EXIT_SIGTERM)
     except KeyboardInterrupt:
         fail(_stopped("interrupted", resume_hint), code=EXIT_SIGINT)
+
+
+def _sqlite_hint(exc: sqlite3.Error) -> str:
+    """What to do about an SQLite error, by its code (Python 3.11+ names it)."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+        return "another process holds the database: end it (or wait), then continue"
+    if name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")):
+        return "the file is damaged: hydra-train db rebuild remakes it from the run's exports"
+    return "free disk space or check that the folder is writable"
 
 
 def _stopped(what: str, hint: str | Callable[[], str]) -> str:

@@ -64,10 +64,10 @@ from hydra_train.options import torchrun_launch, train_options
 from hydra_train.prefetch import Prefetcher
 from hydra_train.reporting import MetricsDBCallback, ProgressCallback
 from hydra_train.run_guard import RunSignals, check_finite_weights, open_checkpoint_dir
-from hydra_train.run_start import nothing_to_train, record_start, resume_run
+from hydra_train.run_start import nothing_to_train, record_start, resume_run, write_run_summary
 from hydra_train.safe_opts import pretest_log
 from hydra_train.safe_opts.callback import SafeOptimizations
-from hydra_train.summary import describe_run, summary_rows, write_summary_json
+from hydra_train.summary import describe_run, summary_rows
 from hydra_train.trainer import Trainer
 
 # kept importable from here (hydra-diag and older scripts import them from hydra_train.run)
@@ -349,7 +349,7 @@ def _build(cfg, data, device, dist_info, extra, console, announce_commits, log):
 
 def _train(run: TrainingRun, log) -> dict[str, Any]:
     """Apply the optimizations, train, write the final checkpoint; the summary in every case."""
-    trainer, cfg = run.trainer, run.cfg
+    trainer = run.trainer
     start_step = trainer.step
     summary: dict[str, Any] = {}
     try:
@@ -375,7 +375,5 @@ def _train(run: TrainingRun, log) -> dict[str, Any]:
         finally:  # a callback raising at the end: the database still closes, the summary still out
             if run.db is not None:
                 run.db.close()
-            if run.dist.is_main and cfg.runtime.summary_dir:
-                name = f"train_summary_{run.model_id}_{trainer.run_id}.json"
-                write_summary_json(summary, Path(cfg.runtime.summary_dir) / name)
+            write_run_summary(run, summary)
     return summary

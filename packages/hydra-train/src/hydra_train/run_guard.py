@@ -130,8 +130,11 @@ class RunSignals:
     def install(self) -> Callable[[], None]:
         """Handle both signals in this (the main) thread; returns what restores the previous
         handlers (a no-op outside the main thread, where signals cannot be handled)."""
+        # a signal the process ignores stays ignored (a run started with `&` from a script inherits
+        # SIGINT as SIG_IGN: a Ctrl-C meant for the shell must not stop it)
+        wanted = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
         try:
-            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            previous = {s: signal.signal(s, self._on_signal) for s in wanted}
         except ValueError:  # not the main thread (SIGINT is installed first: nothing to undo)
             return lambda: None
 

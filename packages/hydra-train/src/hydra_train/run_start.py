@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from hydra_train.checkpoint import ResumePoint, load_checkpoint
 from hydra_train.distributed import broadcast_object, fail_together
+from hydra_train.loggers import Logger
 from hydra_train.run_guard import settle_dead_runs
-from hydra_train.summary import describe_run
+from hydra_train.summary import describe_run, write_summary_json
 
 if TYPE_CHECKING:
     from hydra_train.run import TrainingRun
@@ -76,11 +77,25 @@ def nothing_to_train(run: TrainingRun, log: Callable[[str], None]) -> dict[str, 
         "(pass a larger --max_steps to continue it)"
     )
     trainer.loader.close()
-    if run.db is not None:
-        run.db.close()
-    with contextlib.suppress(OSError):  # not empty (a logger wrote there): it stays
-        run.artifacts.folder.rmdir()
     trainer.status = "finished"
     summary = trainer.summary()
     describe_run(summary, run)
+    try:  # the loggers _build opened (a W&B run, a TensorBoard writer) are closed; no run row
+        for cb in trainer.callbacks:
+            if isinstance(cb, Logger):
+                cb.on_train_end(summary)
+    finally:
+        if run.db is not None:
+            run.db.close()
+        write_run_summary(run, summary)
+        with contextlib.suppress(OSError):  # not empty (a logger wrote there): it stays
+            run.artifacts.folder.rmdir()
     return summary
+
+
+def write_run_summary(run: TrainingRun, summary: dict[str, Any]) -> None:
+    """``--summary_dir``: the summary as JSON (rank 0), train_summary_<model>_<run>.json."""
+    folder = run.cfg.runtime.summary_dir
+    if run.dist.is_main and folder:
+        name = f"train_summary_{run.model_id}_{run.trainer.run_id}.json"
+        write_summary_json(summary, Path(folder) / name)

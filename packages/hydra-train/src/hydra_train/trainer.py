@@ -25,7 +25,9 @@ torchrun: the boundary every rank agreed on, :mod:`hydra_train.trainer_interrupt
 saved as a ``--save_every`` checkpoint is, and the signal's exception is raised (status
 "interrupted", exit 130 or 143). Before the loop there is no step to save: the signal raises at
 once. An interrupted step gets no evaluation of its own, so a resume from its checkpoint
-continues as the uninterrupted run (the same validation history, the same losses).
+continues as the uninterrupted run (the same weights, losses and validation history); the log
+row written at the interrupted step is one the uninterrupted run does not have, and its loss can
+become the best training loss recorded.
 
 Skipped (non-finite) steps are counted (``skipped_steps``), logged, and still advance the data and
 the LR schedule. Host syncs: none per step in the eager path with fused AdamW; losses, norms and
