@@ -80,3 +80,23 @@ def test_the_reason_of_an_unreadable_checkpoint_is_whole(checkpoint):
     assert reason, line
     # torch's message is several sentences: whole ones are kept, up to the first that does not fit
     assert reason[1].endswith("."), reason[1]
+
+
+def test_a_checkpoint_for_another_device_reads_its_blob_on_the_host(checkpoint, monkeypatch):
+    """The file is read on the host whatever the target (its checksum hashed there, its optimizer
+    state never sent to the device) and only the model moves; tied weights stay tied. The meta
+    device stands in for a GPU here: the same path, no CUDA needed."""
+    seen = []
+    real_load = torch.load
+
+    def recording_load(f, *args, **kwargs):
+        seen.append(kwargs.get("map_location"))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    model = load_model(checkpoint, map_location="meta")
+    assert seen == ["cpu"]
+    assert all(p.is_meta for p in model.parameters())
+    assert all(b.is_meta for b in model.buffers())
+    expected = {n: p.shape for n, p in small_model(seed=2).named_parameters()}
+    assert {n: p.shape for n, p in model.named_parameters()} == expected

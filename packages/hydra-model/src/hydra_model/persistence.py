@@ -173,7 +173,9 @@ def load_checkpoint_file(
     if not Path(path).is_file():  # else torch.load's error reads as a corrupt file
         raise FileNotFoundError(f"{path} does not exist (expected a checkpoint file or a save folder)")
     try:
-        blob = torch.load(str(path), map_location=map_location, weights_only=not allow_pickle)
+        # read on the host whatever the target device: the checksum hashes every tensor there, and
+        # a training checkpoint's optimizer moments (twice the weights) never need the device
+        blob = torch.load(str(path), map_location="cpu", weights_only=not allow_pickle)
     except Exception as exc:
         head = _not_a_torch_file(path)
         if head is not None:
@@ -216,7 +218,13 @@ def load_checkpoint_file(
     with torch.device("meta"):
         model = cls(config)
     model.load_state_dict(strip_wrapper_prefixes(blob["model"]), strict=True, assign=True)
-    return _materialise_buffers(model, torch.device(map_location))
+    device = torch.device(map_location)
+    if device.type != "cpu":
+        # the weights alone go (the blob, optimizer state and all, stays on the host); the buffers
+        # still on meta are made on the device next (Module.to would fail on them; _apply, which
+        # .to uses, moves tied weights once and leaves a meta tensor as it is here)
+        model._apply(lambda t: t if t.is_meta else t.to(device))
+    return _materialise_buffers(model, device)
 
 
 def verify_checksum(blob: dict[str, Any], path: str | Path) -> None:
