@@ -21,7 +21,6 @@ def dry_run(cfg: TrainConfig) -> dict[str, Any]:
     from hydra_train.data_parallel import why_not_graphed
     from hydra_train.device_setup import pick_device
     from hydra_train.options import torchrun_launch, train_options
-    from hydra_train.run import check_model_flags
     from hydra_train.safe_opts.registry import build_registry
 
     train_options()  # as a run does first: a variable it cannot use is reported here too
@@ -43,8 +42,7 @@ def dry_run(cfg: TrainConfig) -> dict[str, Any]:
     else:
         dev = DeviceInfo("cpu")
         device_note = "cpu"
-    resolved = resolve_config(cfg, dev)
-    check_model_flags(resolved)
+    resolved = resolve_config(cfg, dev)  # also refuses a flag the model config refuses
     registry = build_registry(resolved)
     requested = [name for name, o in registry.items() if o.requested()]
     graphs = bool(resolved.experimental_cuda_graphs) and dev.type == "cuda"

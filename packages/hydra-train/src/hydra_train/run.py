@@ -184,7 +184,6 @@ def _run(
 
     hydra_kernels.set_use_triton_kernels(cfg.optimizations.triton_kernels)
 
-    check_model_flags(cfg)  # before the data: a bad --model_size must not wait for tokenization
     ckpt_dir = Path(cfg.runtime.checkpoint_dir)
     data = None  # rank 0 builds any cache first; the others then read it
     # a rank's refusal (rank 0 alone checks the folder) raised on every rank: fail_together says why
